@@ -1,0 +1,13 @@
+# warnings.cmake: the warning flags of vpce's own code, on an interface target rather than
+# global flags, so that consumers and third-party code are not affected.
+add_library(vpce_warnings INTERFACE)
+if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+  target_compile_options(vpce_warnings INTERFACE
+    -Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wold-style-cast -Wcast-align
+    -Wnull-dereference -Wdouble-promotion -Wimplicit-fallthrough)
+endif()
+if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 13)
+  # GCC 12 reports -Wrestrict for "literal" + std::string at -O2 (GCC bug 105651).
+  target_compile_options(vpce_warnings INTERFACE -Wno-restrict)
+endif()
+install(TARGETS vpce_warnings EXPORT vpceTargets)

@@ -1,0 +1,198 @@
+// comm/threads/thread_group.cc: the in-process backend (see vpce/threads.h).
+//
+// all_gather is two barrier phases over shared state: every rank posts (pointer, size) and
+// waits for all; every rank then checks that the sizes agree and copies every rank's bytes
+// into its own buffer; a second barrier keeps each send buffer alive until all have copied.
+// A barrier that times out breaks the group, and a broken group fails every call at once.
+#include <condition_variable>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <system_error>
+#include <thread>
+
+#include "vpce/threads.h"
+
+namespace vpce {
+
+struct ThreadGroup::Shared {
+  struct Slot {
+    const void* data = nullptr;
+    std::size_t bytes = 0;
+  };
+
+  Shared(int n, std::chrono::milliseconds t) : size(n), timeout(t), slots(static_cast<size_t>(n)) {}
+
+  // Waits until every rank has arrived in this phase, or the timeout passes, or the group
+  // breaks. Called with `lock` held.
+  Status arrive_and_wait(std::unique_lock<std::mutex>& lock, const char* phase) {
+    if (broken) return broken_status();
+    const uint64_t my_generation = generation;
+    if (++arrived == size) {
+      arrived = 0;
+      ++generation;
+      changed.notify_all();
+      return {};
+    }
+    const bool done = changed.wait_for(lock, timeout, [&] {
+      return broken || generation != my_generation;
+    });
+    if (generation != my_generation) return {};
+    if (!done) {
+      broken = true;
+      broken_reason = "a rank did not arrive at all_gather (" + std::string(phase) + ") within " +
+                      std::to_string(timeout.count()) + " ms";
+      changed.notify_all();
+      return {Code::kTimeout, "threads backend: " + broken_reason};
+    }
+    return broken_status();
+  }
+
+  Status broken_status() const {
+    return {Code::kInvalidUsage,
+            "threads backend: the group is broken by an earlier failure (" + broken_reason + ")"};
+  }
+
+  const int size;
+  const std::chrono::milliseconds timeout;
+  std::mutex mutex;
+  std::condition_variable changed;
+  int arrived = 0;
+  uint64_t generation = 0;
+  bool broken = false;
+  std::string broken_reason;
+  std::vector<Slot> slots;
+};
+
+class ThreadGroup::RankCommunicator final : public Communicator {
+ public:
+  RankCommunicator(Shared* shared, int rank) : shared_(shared), rank_(rank) {}
+
+  int rank() const override { return rank_; }
+  int size() const override { return shared_->size; }
+  const char* name() const override { return "threads"; }
+
+  Status all_gather(const void* send, void* recv, std::size_t bytes) override {
+    if (bytes > 0 && (send == nullptr || recv == nullptr)) {
+      return {Code::kInvalidArgument, "all_gather: expected non-null send and recv buffers for " +
+                                          std::to_string(bytes) + " bytes, got null"};
+    }
+    std::unique_lock<std::mutex> lock(shared_->mutex);
+    shared_->slots[static_cast<size_t>(rank_)] = Shared::Slot{send, bytes};
+    if (Status s = shared_->arrive_and_wait(lock, "posting"); !s.ok()) return s;
+    // No rank writes its slot again before every rank has passed the second phase, so the
+    // slots can be read without the lock until then.
+    const std::vector<Shared::Slot>& slots = shared_->slots;
+    lock.unlock();
+
+    Status result;
+    for (int r = 0; r < shared_->size; ++r) {
+      if (slots[static_cast<size_t>(r)].bytes != bytes) {
+        result = {Code::kInvalidUsage,
+                  "threads backend: ranks disagree on the all_gather size: rank " +
+                      std::to_string(rank_) + " sends " + std::to_string(bytes) +
+                      " bytes, rank " + std::to_string(r) + " sends " +
+                      std::to_string(slots[static_cast<size_t>(r)].bytes) +
+                      " (do they agree on the number of tokens?)"};
+        break;
+      }
+    }
+    if (result.ok()) {
+      auto* out = static_cast<char*>(recv);
+      for (int r = 0; r < shared_->size; ++r) {
+        if (bytes > 0) std::memcpy(out + static_cast<size_t>(r) * bytes, slots[static_cast<size_t>(r)].data, bytes);
+      }
+    }
+    lock.lock();
+    if (Status s = shared_->arrive_and_wait(lock, "copying"); !s.ok()) return s;
+    return result;
+  }
+
+ private:
+  Shared* shared_;
+  int rank_;
+};
+
+ThreadGroup::ThreadGroup(int num_ranks, std::chrono::milliseconds timeout)
+    : shared_(std::make_unique<Shared>(num_ranks, timeout)) {
+  for (int r = 0; r < num_ranks; ++r) {
+    ranks_.push_back(std::make_unique<RankCommunicator>(shared_.get(), r));
+  }
+}
+
+ThreadGroup::~ThreadGroup() = default;
+
+Status ThreadGroup::create(int num_ranks, std::unique_ptr<ThreadGroup>* group,
+                           std::chrono::milliseconds timeout) {
+  if (group == nullptr) {
+    return {Code::kInvalidArgument, "group: expected a non-null pointer, got null"};
+  }
+  if (num_ranks < 1 || num_ranks > 4096) {
+    return {Code::kInvalidArgument,
+            "num_ranks: expected a value in [1, 4096], got " + std::to_string(num_ranks)};
+  }
+  if (timeout.count() <= 0) {
+    return {Code::kInvalidArgument,
+            "timeout: expected > 0 ms, got " + std::to_string(timeout.count()) + " ms"};
+  }
+  try {
+    group->reset(new ThreadGroup(num_ranks, timeout));
+  } catch (const std::bad_alloc&) {
+    return {Code::kSystemError, "ThreadGroup::create: out of memory"};
+  }
+  return {};
+}
+
+int ThreadGroup::size() const { return shared_->size; }
+
+namespace {
+
+// What communicator() returns for a rank outside the group: every call fails by name.
+class InvalidCommunicator final : public Communicator {
+ public:
+  int rank() const override { return -1; }
+  int size() const override { return 0; }
+  const char* name() const override { return "invalid"; }
+  Status all_gather(const void*, void*, std::size_t) override {
+    return {Code::kInvalidArgument,
+            "communicator: obtained from ThreadGroup::communicator with a rank outside the group"};
+  }
+};
+
+}  // namespace
+
+Communicator& ThreadGroup::communicator(int rank) {
+  static InvalidCommunicator invalid;
+  if (rank < 0 || rank >= size()) return invalid;
+  return *ranks_[static_cast<size_t>(rank)];
+}
+
+std::vector<Status> ThreadGroup::run(const std::function<Status(Communicator&)>& fn) {
+  const auto n = static_cast<size_t>(size());
+  std::vector<Status> results(n);
+  std::vector<std::thread> threads;
+  try {
+    threads.reserve(n);
+    for (size_t r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          results[r] = fn(*ranks_[r]);
+        } catch (const std::exception& e) {
+          results[r] = Status(Code::kInternalError, std::string("rank function threw: ") + e.what());
+        } catch (...) {
+          results[r] = Status(Code::kInternalError, "rank function threw a non-standard exception");
+        }
+      });
+    }
+  } catch (const std::system_error& e) {
+    // Ranks already started will time out at their first collective and return.
+    for (std::thread& t : threads) t.join();
+    return std::vector<Status>(n, Status(Code::kSystemError,
+                                         std::string("could not start rank threads: ") + e.what()));
+  }
+  for (std::thread& t : threads) t.join();
+  return results;
+}
+
+}  // namespace vpce

@@ -1,0 +1,77 @@
+// cpu/dtype.h: the storage types of logits and gradients, and their conversion to and
+// from fp32. Math is always fp32; low-precision values are widened on load and rounded
+// once, to nearest even, on store (NaN stays NaN, overflow becomes infinity).
+#pragma once
+
+#include <bit>
+#include <cstdint>
+
+namespace vpce::detail {
+
+struct BFloat16 {
+  uint16_t bits;
+};
+struct Float16 {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(BFloat16 x) {
+  return std::bit_cast<float>(static_cast<uint32_t>(x.bits) << 16);
+}
+
+inline float to_float(Float16 x) {
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
+  const uint32_t exponent = (x.bits >> 10) & 0x1fu;
+  const uint32_t mantissa = x.bits & 0x3ffu;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in fp32
+    const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
+    return std::bit_cast<float>(std::bit_cast<uint32_t>(magnitude) | sign);
+  }
+  if (exponent == 31) {  // infinity or NaN
+    return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13));
+  }
+  return std::bit_cast<float>(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+template <class T>
+T from_float(float x);
+
+template <>
+inline float from_float<float>(float x) {
+  return x;
+}
+
+template <>
+inline BFloat16 from_float<BFloat16>(float x) {
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep it a (quiet) NaN
+    return BFloat16{static_cast<uint16_t>((bits >> 16) | 0x40u)};
+  }
+  const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+  return BFloat16{static_cast<uint16_t>((bits + rounding) >> 16)};
+}
+
+template <>
+inline Float16 from_float<Float16>(float x) {
+  uint32_t bits = std::bit_cast<uint32_t>(x);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint16_t out = 0;
+  if (bits >= 0x47800000u) {  // |x| >= 65536, infinity or NaN
+    out = bits > 0x7f800000u ? 0x7e00u : 0x7c00u;
+  } else if (bits < 0x38800000u) {  // below 2^-14: a subnormal or zero result
+    // Adding 0.5 aligns the result's mantissa to the bottom of the fp32 mantissa, and the
+    // fp32 addition rounds it to nearest even.
+    const float aligned = std::bit_cast<float>(bits) + 0.5f;
+    out = static_cast<uint16_t>(std::bit_cast<uint32_t>(aligned) - 0x3f000000u);
+  } else {
+    const uint32_t odd = (bits >> 13) & 1u;
+    bits += 0xc8000fffu + odd;  // rebias the exponent (-112 << 23) and round to nearest even
+    out = static_cast<uint16_t>(bits >> 13);
+  }
+  return Float16{static_cast<uint16_t>(out | (sign >> 16))};
+}
+
+}  // namespace vpce::detail

@@ -1,0 +1,152 @@
+// protocol.cc: the header each rank sends in the forward, and the group's agreement check.
+#include "protocol.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <vector>
+
+namespace vpce::detail {
+namespace {
+
+uint32_t dtype_word(DataType d) {
+  return static_cast<uint32_t>(d.code) | static_cast<uint32_t>(d.bits) << 8 |
+         static_cast<uint32_t>(d.lanes) << 16;
+}
+
+std::string dtype_text(uint32_t word) {
+  return to_string(DataType{static_cast<TypeCode>(word & 0xff),
+                             static_cast<uint8_t>((word >> 8) & 0xff),
+                             static_cast<uint16_t>(word >> 16)});
+}
+
+std::string range_text(const RankHeader& h) {
+  std::string text = "[";
+  text += std::to_string(h.vocab_begin);
+  text += ", ";
+  text += std::to_string(h.vocab_end);
+  text += ")";
+  return text;
+}
+
+Status disagree(const char* what, int rank_a, const std::string& a, int rank_b,
+                const std::string& b) {
+  return {Code::kInvalidUsage, "ranks disagree on " + std::string(what) + ": rank " +
+                                   std::to_string(rank_a) + " has " + a + ", rank " +
+                                   std::to_string(rank_b) + " has " + b};
+}
+
+RankHeader read_header(const char* gathered, std::size_t stride, int r) {
+  RankHeader h;
+  std::memcpy(&h, gathered + static_cast<std::size_t>(r) * stride, sizeof(h));
+  h.message[sizeof(h.message) - 1] = '\0';
+  return h;
+}
+
+// The vocabulary ranges, sorted by start, must tile [0, V) with no gap or overlap.
+Status check_partition(const std::vector<RankHeader>& headers) {
+  std::vector<const RankHeader*> sorted;
+  for (const RankHeader& h : headers) sorted.push_back(&h);
+  std::stable_sort(sorted.begin(), sorted.end(), [](const RankHeader* a, const RankHeader* b) {
+    return a->vocab_begin != b->vocab_begin ? a->vocab_begin < b->vocab_begin
+                                            : a->vocab_end < b->vocab_end;
+  });
+  const int64_t vocab = headers[0].vocab_size;
+  int64_t covered = 0;
+  const RankHeader* previous = nullptr;
+  for (const RankHeader* h : sorted) {
+    if (h->vocab_begin > covered) {
+      return {Code::kInvalidUsage,
+              "vocabulary ranges do not partition [0, " + std::to_string(vocab) + "): columns [" +
+                  std::to_string(covered) + ", " + std::to_string(h->vocab_begin) +
+                  ") belong to no rank"};
+    }
+    if (h->vocab_begin < covered) {
+      return {Code::kInvalidUsage,
+              "vocabulary ranges do not partition [0, " + std::to_string(vocab) + "): rank " +
+                  std::to_string(previous->rank) + " " + range_text(*previous) + " and rank " +
+                  std::to_string(h->rank) + " " + range_text(*h) + " overlap"};
+    }
+    covered = h->vocab_end;
+    previous = h;
+  }
+  if (covered != vocab) {
+    return {Code::kInvalidUsage, "vocabulary ranges do not partition [0, " + std::to_string(vocab) +
+                                     "): columns [" + std::to_string(covered) + ", " +
+                                     std::to_string(vocab) + ") belong to no rank"};
+  }
+  return {};
+}
+
+}  // namespace
+
+RankHeader make_header(int rank, int num_ranks, int64_t num_tokens, const VocabShard& shard,
+                       DataType logits_dtype, const LossOptions& options, uint64_t targets_hash,
+                       const Status& local) {
+  RankHeader h;
+  h.rank = rank;
+  h.num_ranks = num_ranks;
+  h.status = static_cast<int32_t>(local.code());
+  h.logits_dtype = dtype_word(logits_dtype);
+  h.num_tokens = num_tokens;
+  h.vocab_size = shard.vocab_size;
+  h.vocab_begin = shard.vocab_begin;
+  h.vocab_end = shard.vocab_end;
+  h.targets_hash = targets_hash;
+  h.label_smoothing_bits = std::bit_cast<uint32_t>(options.label_smoothing);
+  const std::string& text = local.message();
+  std::memcpy(h.message, text.data(), std::min(text.size(), sizeof(h.message) - 1));
+  return h;
+}
+
+Status check_group(const char* gathered, std::size_t stride, int ranks, int self) {
+  std::vector<RankHeader> headers;
+  headers.reserve(static_cast<std::size_t>(ranks));
+  for (int r = 0; r < ranks; ++r) headers.push_back(read_header(gathered, stride, r));
+
+  for (int r = 0; r < ranks; ++r) {
+    const RankHeader& h = headers[static_cast<std::size_t>(r)];
+    if (h.magic != RankHeader::kMagic || h.version != RankHeader::kVersion || h.rank != r ||
+        h.num_ranks != ranks) {
+      return {Code::kInvalidUsage,
+              "rank " + std::to_string(r) +
+                  " sent something other than a vpce forward of this version and group: is "
+                  "another collective running on the same communicator?"};
+    }
+  }
+  for (int r = 0; r < ranks; ++r) {
+    const RankHeader& h = headers[static_cast<std::size_t>(r)];
+    if (h.status != 0) {
+      const Code code = r == self ? static_cast<Code>(h.status) : Code::kRemoteError;
+      return {code, "rank " + std::to_string(r) + " of " + std::to_string(ranks) + ": " +
+                        code_name(static_cast<Code>(h.status)) + ": " + h.message};
+    }
+  }
+  const RankHeader& first = headers[0];
+  for (int r = 1; r < ranks; ++r) {
+    const RankHeader& h = headers[static_cast<std::size_t>(r)];
+    if (h.num_tokens != first.num_tokens) {
+      return disagree("the number of tokens", 0, std::to_string(first.num_tokens), r,
+                      std::to_string(h.num_tokens));
+    }
+    if (h.vocab_size != first.vocab_size) {
+      return disagree("the vocabulary size", 0, std::to_string(first.vocab_size), r,
+                      std::to_string(h.vocab_size));
+    }
+    if (h.logits_dtype != first.logits_dtype) {
+      return disagree("the logits' dtype", 0, dtype_text(first.logits_dtype), r,
+                      dtype_text(h.logits_dtype));
+    }
+    if (h.label_smoothing_bits != first.label_smoothing_bits) {
+      return disagree("options.label_smoothing", 0,
+                      std::to_string(std::bit_cast<float>(first.label_smoothing_bits)), r,
+                      std::to_string(std::bit_cast<float>(h.label_smoothing_bits)));
+    }
+    if (h.targets_hash != first.targets_hash) {
+      return disagree("the targets", 0, "one set of values", r, "another (their hashes differ)");
+    }
+  }
+  return check_partition(headers);
+}
+
+}  // namespace vpce::detail

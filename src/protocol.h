@@ -1,0 +1,55 @@
+// protocol.h: what each rank sends in the forward's one all-gather.
+//
+// Rank r sends a fixed 256-byte RankHeader followed by its [N, 4] TokenStats. The header
+// carries the rank's view of the call (tokens, V, its vocabulary range, dtype, options, a
+// hash of the targets) and, if its own arguments were bad, its error message. After the
+// gather every rank runs the same check_group() on the same bytes, so either all ranks
+// proceed or all return the same error, and no rank waits for another.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "vpce/loss.h"
+#include "vpce/status.h"
+
+namespace vpce::detail {
+
+struct RankHeader {
+  static constexpr uint32_t kMagic = 0x45435056;  // "VPCE"
+  static constexpr uint32_t kVersion = 1;
+
+  uint32_t magic = kMagic;
+  uint32_t version = kVersion;
+  int32_t rank = 0;
+  int32_t num_ranks = 0;
+  int32_t status = 0;  // Code of this rank's own argument check; 0 when fine
+  uint32_t logits_dtype = 0;  // code | bits << 8 | lanes << 16
+  int64_t num_tokens = 0;
+  int64_t vocab_size = 0;
+  int64_t vocab_begin = 0;
+  int64_t vocab_end = 0;
+  uint64_t targets_hash = 0;
+  uint32_t label_smoothing_bits = 0;
+  uint32_t reserved = 0;
+  char message[184] = {};  // this rank's error, truncated, NUL-terminated
+};
+static_assert(sizeof(RankHeader) == 256);
+
+// Bytes one rank sends for n tokens.
+inline std::size_t payload_bytes(int64_t n) {
+  return sizeof(RankHeader) + static_cast<std::size_t>(n) * sizeof(TokenStats);
+}
+
+// Fills a header for this rank; `local` is the rank's own argument check.
+RankHeader make_header(int rank, int num_ranks, int64_t num_tokens, const VocabShard& shard,
+                       DataType logits_dtype, const LossOptions& options, uint64_t targets_hash,
+                       const Status& local);
+
+// Checks the gathered headers (`ranks` of them, `stride` bytes apart) for agreement and
+// returns the same Status on every rank that sees the same bytes. `self` is the calling
+// rank, which returns its own error code where it was the one that failed.
+Status check_group(const char* gathered, std::size_t stride, int ranks, int self);
+
+}  // namespace vpce::detail

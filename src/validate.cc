@@ -1,0 +1,298 @@
+// validate.cc: argument checks shared by every public entry point (see validate.h).
+#include "validate.h"
+
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+namespace vpce::detail {
+namespace {
+
+std::string hex_address(const void* p) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%p", p);
+  return text;
+}
+
+std::string dim_name(const char* name, const char* field, int d) {
+  return std::string(name) + "." + field + "[" + std::to_string(d) + "]";
+}
+
+// Common to both shapes of view: ndim range, device, non-negative shapes and strides,
+// no overflow of the element count. `min_ndim` is 1 for matrices and 0 for vectors.
+Status check_view_basics(const TensorView& t, const char* name, int min_ndim, int64_t* numel) {
+  if (t.ndim < min_ndim || t.ndim > TensorView::kMaxDims) {
+    return {Code::kInvalidArgument,
+            expected_got((std::string(name) + ".ndim").c_str(),
+                         std::to_string(min_ndim) + " to " + std::to_string(TensorView::kMaxDims),
+                         t.ndim < 0 ? "a view with too many dimensions or mismatched strides"
+                                    : std::to_string(t.ndim))};
+  }
+  if (t.device.type != DeviceType::kCPU) {
+    return {Code::kUnsupported, expected_got((std::string(name) + ".device").c_str(),
+                                             "cpu (this build of vpce has no CUDA support)",
+                                             to_string(t.device))};
+  }
+  int64_t count = 1;
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] < 0) {
+      return {Code::kInvalidArgument,
+              expected_got(dim_name(name, "shape", d).c_str(), ">= 0", std::to_string(t.shape[d]))};
+    }
+    if (t.shape[d] > 1 && t.strides[d] <= 0) {
+      return {Code::kInvalidArgument,
+              expected_got(dim_name(name, "strides", d).c_str(), "a positive stride",
+                           std::to_string(t.strides[d]))};
+    }
+    if (__builtin_mul_overflow(count, t.shape[d], &count)) {
+      return {Code::kInvalidArgument,
+              expected_got((std::string(name) + ".shape").c_str(),
+                           "an element count that fits in 64 bits", "an overflowing product")};
+    }
+  }
+  *numel = count;
+  return {};
+}
+
+Status check_address(const TensorView& t, const char* name, int64_t numel) {
+  if (numel == 0) return {};
+  if (t.data == nullptr) {
+    return {Code::kInvalidArgument,
+            expected_got((std::string(name) + ".data").c_str(), "a non-null pointer", "null")};
+  }
+  const int bytes = t.dtype.bytes();
+  const auto address = reinterpret_cast<uintptr_t>(t.first());
+  if (bytes > 0 && address % static_cast<uintptr_t>(bytes) != 0) {
+    return {Code::kInvalidArgument,
+            expected_got(name,
+                         "data + byte_offset aligned to " + std::to_string(bytes) + " bytes (" +
+                             to_string(t.dtype) + ")",
+                         "address " + hex_address(t.first()))};
+  }
+  return {};
+}
+
+// Checks that the dimensions [0, end) with more than one element are nested (each
+// stride is the next one's stride times its size) and returns the innermost stride of
+// them, or `fallback` if none has more than one element.
+Status collapse(const TensorView& t, const char* name, int end, int64_t fallback,
+                int64_t* stride) {
+  int inner = -1;
+  for (int d = end - 1; d >= 0; --d) {
+    if (t.shape[d] == 1) continue;
+    if (inner >= 0) {
+      int64_t expected = 0;
+      if (__builtin_mul_overflow(t.strides[inner], t.shape[inner], &expected) ||
+          t.strides[d] != expected) {
+        return {Code::kInvalidArgument,
+                expected_got(dim_name(name, "strides", d).c_str(),
+                             std::to_string(expected) + " (the leading dimensions must collapse "
+                                                        "to one stride)",
+                             std::to_string(t.strides[d]))};
+      }
+    }
+    inner = d;
+  }
+  *stride = inner >= 0 ? t.strides[inner] : fallback;
+  return {};
+}
+
+// Last byte + 1 of `count` strided elements, checking for 64-bit overflow.
+bool extent_bytes(int64_t count, int64_t stride, int64_t tail, int bytes, int64_t* out) {
+  if (count == 0) {
+    *out = 0;
+    return true;
+  }
+  int64_t elements = 0;
+  if (__builtin_mul_overflow(count - 1, stride, &elements)) return false;
+  if (__builtin_add_overflow(elements, tail, &elements)) return false;
+  return !__builtin_mul_overflow(elements, static_cast<int64_t>(bytes), out);
+}
+
+}  // namespace
+
+std::string expected_got(const char* name, const std::string& expected, const std::string& got) {
+  return std::string(name) + ": expected " + expected + ", got " + got;
+}
+
+const char* RowMatrix::end_byte() const {
+  if (rows == 0 || cols == 0) return base;
+  return base + ((rows - 1) * row_stride + cols) * dtype.bytes();
+}
+
+const char* TokenVector::end_byte() const {
+  if (n == 0) return base;
+  return base + ((n - 1) * stride + 1) * dtype.bytes();
+}
+
+Status as_row_matrix(const TensorView& t, const char* name, RowMatrix* out) {
+  int64_t numel = 0;
+  if (Status s = check_view_basics(t, name, 1, &numel); !s.ok()) return s;
+  const int last = t.ndim - 1;
+  const int64_t cols = t.shape[last];
+  if (cols > 1 && t.strides[last] != 1) {
+    return {Code::kInvalidArgument,
+            expected_got(dim_name(name, "strides", last).c_str(),
+                         "1 (the vocabulary dimension must be contiguous)",
+                         std::to_string(t.strides[last]))};
+  }
+  int64_t rows = 1;
+  for (int d = 0; d < last; ++d) rows *= t.shape[d];  // cannot overflow: numel did not
+  int64_t row_stride = cols;
+  if (Status s = collapse(t, name, last, cols, &row_stride); !s.ok()) return s;
+  if (rows > 1 && row_stride < cols) {
+    return {Code::kInvalidArgument,
+            expected_got((std::string(name) + " row stride").c_str(),
+                         ">= " + std::to_string(cols) + " (rows must not overlap)",
+                         std::to_string(row_stride))};
+  }
+  int64_t extent = 0;
+  if (numel > 0 && !extent_bytes(rows, row_stride, cols, t.dtype.bytes(), &extent)) {
+    return {Code::kInvalidArgument,
+            expected_got(name, "a memory extent that fits in 64 bits", "an overflowing one")};
+  }
+  if (Status s = check_address(t, name, numel); !s.ok()) return s;
+  *out = RowMatrix{static_cast<char*>(t.first()), t.dtype, rows, cols, row_stride};
+  return {};
+}
+
+Status as_token_vector(const TensorView& t, const char* name, int64_t n, TokenVector* out) {
+  int64_t numel = 0;
+  if (Status s = check_view_basics(t, name, 0, &numel); !s.ok()) return s;
+  if (numel != n) {
+    return {Code::kInvalidArgument,
+            expected_got((std::string(name) + ".shape").c_str(),
+                         std::to_string(n) + " elements (one per token)",
+                         std::to_string(numel) + " elements")};
+  }
+  int64_t stride = 1;
+  if (Status s = collapse(t, name, t.ndim, 1, &stride); !s.ok()) return s;
+  int64_t extent = 0;
+  if (!extent_bytes(n, stride, 1, t.dtype.bytes(), &extent)) {
+    return {Code::kInvalidArgument,
+            expected_got(name, "a memory extent that fits in 64 bits", "an overflowing one")};
+  }
+  if (Status s = check_address(t, name, numel); !s.ok()) return s;
+  *out = TokenVector{static_cast<char*>(t.first()), t.dtype, n, stride};
+  return {};
+}
+
+Status check_dtype(const char* name, DataType actual, std::initializer_list<DataType> allowed,
+                   const char* allowed_text) {
+  for (const DataType& a : allowed) {
+    if (actual == a) return {};
+  }
+  return {Code::kInvalidArgument,
+          expected_got((std::string(name) + ".dtype").c_str(), allowed_text, to_string(actual))};
+}
+
+Status check_shard(const VocabShard& shard, int64_t logits_cols, const char* logits_name) {
+  if (shard.vocab_size < 1) {
+    return {Code::kInvalidArgument,
+            expected_got("shard.vocab_size", ">= 1", std::to_string(shard.vocab_size))};
+  }
+  if (shard.vocab_begin < 0 || shard.vocab_begin > shard.vocab_end ||
+      shard.vocab_end > shard.vocab_size) {
+    return {Code::kInvalidArgument,
+            expected_got("shard", "0 <= vocab_begin <= vocab_end <= vocab_size",
+                         "[" + std::to_string(shard.vocab_begin) + ", " +
+                             std::to_string(shard.vocab_end) + ") of " +
+                             std::to_string(shard.vocab_size))};
+  }
+  if (logits_cols != shard.vocab_end - shard.vocab_begin) {
+    return {Code::kInvalidArgument,
+            expected_got((std::string(logits_name) + ".shape[-1]").c_str(),
+                         std::to_string(shard.vocab_end - shard.vocab_begin) +
+                             " (shard.vocab_end - shard.vocab_begin)",
+                         std::to_string(logits_cols))};
+  }
+  return {};
+}
+
+Status check_options(const LossOptions& options, int64_t vocab_size) {
+  const float a = options.label_smoothing;
+  if (!(a >= 0.0f && a < 1.0f)) {
+    return {Code::kInvalidArgument,
+            expected_got("options.label_smoothing", "a value in [0, 1)", std::to_string(a))};
+  }
+  if (a > 0.0f && vocab_size < 2) {
+    return {Code::kInvalidArgument,
+            expected_got("shard.vocab_size", ">= 2 when label smoothing is used",
+                         std::to_string(vocab_size))};
+  }
+  if (options.num_threads < 0) {
+    return {Code::kInvalidArgument,
+            expected_got("options.num_threads", ">= 0 (0: OpenMP's default)",
+                         std::to_string(options.num_threads))};
+  }
+  return {};
+}
+
+Status check_targets(const TokenVector& targets, int64_t vocab_size, uint64_t* hash) {
+  const bool wide = targets.dtype == kInt64;
+  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a offset basis, over 64-bit values
+  for (int64_t i = 0; i < targets.n; ++i) {
+    const int64_t y = wide ? targets.at<int64_t>(i) : targets.at<int32_t>(i);
+    if (y < 0 || y >= vocab_size) {
+      return {Code::kInvalidArgument,
+              expected_got("targets", "values in [0, " + std::to_string(vocab_size) + ")",
+                           std::to_string(y) + " at token " + std::to_string(i))};
+    }
+    h = (h ^ static_cast<uint64_t>(y)) * 0x100000001b3ULL;
+  }
+  if (hash != nullptr) *hash = h;
+  return {};
+}
+
+bool overlaps(const char* a_begin, const char* a_end, const char* b_begin, const char* b_end) {
+  if (a_begin == a_end || b_begin == b_end) return false;
+  return a_begin < b_end && b_begin < a_end;
+}
+
+}  // namespace vpce::detail
+
+namespace vpce::detail {
+
+Status check_loss_inputs(const TensorView& logits, const TensorView& targets,
+                         const VocabShard& shard, const LossOptions& options, LossInputs* out) {
+  LossInputs in;
+  if (Status s = check_dtype("logits", logits.dtype, {kFloat32, kBFloat16, kFloat16},
+                             "float32, bfloat16 or float16");
+      !s.ok()) {
+    return s;
+  }
+  if (Status s = as_row_matrix(logits, "logits", &in.logits); !s.ok()) return s;
+  if (Status s = check_shard(shard, in.logits.cols, "logits"); !s.ok()) return s;
+  if (Status s = check_options(options, shard.vocab_size); !s.ok()) return s;
+  if (Status s = check_dtype("targets", targets.dtype, {kInt32, kInt64}, "int32 or int64");
+      !s.ok()) {
+    return s;
+  }
+  if (Status s = as_token_vector(targets, "targets", in.logits.rows, &in.targets); !s.ok()) {
+    return s;
+  }
+  if (Status s = check_targets(in.targets, shard.vocab_size, &in.targets_hash); !s.ok()) return s;
+  *out = in;
+  return {};
+}
+
+Status as_stats_matrix(const TensorView& t, const char* name, int64_t rows, RowMatrix* out) {
+  RowMatrix m;
+  if (Status s = check_dtype(name, t.dtype, {kFloat32}, "float32"); !s.ok()) return s;
+  if (Status s = as_row_matrix(t, name, &m); !s.ok()) return s;
+  if (m.rows != rows || m.cols != 4) {
+    return {Code::kInvalidArgument,
+            expected_got((std::string(name) + ".shape").c_str(),
+                         "[" + std::to_string(rows) + ", 4] (one TokenStats per token)",
+                         "[" + std::to_string(m.rows) + ", " + std::to_string(m.cols) + "]")};
+  }
+  *out = m;
+  return {};
+}
+
+Status as_float_tokens(const TensorView& t, const char* name, int64_t n, TokenVector* out) {
+  if (Status s = check_dtype(name, t.dtype, {kFloat32}, "float32"); !s.ok()) return s;
+  return as_token_vector(t, name, n, out);
+}
+
+}  // namespace vpce::detail

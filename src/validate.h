@@ -1,0 +1,98 @@
+// validate.h: argument checks shared by every public entry point.
+//
+// Each check turns a TensorView into the plain description a kernel takes (a matrix of
+// rows with one row stride, or a vector of tokens with one stride), or returns
+// kInvalidArgument / kUnsupported with a message naming the argument, the expected and the
+// actual value. Nothing here reads tensor contents except check_targets.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "vpce/loss.h"
+#include "vpce/status.h"
+#include "vpce/tensor.h"
+
+namespace vpce::detail {
+
+// rows x cols elements of `dtype`, row r at base + r * row_stride elements, columns
+// contiguous.
+struct RowMatrix {
+  char* base = nullptr;
+  DataType dtype{};
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row_stride = 0;
+
+  template <class T>
+  T* row(int64_t r) const {
+    return reinterpret_cast<T*>(base) + r * row_stride;
+  }
+  // [lo, hi) bytes touched, for overlap checks; empty when there are no elements.
+  const char* begin_byte() const { return base; }
+  const char* end_byte() const;
+};
+
+// n elements of `dtype`, element i at base + i * stride elements.
+struct TokenVector {
+  char* base = nullptr;
+  DataType dtype{};
+  int64_t n = 0;
+  int64_t stride = 0;
+
+  template <class T>
+  T& at(int64_t i) const {
+    return reinterpret_cast<T*>(base)[i * stride];
+  }
+  const char* end_byte() const;
+};
+
+// A CPU tensor of ndim >= 1 whose last dimension is contiguous and whose leading
+// dimensions collapse to one row stride >= cols. `name` is used in messages.
+Status as_row_matrix(const TensorView& t, const char* name, RowMatrix* out);
+// A CPU tensor of exactly n elements whose dimensions collapse to one stride (ndim 0 to 8).
+Status as_token_vector(const TensorView& t, const char* name, int64_t n, TokenVector* out);
+
+// dtype is one of `allowed`; `allowed_text` lists them for the message.
+Status check_dtype(const char* name, DataType actual, std::initializer_list<DataType> allowed,
+                   const char* allowed_text);
+
+// 0 <= begin <= end <= size, size >= 1, cols == end - begin.
+Status check_shard(const VocabShard& shard, int64_t logits_cols, const char* logits_name);
+// label_smoothing in [0, 1), and V >= 2 when it is positive; num_threads >= 0.
+Status check_options(const LossOptions& options, int64_t vocab_size);
+
+// Every target in [0, vocab_size); also returns a 64-bit hash of the targets' values
+// (the same for int32 and int64 storage) when `hash` is not null.
+Status check_targets(const TokenVector& targets, int64_t vocab_size, uint64_t* hash);
+
+// The byte ranges of a and b intersect.
+bool overlaps(const char* a_begin, const char* a_end, const char* b_begin, const char* b_end);
+
+// "expected X, got Y" message helper.
+std::string expected_got(const char* name, const std::string& expected, const std::string& got);
+
+}  // namespace vpce::detail
+
+namespace vpce::detail {
+
+// The validated inputs shared by the forward stages and the backward.
+struct LossInputs {
+  RowMatrix logits;
+  TokenVector targets;
+  uint64_t targets_hash = 0;
+};
+
+// logits [..., Vr] fp32/bf16/fp16 on the CPU, targets int32/int64 with one per row and
+// values in [0, V), the shard, and the options.
+Status check_loss_inputs(const TensorView& logits, const TensorView& targets,
+                         const VocabShard& shard, const LossOptions& options, LossInputs* out);
+
+// A float32 [rows, 4] stats tensor (TokenStats rows).
+Status as_stats_matrix(const TensorView& t, const char* name, int64_t rows, RowMatrix* out);
+
+// A float32 tensor of n elements, one per token.
+Status as_float_tokens(const TensorView& t, const char* name, int64_t n, TokenVector* out);
+
+}  // namespace vpce::detail

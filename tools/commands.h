@@ -1,0 +1,42 @@
+// tools/commands.h: the subcommands of the vpce program, each a function from its parsed
+// options to a Status (the caller prints errors and sets the exit status).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "vpce/status.h"
+
+namespace vpce::tools {
+
+struct RunConfig {
+  std::string logits_path;
+  std::string targets_path;
+  std::string grad_output_path;  // empty: an upstream gradient of ones
+  std::string out_dir;
+  int ranks = 1;                      // --tp
+  std::vector<int64_t> vocab_splits;  // --vocab-splits; empty: even split over `ranks`
+  float label_smoothing = 0.0f;
+  bool in_place = false;
+  std::string dtype;  // "fp32", "bf16", "fp16", or empty for the file's own
+  int threads_per_rank = 0;  // 0: the machine's cores divided among the ranks
+};
+
+// Splits the vocabulary, runs the ranks, writes DIR/loss.npy, lse.npy, grad_logits.npy
+// and prints one summary line on stdout.
+Status run_command(const RunConfig& config);
+
+struct GenConfig {
+  int64_t tokens = 4096;
+  int64_t vocab = 32000;
+  uint64_t seed = 1;
+  float stddev = 2.0f;
+  std::string dtype = "float32";  // "float32" or "float16"
+  std::string out_dir;
+};
+
+// Writes DIR/logits.npy ([tokens, vocab], normal logits) and DIR/targets.npy (int64).
+Status gen_command(const GenConfig& config);
+
+}  // namespace vpce::tools

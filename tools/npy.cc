@@ -1,0 +1,277 @@
+// tools/npy.cc: the .npy reader and writer (see npy.h). The header is a Python dict
+// literal; this parser accepts exactly the three keys NumPy writes, in any order.
+#include "npy.h"
+
+#include <cctype>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+
+namespace vpce::npy {
+namespace {
+
+constexpr char kMagic[] = "\x93NUMPY";
+constexpr std::size_t kMagicBytes = 6;
+constexpr int kMaxDims = 32;
+
+Status bad(const std::string& name, const std::string& what) {
+  return {Code::kInvalidArgument, name + ": " + what};
+}
+
+// A cursor over the header text.
+class HeaderParser {
+ public:
+  explicit HeaderParser(const std::string& text) : text_(text) {}
+
+  void skip_space() {
+    while (pos_ < text_.size() && std::isspace(static_cast<unsigned char>(text_[pos_]))) ++pos_;
+  }
+  bool eat(char c) {
+    skip_space();
+    if (pos_ < text_.size() && text_[pos_] == c) {
+      ++pos_;
+      return true;
+    }
+    return false;
+  }
+  bool peek(char c) {
+    skip_space();
+    return pos_ < text_.size() && text_[pos_] == c;
+  }
+  bool string_literal(std::string* out) {
+    skip_space();
+    if (pos_ >= text_.size() || (text_[pos_] != '\'' && text_[pos_] != '"')) return false;
+    const char quote = text_[pos_++];
+    const std::size_t end = text_.find(quote, pos_);
+    if (end == std::string::npos) return false;
+    *out = text_.substr(pos_, end - pos_);
+    pos_ = end + 1;
+    return true;
+  }
+  bool word(std::string* out) {
+    skip_space();
+    const std::size_t start = pos_;
+    while (pos_ < text_.size() && std::isalpha(static_cast<unsigned char>(text_[pos_]))) ++pos_;
+    *out = text_.substr(start, pos_ - start);
+    return !out->empty();
+  }
+  bool integer(int64_t* out) {
+    skip_space();
+    const std::size_t start = pos_;
+    int64_t value = 0;
+    while (pos_ < text_.size() && std::isdigit(static_cast<unsigned char>(text_[pos_]))) {
+      if (__builtin_mul_overflow(value, 10, &value) ||
+          __builtin_add_overflow(value, text_[pos_] - '0', &value)) {
+        return false;
+      }
+      ++pos_;
+    }
+    if (pos_ < text_.size() && text_[pos_] == 'L') ++pos_;  // Python 2 long suffix
+    *out = value;
+    return pos_ > start;
+  }
+  bool at_end() {
+    skip_space();
+    return pos_ == text_.size();
+  }
+
+ private:
+  const std::string& text_;
+  std::size_t pos_ = 0;
+};
+
+bool dtype_from_descr(const std::string& text, Dtype* out) {
+  static const struct {
+    const char* text;
+    Dtype dtype;
+  } kKnown[] = {{"<f2", Dtype::kFloat16}, {"<f4", Dtype::kFloat32}, {"<f8", Dtype::kFloat64},
+                {"<i4", Dtype::kInt32},   {"<i8", Dtype::kInt64}};
+  for (const auto& k : kKnown) {
+    if (text == k.text) {
+      *out = k.dtype;
+      return true;
+    }
+  }
+  return false;
+}
+
+Status parse_header(const std::string& text, const std::string& name, Dtype* dtype,
+                    std::vector<int64_t>* shape) {
+  HeaderParser p(text);
+  if (!p.eat('{')) return bad(name, "header: expected a dict literal starting with '{'");
+  bool have_descr = false;
+  bool have_order = false;
+  bool have_shape = false;
+  while (!p.eat('}')) {
+    std::string key;
+    if (!p.string_literal(&key) || !p.eat(':')) {
+      return bad(name, "header: expected 'key': value pairs");
+    }
+    if (key == "descr") {
+      std::string value;
+      if (!p.string_literal(&value)) return bad(name, "header: expected a string for 'descr'");
+      if (!dtype_from_descr(value, dtype)) {
+        return bad(name, "dtype: expected one of <f2 <f4 <f8 <i4 <i8 (little-endian float16, "
+                         "float32, float64, int32, int64), got '" + value + "'");
+      }
+      have_descr = true;
+    } else if (key == "fortran_order") {
+      std::string value;
+      if (!p.word(&value) || (value != "False" && value != "True")) {
+        return bad(name, "header: expected True or False for 'fortran_order'");
+      }
+      if (value == "True") return bad(name, "fortran_order: expected False (C order), got True");
+      have_order = true;
+    } else if (key == "shape") {
+      if (!p.eat('(')) return bad(name, "header: expected a tuple for 'shape'");
+      shape->clear();
+      while (!p.eat(')')) {
+        int64_t dim = 0;
+        if (!p.integer(&dim)) return bad(name, "shape: expected non-negative integers");
+        if (shape->size() == static_cast<std::size_t>(kMaxDims)) {
+          return bad(name, "shape: expected at most 32 dimensions");
+        }
+        shape->push_back(dim);
+        if (!p.eat(',') && !p.peek(')')) return bad(name, "shape: expected ',' or ')'");
+      }
+      have_shape = true;
+    } else {
+      return bad(name, "header: unexpected key '" + key + "'");
+    }
+    if (!p.eat(',') && !p.peek('}')) return bad(name, "header: expected ',' or '}'");
+  }
+  if (!p.at_end()) return bad(name, "header: unexpected text after the dict");
+  if (!have_descr || !have_order || !have_shape) {
+    return bad(name, "header: expected the keys 'descr', 'fortran_order' and 'shape'");
+  }
+  return {};
+}
+
+}  // namespace
+
+const char* descr(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kFloat16: return "<f2";
+    case Dtype::kFloat32: return "<f4";
+    case Dtype::kFloat64: return "<f8";
+    case Dtype::kInt32: return "<i4";
+    case Dtype::kInt64: return "<i8";
+  }
+  return "?";
+}
+
+int item_bytes(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kFloat16: return 2;
+    case Dtype::kFloat32:
+    case Dtype::kInt32: return 4;
+    case Dtype::kFloat64:
+    case Dtype::kInt64: return 8;
+  }
+  return 0;
+}
+
+int64_t Array::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+Status parse(const std::byte* bytes, std::size_t size, const std::string& name, Array* out) {
+  if (size < kMagicBytes + 4 || std::memcmp(bytes, kMagic, kMagicBytes) != 0) {
+    return bad(name, "expected a .npy file (magic \\x93NUMPY), got something else");
+  }
+  const auto major = static_cast<unsigned>(bytes[6]);
+  std::size_t header_len = 0;
+  std::size_t header_start = 0;
+  if (major == 1) {
+    header_len = static_cast<std::size_t>(bytes[8]) | static_cast<std::size_t>(bytes[9]) << 8;
+    header_start = 10;
+  } else if (major == 2 || major == 3) {
+    if (size < 12) return bad(name, "truncated header");
+    header_len = 0;
+    for (int b = 3; b >= 0; --b) header_len = header_len << 8 | static_cast<std::size_t>(bytes[8 + b]);
+    header_start = 12;
+  } else {
+    return bad(name, "format version: expected 1, 2 or 3, got " + std::to_string(major));
+  }
+  if (header_len > size - header_start) return bad(name, "truncated header");
+  const std::string header(reinterpret_cast<const char*>(bytes) + header_start, header_len);
+
+  Array array;
+  if (Status s = parse_header(header, name, &array.dtype, &array.shape); !s.ok()) return s;
+  uint64_t body = static_cast<uint64_t>(item_bytes(array.dtype));
+  for (int64_t d : array.shape) {
+    if (__builtin_mul_overflow(body, static_cast<uint64_t>(d), &body)) {
+      return bad(name, "shape: the element count overflows");
+    }
+  }
+  const std::size_t available = size - header_start - header_len;
+  if (body != available) {
+    return bad(name, "data: expected " + std::to_string(body) + " bytes for the shape and dtype, got " +
+                         std::to_string(available));
+  }
+  const std::byte* data = bytes + header_start + header_len;
+  array.data.assign(data, data + body);
+  *out = std::move(array);
+  return {};
+}
+
+Status read(const std::string& path, Array* out) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return {Code::kInvalidArgument, path + ": cannot open for reading"};
+  std::vector<char> contents((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  if (file.bad()) return {Code::kSystemError, path + ": read error"};
+  return parse(reinterpret_cast<const std::byte*>(contents.data()), contents.size(), path, out);
+}
+
+std::vector<std::byte> serialize(Dtype dtype, const std::vector<int64_t>& shape, const void* data) {
+  std::string header = "{'descr': '" + std::string(descr(dtype)) + "', 'fortran_order': False, 'shape': (";
+  int64_t numel = 1;
+  for (std::size_t d = 0; d < shape.size(); ++d) {
+    header += std::to_string(shape[d]);
+    if (shape.size() == 1 || d + 1 < shape.size()) header += ",";
+    if (d + 1 < shape.size()) header += " ";
+    numel *= shape[d];
+  }
+  header += "), }";
+  // Pad with spaces so that magic + version + length + header + '\n' is a multiple of 64.
+  const std::size_t unpadded = 10 + header.size() + 1;
+  header.append((64 - unpadded % 64) % 64, ' ');
+  header += '\n';
+  std::vector<std::byte> out;
+  const auto body = static_cast<std::size_t>(numel) * static_cast<std::size_t>(item_bytes(dtype));
+  out.reserve(10 + header.size() + body);
+  for (std::size_t i = 0; i < kMagicBytes; ++i) out.push_back(static_cast<std::byte>(kMagic[i]));
+  out.push_back(std::byte{1});
+  out.push_back(std::byte{0});
+  out.push_back(static_cast<std::byte>(header.size() & 0xff));
+  out.push_back(static_cast<std::byte>(header.size() >> 8));
+  for (char c : header) out.push_back(static_cast<std::byte>(c));
+  const auto* p = static_cast<const std::byte*>(data);
+  out.insert(out.end(), p, p + body);
+  return out;
+}
+
+Status write(const std::string& path, Dtype dtype, const std::vector<int64_t>& shape,
+             const void* data) {
+  const std::vector<std::byte> image = serialize(dtype, shape, data);
+  const std::string temporary = path + ".partial";
+  {
+    std::ofstream file(temporary, std::ios::binary | std::ios::trunc);
+    if (!file) return {Code::kSystemError, temporary + ": cannot open for writing"};
+    file.write(reinterpret_cast<const char*>(image.data()), static_cast<std::streamsize>(image.size()));
+    if (!file) {
+      std::remove(temporary.c_str());
+      return {Code::kSystemError, temporary + ": write error"};
+    }
+  }
+  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+    std::remove(temporary.c_str());
+    return {Code::kSystemError, path + ": cannot rename the written file into place"};
+  }
+  return {};
+}
+
+}  // namespace vpce::npy

@@ -1,0 +1,47 @@
+// tools/npy.h: reading and writing NumPy's .npy files (format versions 1.0, 2.0, 3.0).
+//
+// Little-endian, C-order arrays of float16, float32, float64, int32 and int64, which is
+// what the vpce command line exchanges. Anything else in a file (Fortran order, big-endian,
+// other dtypes, a truncated or oversized body, a malformed header) is rejected with a
+// message naming the file and what was expected.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "vpce/status.h"
+
+namespace vpce::npy {
+
+enum class Dtype { kFloat16, kFloat32, kFloat64, kInt32, kInt64 };
+
+// "<f2", "<f4", "<f8", "<i4", "<i8"
+const char* descr(Dtype dtype);
+int item_bytes(Dtype dtype);
+
+struct Array {
+  Dtype dtype = Dtype::kFloat32;
+  std::vector<int64_t> shape;
+  std::vector<std::byte> data;  // numel() * item_bytes(dtype) bytes, C order
+
+  int64_t numel() const;
+  template <class T>
+  const T* as() const {
+    return reinterpret_cast<const T*>(data.data());
+  }
+};
+
+// Parses a whole .npy file held in memory. `name` is used in messages.
+Status parse(const std::byte* bytes, std::size_t size, const std::string& name, Array* out);
+Status read(const std::string& path, Array* out);
+
+// The complete file image (header and data) of an array.
+std::vector<std::byte> serialize(Dtype dtype, const std::vector<int64_t>& shape, const void* data);
+// Writes the file at `path` (through a temporary file and a rename, so that a reader never
+// sees a half-written file).
+Status write(const std::string& path, Dtype dtype, const std::vector<int64_t>& shape,
+             const void* data);
+
+}  // namespace vpce::npy
