@@ -86,14 +86,14 @@ class ThreadGroup::RankCommunicator final : public Communicator {
     const std::vector<Shared::Slot>& slots = shared_->slots;
     lock.unlock();
 
+    // Every rank compares against rank 0, so all return the same message.
     Status result;
-    for (int r = 0; r < shared_->size; ++r) {
-      if (slots[static_cast<size_t>(r)].bytes != bytes) {
+    for (int r = 1; r < shared_->size; ++r) {
+      if (slots[static_cast<size_t>(r)].bytes != slots[0].bytes) {
         result = {Code::kInvalidUsage,
-                  "threads backend: ranks disagree on the all_gather size: rank " +
-                      std::to_string(rank_) + " sends " + std::to_string(bytes) +
-                      " bytes, rank " + std::to_string(r) + " sends " +
-                      std::to_string(slots[static_cast<size_t>(r)].bytes) +
+                  "threads backend: ranks disagree on the all_gather size: rank 0 sends " +
+                      std::to_string(slots[0].bytes) + " bytes, rank " + std::to_string(r) +
+                      " sends " + std::to_string(slots[static_cast<size_t>(r)].bytes) +
                       " (do they agree on the number of tokens?)"};
         break;
       }

@@ -1,0 +1,305 @@
+// tests/errors_test.cc: bad input to every public entry returns an error that names the
+// argument and says what was expected and what came; nothing is written, the logits are
+// untouched, nothing crashes.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "support.h"
+
+namespace vpce::test {
+namespace {
+
+constexpr int64_t kTokens = 6;
+constexpr int64_t kVocab = 10;
+
+// One rank's worth of valid arguments, with sentinel-filled outputs.
+struct Fixture {
+  std::vector<float> logits = std::vector<float>(kTokens * kVocab);
+  std::vector<int64_t> targets = {0, 1, 2, 3, 8, 9};
+  std::vector<float> loss = std::vector<float>(kTokens, -7.0f);
+  std::vector<float> lse = std::vector<float>(kTokens, -7.0f);
+  std::vector<float> grad_loss = std::vector<float>(kTokens, 1.0f);
+  std::vector<float> grad = std::vector<float>(kTokens * kVocab, -7.0f);
+  std::vector<float> logits_before;
+  VocabShard shard{0, kVocab, kVocab};
+  LossOptions options;
+
+  Fixture() {
+    for (std::size_t i = 0; i < logits.size(); ++i) logits[i] = std::sin(static_cast<float>(i));
+    logits_before = logits;
+    options.num_threads = 1;
+  }
+  TensorView x() { return TensorView::contiguous(logits.data(), kFloat32, {kTokens, kVocab}); }
+  TensorView y() { return TensorView::contiguous(targets.data(), kInt64, {kTokens}); }
+  TensorView loss_view() { return TensorView::contiguous(loss.data(), kFloat32, {kTokens}); }
+  TensorView lse_view() { return TensorView::contiguous(lse.data(), kFloat32, {kTokens}); }
+  TensorView g() { return TensorView::contiguous(grad_loss.data(), kFloat32, {kTokens}); }
+  TensorView grad_view() { return TensorView::contiguous(grad.data(), kFloat32, {kTokens, kVocab}); }
+
+  Status run_forward(const TensorView& x_, const TensorView& y_, const TensorView& loss_, const TensorView& lse_) {
+    std::unique_ptr<ThreadGroup> group;
+    EXPECT_TRUE(ThreadGroup::create(1, &group).ok());
+    return forward(group->communicator(0), x_, y_, shard, options, loss_, lse_);
+  }
+  Status run_forward() { return run_forward(x(), y(), loss_view(), lse_view()); }
+  Status run_backward(const TensorView& grad_) { return backward(x(), y(), lse_view(), g(), shard, options, grad_); }
+  Status run_backward() { return run_backward(grad_view()); }
+
+  void expect_nothing_written() {
+    EXPECT_EQ(logits, logits_before) << "the logits were modified";
+    for (float v : loss) EXPECT_EQ(v, -7.0f) << "loss was written";
+    for (float v : lse) EXPECT_EQ(v, -7.0f) << "lse was written";
+    for (float v : grad) EXPECT_EQ(v, -7.0f) << "grad was written";
+  }
+};
+
+void expect_error(const Status& s, Code code, std::initializer_list<const char*> fragments) {
+  EXPECT_EQ(s.code(), code) << s.to_string();
+  for (const char* f : fragments) EXPECT_NE(s.message().find(f), std::string::npos) << "missing '" << f << "' in: " << s.message();
+}
+
+TEST(BadInput, TargetAtOrAboveVocabulary) {
+  Fixture f;
+  f.targets[4] = kVocab;
+  expect_error(f.run_forward(), Code::kInvalidArgument, {"targets", "expected values in [0, 10)", "got 10 at token 4"});
+  expect_error(f.run_backward(), Code::kInvalidArgument, {"targets", "got 10 at token 4"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, NegativeTarget) {
+  Fixture f;
+  f.targets[0] = -1;
+  expect_error(f.run_forward(), Code::kInvalidArgument, {"targets", "got -1 at token 0"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, LogitsWidthDoesNotMatchShard) {
+  Fixture f;
+  f.shard = {0, 9, kVocab};
+  expect_error(f.run_forward(), Code::kInvalidArgument, {"logits.shape[-1]", "expected 9", "got 10"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, ShardOutsideVocabulary) {
+  Fixture f;
+  f.shard = {2, 12, kVocab};
+  expect_error(f.run_forward(), Code::kInvalidArgument, {"shard", "vocab_end <= vocab_size", "[2, 12) of 10"});
+  f.shard = {5, 4, kVocab};
+  expect_error(f.run_backward(), Code::kInvalidArgument, {"shard", "vocab_begin <= vocab_end"});
+  f.shard = {0, kVocab, 0};
+  expect_error(f.run_forward(), Code::kInvalidArgument, {"shard.vocab_size", ">= 1", "got 0"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, TargetsCountDoesNotMatchTokens) {
+  Fixture f;
+  expect_error(f.run_forward(f.x(), TensorView::contiguous(f.targets.data(), kInt64, {5}), f.loss_view(), f.lse_view()),
+               Code::kInvalidArgument, {"targets.shape", "expected 6 elements", "got 5"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, LossShapeDoesNotFit) {
+  Fixture f;
+  expect_error(f.run_forward(f.x(), f.y(), TensorView::contiguous(f.loss.data(), kFloat32, {3, 3}), f.lse_view()),
+               Code::kInvalidArgument, {"loss.shape", "expected 6 elements", "got 9"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, VocabularyDimensionNotContiguous) {
+  Fixture f;
+  expect_error(f.run_forward(TensorView::strided(f.logits.data(), kFloat32, {kTokens, 5}, {kVocab, 2}), f.y(),
+                             f.loss_view(), f.lse_view()),
+               Code::kInvalidArgument, {"logits.strides[1]", "expected 1", "got 2"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, OverlappingRows) {
+  Fixture f;
+  f.shard = {0, kVocab, kVocab};
+  expect_error(f.run_forward(TensorView::matrix(f.logits.data(), kFloat32, kTokens, kVocab, 4), f.y(), f.loss_view(),
+                             f.lse_view()),
+               Code::kInvalidArgument, {"logits row stride", "expected >= 10", "got 4"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, LeadingDimensionsThatDoNotCollapse) {
+  Fixture f;
+  // [2, 3, 10] with a gap between the two halves that breaks the single row stride.
+  std::vector<float> big(100);
+  expect_error(f.run_forward(TensorView::strided(big.data(), kFloat32, {2, 3, kVocab}, {40, kVocab, 1}), f.y(),
+                             f.loss_view(), f.lse_view()),
+               Code::kInvalidArgument, {"logits.strides[0]", "expected 30", "got 40"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, NegativeStride) {
+  Fixture f;
+  expect_error(f.run_forward(f.x(), TensorView::strided(f.targets.data() + 5, kInt64, {kTokens}, {-1}), f.loss_view(),
+                             f.lse_view()),
+               Code::kInvalidArgument, {"targets.strides[0]", "positive stride", "got -1"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, UnsupportedLogitsDtype) {
+  Fixture f;
+  std::vector<double> wide(kTokens * kVocab);
+  expect_error(f.run_forward(TensorView::contiguous(wide.data(), kFloat64, {kTokens, kVocab}), f.y(), f.loss_view(),
+                             f.lse_view()),
+               Code::kInvalidArgument, {"logits.dtype", "float32, bfloat16 or float16", "got float64"});
+  const DataType vector_type{TypeCode::kFloat, 32, 4};
+  expect_error(f.run_forward(TensorView::contiguous(f.logits.data(), vector_type, {kTokens, kVocab}), f.y(),
+                             f.loss_view(), f.lse_view()),
+               Code::kInvalidArgument, {"logits.dtype", "lanes 4"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, UnsupportedTargetsAndOutputDtypes) {
+  Fixture f;
+  expect_error(f.run_forward(f.x(), TensorView::contiguous(f.logits.data(), kFloat32, {kTokens}), f.loss_view(),
+                             f.lse_view()),
+               Code::kInvalidArgument, {"targets.dtype", "int32 or int64", "got float32"});
+  std::vector<uint16_t> half(kTokens);
+  expect_error(f.run_forward(f.x(), f.y(), TensorView::contiguous(half.data(), kFloat16, {kTokens}), f.lse_view()),
+               Code::kInvalidArgument, {"loss.dtype", "float32", "got float16"});
+  std::vector<double> wide(kTokens * kVocab);
+  expect_error(f.run_backward(TensorView::contiguous(wide.data(), kFloat64, {kTokens, kVocab})),
+               Code::kInvalidArgument, {"grad_logits.dtype", "got float64"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, LabelSmoothingOutsideRange) {
+  for (float a : {-0.1f, 1.0f, 2.0f, std::numeric_limits<float>::quiet_NaN()}) {
+    Fixture f;
+    f.options.label_smoothing = a;
+    expect_error(f.run_forward(), Code::kInvalidArgument, {"options.label_smoothing", "[0, 1)"});
+    expect_error(f.run_backward(), Code::kInvalidArgument, {"options.label_smoothing"});
+    f.expect_nothing_written();
+  }
+}
+
+TEST(BadInput, LabelSmoothingNeedsTwoClasses) {
+  Fixture f;
+  std::vector<float> one(kTokens);
+  std::vector<int64_t> zeros(kTokens, 0);
+  f.shard = {0, 1, 1};
+  f.options.label_smoothing = 0.1f;
+  expect_error(f.run_forward(TensorView::contiguous(one.data(), kFloat32, {kTokens, 1}),
+                             TensorView::contiguous(zeros.data(), kInt64, {kTokens}), f.loss_view(), f.lse_view()),
+               Code::kInvalidArgument, {"vocab_size", ">= 2 when label smoothing", "got 1"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, NullPointers) {
+  Fixture f;
+  expect_error(f.run_forward(TensorView::contiguous(nullptr, kFloat32, {kTokens, kVocab}), f.y(), f.loss_view(),
+                             f.lse_view()),
+               Code::kInvalidArgument, {"logits.data", "non-null", "got null"});
+  expect_error(f.run_forward(f.x(), TensorView::contiguous(nullptr, kInt64, {kTokens}), f.loss_view(), f.lse_view()),
+               Code::kInvalidArgument, {"targets.data", "got null"});
+  expect_error(f.run_forward(f.x(), f.y(), TensorView::contiguous(nullptr, kFloat32, {kTokens}), f.lse_view()),
+               Code::kInvalidArgument, {"loss.data", "got null"});
+  expect_error(f.run_forward(f.x(), f.y(), f.loss_view(), TensorView::contiguous(nullptr, kFloat32, {kTokens})),
+               Code::kInvalidArgument, {"lse.data", "got null"});
+  expect_error(f.run_backward(TensorView::contiguous(nullptr, kFloat32, {kTokens, kVocab})),
+               Code::kInvalidArgument, {"grad_logits.data", "got null"});
+  expect_error(ThreadGroup::create(2, nullptr), Code::kInvalidArgument, {"group", "got null"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, MisalignedPointer) {
+  Fixture f;
+  TensorView x = f.x();
+  x.byte_offset = 2;
+  expect_error(f.run_forward(x, f.y(), f.loss_view(), f.lse_view()), Code::kInvalidArgument,
+               {"logits", "aligned to 4 bytes", "got address"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, DeviceThisBuildCannotServe) {
+  Fixture f;
+  const TensorView x = TensorView::contiguous(f.logits.data(), kFloat32, {kTokens, kVocab}, Device{DeviceType::kCUDA, 0});
+  expect_error(f.run_forward(x, f.y(), f.loss_view(), f.lse_view()), Code::kUnsupported,
+               {"logits.device", "expected cpu", "got cuda:0"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, TooManyOrTooFewDimensions) {
+  Fixture f;
+  const TensorView nine = TensorView::contiguous(f.logits.data(), kFloat32, {1, 1, 1, 1, 1, 1, 1, kTokens, kVocab});
+  expect_error(f.run_forward(nine, f.y(), f.loss_view(), f.lse_view()), Code::kInvalidArgument,
+               {"logits.ndim", "1 to 8"});
+  const TensorView scalar = TensorView::contiguous(f.logits.data(), kFloat32, {});
+  expect_error(f.run_forward(scalar, f.y(), f.loss_view(), f.lse_view()), Code::kInvalidArgument,
+               {"logits.ndim", "got 0"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, GradientOverlapsLogitsWithoutBeingInPlace) {
+  Fixture f;
+  const TensorView shifted = TensorView::contiguous(f.logits.data() + 1, kFloat32, {kTokens - 1, kVocab});
+  f.targets.pop_back();
+  expect_error(backward(TensorView::contiguous(f.logits.data(), kFloat32, {kTokens - 1, kVocab}),
+                        TensorView::contiguous(f.targets.data(), kInt64, {kTokens - 1}),
+                        TensorView::contiguous(f.lse.data(), kFloat32, {kTokens - 1}),
+                        TensorView::contiguous(f.grad_loss.data(), kFloat32, {kTokens - 1}), f.shard, f.options, shifted),
+               Code::kInvalidArgument, {"grad_logits", "does not overlap"});
+  EXPECT_EQ(f.logits, f.logits_before);
+}
+
+TEST(BadInput, InPlaceGradientWithAnotherDtype) {
+  Fixture f;
+  const TensorView as_half = TensorView::contiguous(f.logits.data(), kBFloat16, {kTokens, kVocab});
+  expect_error(f.run_backward(as_half), Code::kInvalidArgument, {"grad_logits", "in-place", "float32", "bfloat16"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, OutputsOverlapEachOther) {
+  Fixture f;
+  expect_error(f.run_forward(f.x(), f.y(), f.loss_view(), f.loss_view()), Code::kInvalidArgument,
+               {"loss", "does not overlap lse"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, NegativeThreadCount) {
+  Fixture f;
+  f.options.num_threads = -2;
+  expect_error(f.run_forward(), Code::kInvalidArgument, {"options.num_threads", "got -2"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, StagedApiChecksItsArguments) {
+  Fixture f;
+  std::vector<float> stats(kTokens * 4, -7.0f);
+  expect_error(calculate_local_stats(f.x(), f.y(), f.shard, f.options,
+                                     TensorView::contiguous(stats.data(), kFloat32, {kTokens, 3})),
+               Code::kInvalidArgument, {"stats.shape", "[6, 4]", "got [6, 3]"});
+  expect_error(merge_stats(TensorView::contiguous(stats.data(), kFloat32, {kTokens, 4}), f.options,
+                           TensorView::contiguous(stats.data(), kFloat32, {kTokens, 4})),
+               Code::kInvalidArgument, {"gathered.ndim", "expected 3", "got 2"});
+  std::vector<float> merged(kTokens * 4);
+  expect_error(merge_stats(TensorView::contiguous(stats.data(), kFloat32, {1, kTokens, 4}), f.options,
+                           TensorView::contiguous(stats.data(), kFloat32, {kTokens, 4})),
+               Code::kInvalidArgument, {"stats", "does not overlap gathered"});
+  expect_error(calculate_loss(TensorView::contiguous(stats.data(), kFloat32, {kTokens, 4}), 0, f.options,
+                              f.loss_view(), f.lse_view()),
+               Code::kInvalidArgument, {"vocab_size", ">= 1", "got 0"});
+  for (float s : stats) EXPECT_EQ(s, -7.0f);
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, ThreadGroupSize) {
+  std::unique_ptr<ThreadGroup> group;
+  expect_error(ThreadGroup::create(0, &group), Code::kInvalidArgument, {"num_ranks", "[1, 4096]", "got 0"});
+  expect_error(ThreadGroup::create(2, &group, std::chrono::milliseconds(0)), Code::kInvalidArgument, {"timeout"});
+  ASSERT_TRUE(ThreadGroup::create(2, &group).ok());
+  Fixture f;
+  expect_error(forward(group->communicator(5), f.x(), f.y(), f.shard, f.options, f.loss_view(), f.lse_view()),
+               Code::kInvalidArgument, {"comm", "rank -1 of 0"});
+  f.expect_nothing_written();
+}
+
+}  // namespace
+}  // namespace vpce::test

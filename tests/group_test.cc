@@ -1,0 +1,212 @@
+// tests/group_test.cc: the in-process backend and the forward's group protocol: exactly one
+// collective per forward and none in backward; ranks that disagree (tokens, V, dtype,
+// ranges, options, targets) or fail all return the same error; a rank that never arrives
+// gives a timeout, not a hang.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <functional>
+
+#include "support.h"
+
+namespace vpce::test {
+namespace {
+
+// Counts the collectives that pass through it.
+class CountingCommunicator final : public Communicator {
+ public:
+  explicit CountingCommunicator(Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  const char* name() const override { return "counting"; }
+  Status all_gather(const void* send, void* recv, std::size_t bytes) override {
+    ++calls;
+    return inner_.all_gather(send, recv, bytes);
+  }
+  int calls = 0;
+
+ private:
+  Communicator& inner_;
+};
+
+struct RankArgs {
+  std::vector<float> logits;
+  std::vector<int64_t> targets;
+  VocabShard shard;
+  DataType dtype = kFloat32;
+  LossOptions options;
+  std::vector<float> loss, lse;
+};
+
+// Four ranks over V = 40 with 5 tokens; `tweak(rank, args)` makes them disagree.
+std::vector<Status> run_group(const std::function<void(int, RankArgs&)>& tweak, int ranks = 4) {
+  std::unique_ptr<ThreadGroup> group;
+  EXPECT_TRUE(ThreadGroup::create(ranks, &group, std::chrono::seconds(20)).ok());
+  std::vector<RankArgs> args(static_cast<size_t>(ranks));
+  for (int r = 0; r < ranks; ++r) {
+    RankArgs& a = args[static_cast<size_t>(r)];
+    const int64_t width = 40 / ranks;
+    a.shard = {r * width, (r + 1) * width, 40};
+    a.targets = {0, 9, 10, 39, 20};
+    tweak(r, a);
+    a.logits.assign(a.targets.size() * static_cast<size_t>(a.shard.vocab_end - a.shard.vocab_begin), 0.5f);
+    a.loss.assign(5, -7.0f);
+    a.lse.assign(5, -7.0f);
+  }
+  return group->run([&](Communicator& comm) {
+    RankArgs& a = args[static_cast<size_t>(comm.rank())];
+    const int64_t cols = a.shard.vocab_end - a.shard.vocab_begin;
+    const Status s = forward(comm, TensorView::contiguous(a.logits.data(), a.dtype, {static_cast<int64_t>(a.targets.size()), cols}),
+                             TensorView::contiguous(a.targets.data(), kInt64, {static_cast<int64_t>(a.targets.size())}), a.shard,
+                             a.options, TensorView::contiguous(a.loss.data(), kFloat32, {static_cast<int64_t>(a.targets.size())}),
+                             TensorView::contiguous(a.lse.data(), kFloat32, {static_cast<int64_t>(a.targets.size())}));
+    if (!s.ok()) {
+      for (float v : a.loss) EXPECT_EQ(v, -7.0f) << "loss written despite the error";
+    }
+    return s;
+  });
+}
+
+// Every rank fails; all messages are the same and contain every fragment.
+void expect_all_fail(const std::vector<Status>& results, std::initializer_list<const char*> fragments) {
+  for (std::size_t r = 0; r < results.size(); ++r) {
+    EXPECT_FALSE(results[r].ok()) << "rank " << r << " succeeded";
+    EXPECT_EQ(results[r].message(), results[0].message()) << "rank " << r;
+    for (const char* f : fragments) {
+      EXPECT_NE(results[r].message().find(f), std::string::npos) << "missing '" << f << "' in " << results[r].message();
+    }
+  }
+}
+
+TEST(Group, AgreeingRanksSucceed) {
+  for (const Status& s : run_group([](int, RankArgs&) {})) EXPECT_TRUE(s.ok()) << s.to_string();
+}
+
+TEST(Group, OneCollectivePerForwardNonePerBackward) {
+  Problem problem = random_problem(9, 100, kFloat32, 1);
+  const auto shards = shards_from_sizes(even_splits(100, 3));
+  std::unique_ptr<ThreadGroup> group;
+  ASSERT_TRUE(ThreadGroup::create(3, &group).ok());
+  std::vector<int> calls(3);
+  const auto results = group->run([&](Communicator& comm) -> Status {
+    CountingCommunicator counting(comm);
+    const auto& shard = shards[static_cast<size_t>(comm.rank())];
+    std::vector<float> loss(9), lse(9), grad(9 * 100);
+    const TensorView x = problem.shard_view(shard);
+    const TensorView y = TensorView::contiguous(problem.targets.data(), kInt64, {9});
+    for (int step = 0; step < 5; ++step) {
+      if (Status s = forward(counting, x, y, shard, LossOptions{}, TensorView::contiguous(loss.data(), kFloat32, {9}),
+                             TensorView::contiguous(lse.data(), kFloat32, {9}));
+          !s.ok()) {
+        return s;
+      }
+      if (Status s = backward(x, y, TensorView::contiguous(lse.data(), kFloat32, {9}),
+                              TensorView::contiguous(problem.grad_loss.data(), kFloat32, {9}), shard, LossOptions{},
+                              TensorView::matrix(grad.data(), kFloat32, 9, shard.vocab_end - shard.vocab_begin, 100));
+          !s.ok()) {
+        return s;
+      }
+    }
+    calls[static_cast<size_t>(comm.rank())] = counting.calls;
+    return {};
+  });
+  for (const Status& s : results) ASSERT_TRUE(s.ok()) << s.to_string();
+  for (int c : calls) EXPECT_EQ(c, 5) << "5 forwards and 5 backwards must make exactly 5 collectives";
+}
+
+TEST(Group, OverlappingRanges) {
+  expect_all_fail(run_group([](int r, RankArgs& a) {
+                    if (r == 1) a.shard = {8, 20, 40};
+                  }),
+                  {"vocabulary ranges do not partition [0, 40)", "rank 0 [0, 10) and rank 1 [8, 20) overlap"});
+}
+
+TEST(Group, GapInRanges) {
+  expect_all_fail(run_group([](int r, RankArgs& a) {
+                    if (r == 3) a.shard = {32, 40, 40};
+                  }),
+                  {"vocabulary ranges do not partition", "[30, 32) belong to no rank"});
+}
+
+TEST(Group, DifferentVocabularySize) {
+  expect_all_fail(run_group([](int r, RankArgs& a) {
+                    if (r == 2) a.shard.vocab_size = 41;
+                  }),
+                  {"ranks disagree on the vocabulary size", "rank 0 has 40", "rank 2 has 41"});
+}
+
+TEST(Group, DifferentDtype) {
+  expect_all_fail(run_group([](int r, RankArgs& a) {
+                    if (r == 1) a.dtype = kBFloat16;
+                  }),
+                  {"ranks disagree on the logits' dtype", "float32", "bfloat16"});
+}
+
+TEST(Group, DifferentLabelSmoothing) {
+  expect_all_fail(run_group([](int r, RankArgs& a) {
+                    if (r == 3) a.options.label_smoothing = 0.1f;
+                  }),
+                  {"ranks disagree on options.label_smoothing"});
+}
+
+TEST(Group, DifferentTargets) {
+  expect_all_fail(run_group([](int r, RankArgs& a) {
+                    if (r == 2) a.targets[1] = 8;
+                  }),
+                  {"ranks disagree on the targets"});
+}
+
+TEST(Group, DifferentNumberOfTokens) {
+  expect_all_fail(run_group([](int r, RankArgs& a) {
+                    if (r == 1) a.targets.push_back(3);
+                  }),
+                  {"ranks disagree on the all_gather size"});
+}
+
+TEST(Group, OneRankWithBadArgumentsFailsEveryRank) {
+  const auto results = run_group([](int r, RankArgs& a) {
+    if (r == 2) a.targets[0] = 40;
+  });
+  expect_all_fail(results, {"rank 2 of 4", "targets", "got 40 at token 0"});
+  EXPECT_EQ(results[2].code(), Code::kInvalidArgument);
+  EXPECT_EQ(results[0].code(), Code::kRemoteError);
+}
+
+TEST(Group, MissingRankTimesOutAndBreaksTheGroup) {
+  std::unique_ptr<ThreadGroup> group;
+  ASSERT_TRUE(ThreadGroup::create(2, &group, std::chrono::milliseconds(200)).ok());
+  std::vector<float> send(4, 1.0f), recv(8);
+  const auto results = group->run([&](Communicator& comm) -> Status {
+    if (comm.rank() == 1) return {};  // never arrives
+    return comm.all_gather(send.data(), recv.data(), sizeof(float) * 4);
+  });
+  EXPECT_EQ(results[0].code(), Code::kTimeout) << results[0].to_string();
+  const auto again = group->run([&](Communicator& comm) { return comm.all_gather(send.data(), recv.data(), 16); });
+  for (const Status& s : again) {
+    EXPECT_EQ(s.code(), Code::kInvalidUsage);
+    EXPECT_NE(s.message().find("broken"), std::string::npos) << s.message();
+  }
+}
+
+TEST(Group, AllGatherOrdersByRank) {
+  std::unique_ptr<ThreadGroup> group;
+  ASSERT_TRUE(ThreadGroup::create(5, &group).ok());
+  std::vector<std::vector<int>> received(5, std::vector<int>(10));
+  const auto results = group->run([&](Communicator& comm) {
+    const int mine[2] = {comm.rank(), comm.rank() * 10};
+    return comm.all_gather(mine, received[static_cast<size_t>(comm.rank())].data(), sizeof(mine));
+  });
+  for (const Status& s : results) ASSERT_TRUE(s.ok());
+  for (const auto& got : received) EXPECT_EQ(got, (std::vector<int>{0, 0, 1, 10, 2, 20, 3, 30, 4, 40}));
+}
+
+TEST(Group, ExceptionInRankFunctionBecomesAnError) {
+  std::unique_ptr<ThreadGroup> group;
+  ASSERT_TRUE(ThreadGroup::create(1, &group).ok());
+  const auto results = group->run([](Communicator&) -> Status { throw std::runtime_error("boom"); });
+  EXPECT_EQ(results[0].code(), Code::kInternalError);
+  EXPECT_NE(results[0].message().find("boom"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace vpce::test

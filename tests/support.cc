@@ -1,0 +1,189 @@
+// tests/support.cc: shared test helpers (see support.h).
+#include "support.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "cpu/dtype.h"
+
+namespace vpce::test {
+
+using detail::BFloat16;
+using detail::Float16;
+
+std::vector<int64_t> even_splits(int64_t vocab, int ranks) {
+  std::vector<int64_t> sizes;
+  for (int r = 0; r < ranks; ++r) sizes.push_back(vocab / ranks + (r < vocab % ranks ? 1 : 0));
+  return sizes;
+}
+
+std::vector<VocabShard> shards_from_sizes(const std::vector<int64_t>& sizes) {
+  int64_t vocab = 0;
+  for (int64_t s : sizes) vocab += s;
+  std::vector<VocabShard> shards;
+  int64_t begin = 0;
+  for (int64_t s : sizes) {
+    shards.push_back({begin, begin + s, vocab});
+    begin += s;
+  }
+  return shards;
+}
+
+double Problem::at(int64_t i, int64_t v) const {
+  const std::byte* p = storage.data() + offset_bytes + (i * ld + v) * dtype.bytes();
+  if (dtype == kFloat32) {
+    float x;
+    std::memcpy(&x, p, 4);
+    return x;
+  }
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return dtype == kBFloat16 ? detail::to_float(BFloat16{bits}) : detail::to_float(Float16{bits});
+}
+
+void Problem::set(int64_t i, int64_t v, float value) {
+  std::byte* p = storage.data() + offset_bytes + (i * ld + v) * dtype.bytes();
+  if (dtype == kFloat32) {
+    std::memcpy(p, &value, 4);
+  } else if (dtype == kBFloat16) {
+    const BFloat16 b = detail::from_float<BFloat16>(value);
+    std::memcpy(p, &b, 2);
+  } else {
+    const Float16 h = detail::from_float<Float16>(value);
+    std::memcpy(p, &h, 2);
+  }
+}
+
+std::vector<double> Problem::as_double() const {
+  std::vector<double> out(static_cast<std::size_t>(tokens * vocab));
+  for (int64_t i = 0; i < tokens; ++i) {
+    for (int64_t v = 0; v < vocab; ++v) out[static_cast<std::size_t>(i * vocab + v)] = at(i, v);
+  }
+  return out;
+}
+
+TensorView Problem::shard_view(const VocabShard& shard) {
+  return TensorView::matrix(base() + shard.vocab_begin * dtype.bytes(), dtype, tokens,
+                            shard.vocab_end - shard.vocab_begin, ld);
+}
+
+Problem random_problem(int64_t tokens, int64_t vocab, DataType dtype, uint64_t seed, float stddev) {
+  Problem p;
+  p.tokens = tokens;
+  p.vocab = vocab;
+  p.ld = vocab + 3;
+  p.dtype = dtype;
+  p.offset_bytes = static_cast<std::size_t>(dtype.bytes());
+  p.storage.resize(static_cast<std::size_t>((tokens * p.ld + 1) * dtype.bytes()) + 64);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, stddev);
+  std::uniform_int_distribution<int64_t> target(0, vocab - 1);
+  std::uniform_real_distribution<float> upstream(0.5f, 2.0f);
+  for (int64_t i = 0; i < tokens; ++i) {
+    for (int64_t v = 0; v < p.ld; ++v) p.set(i, v, v < vocab ? normal(rng) : 1e30f);  // padding
+    p.targets.push_back(target(rng));
+    p.grad_loss.push_back(upstream(rng));
+  }
+  return p;
+}
+
+namespace {
+
+double grad_element(const std::vector<std::byte>& buffer, DataType dtype, std::size_t index) {
+  const std::byte* p = buffer.data() + index * static_cast<std::size_t>(dtype.bytes());
+  if (dtype == kFloat32) {
+    float x;
+    std::memcpy(&x, p, 4);
+    return x;
+  }
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return dtype == kBFloat16 ? detail::to_float(BFloat16{bits}) : detail::to_float(Float16{bits});
+}
+
+Status staged_forward(Communicator& comm, const TensorView& x, const TensorView& y,
+                      const VocabShard& shard, const LossOptions& options,
+                      std::vector<float>* stats_all, const TensorView& loss, const TensorView& lse) {
+  const int64_t n = x.shape[0];
+  const int ranks = comm.size();
+  std::vector<float> mine(static_cast<std::size_t>(n * 4));
+  if (Status s = calculate_local_stats(x, y, shard, options, TensorView::contiguous(mine.data(), kFloat32, {n, 4}));
+      !s.ok()) {
+    return s;
+  }
+  stats_all->resize(static_cast<std::size_t>(ranks * n * 4));
+  if (Status s = comm.all_gather(mine.data(), stats_all->data(), mine.size() * sizeof(float)); !s.ok()) return s;
+  std::vector<float> merged(static_cast<std::size_t>(n * 4));
+  const TensorView merged_view = TensorView::contiguous(merged.data(), kFloat32, {n, 4});
+  if (Status s = merge_stats(TensorView::contiguous(stats_all->data(), kFloat32, {ranks, n, 4}), options, merged_view);
+      !s.ok()) {
+    return s;
+  }
+  return calculate_loss(merged_view, shard.vocab_size, options, loss, lse);
+}
+
+}  // namespace
+
+RunResult run_ranks(Problem& problem, const std::vector<VocabShard>& shards, const RunOptions& options) {
+  const int ranks = static_cast<int>(shards.size());
+  const int64_t n = problem.tokens;
+  RunResult result;
+  result.per_rank.resize(static_cast<std::size_t>(ranks));
+  for (RankOutputs& o : result.per_rank) {
+    o.loss.assign(static_cast<std::size_t>(n), std::nanf(""));
+    o.lse.assign(static_cast<std::size_t>(n), std::nanf(""));
+  }
+  const DataType grad_dtype = options.in_place ? problem.dtype : options.grad_dtype;
+  std::vector<std::byte> grad(static_cast<std::size_t>(n * problem.vocab * grad_dtype.bytes()) + 8);
+  std::unique_ptr<ThreadGroup> group;
+  if (Status s = ThreadGroup::create(ranks, &group); !s.ok()) {
+    result.status.assign(static_cast<std::size_t>(ranks), s);
+    return result;
+  }
+  result.status = group->run([&](Communicator& comm) -> Status {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    const VocabShard& shard = shards[r];
+    const TensorView x = problem.shard_view(shard);
+    const TensorView y = TensorView::contiguous(problem.targets.data(), kInt64, {n});
+    const TensorView loss = TensorView::contiguous(result.per_rank[r].loss.data(), kFloat32, {n});
+    const TensorView lse = TensorView::contiguous(result.per_rank[r].lse.data(), kFloat32, {n});
+    std::vector<float> stats_all;
+    Workspace workspace;
+    const Status forwarded = options.staged
+                                 ? staged_forward(comm, x, y, shard, options.loss, &stats_all, loss, lse)
+                                 : forward(comm, x, y, shard, options.loss, loss, lse, &workspace);
+    if (!forwarded.ok()) return forwarded;
+    const TensorView g = TensorView::contiguous(problem.grad_loss.data(), kFloat32, {n});
+    const int64_t cols = shard.vocab_end - shard.vocab_begin;
+    const TensorView out =
+        options.in_place ? x
+                         : TensorView::matrix(grad.data() + shard.vocab_begin * grad_dtype.bytes(),
+                                              grad_dtype, n, cols, problem.vocab);
+    return options.staged ? calculate_gradients(x, y, lse, g, shard, options.loss, out)
+                          : backward(x, y, lse, g, shard, options.loss, out);
+  });
+  result.grad.resize(static_cast<std::size_t>(n * problem.vocab));
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t v = 0; v < problem.vocab; ++v) {
+      result.grad[static_cast<std::size_t>(i * problem.vocab + v)] =
+          options.in_place ? problem.at(i, v)
+                           : grad_element(grad, grad_dtype, static_cast<std::size_t>(i * problem.vocab + v));
+    }
+  }
+  return result;
+}
+
+double relative_error(const std::vector<double>& a, const std::vector<double>& b) {
+  double worst = 0.0;
+  double scale = 0.0;
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    const double d = std::fabs(a[i] - b[i]);
+    worst = std::isnan(d) ? HUGE_VAL : std::max(worst, d);
+    scale = std::max(scale, std::fabs(b[i]));
+  }
+  return scale > 0.0 ? worst / scale : worst;
+}
+
+std::vector<double> widen(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+}  // namespace vpce::test

@@ -1,0 +1,68 @@
+// tests/support.h: what the tests share: random inputs in every dtype, laid out as R
+// shards of one strided, deliberately misaligned [N, ld] buffer; a runner that calls
+// vpce on R in-process ranks; and error measures against the fp64 oracle.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "vpce/vpce.h"
+
+namespace vpce::test {
+
+// Shard sizes: as even as possible (the first V % R shards one larger).
+std::vector<int64_t> even_splits(int64_t vocab, int ranks);
+std::vector<VocabShard> shards_from_sizes(const std::vector<int64_t>& sizes);
+
+// A full [N, V] logits problem stored in `dtype` inside a buffer with row stride ld > V
+// and a start offset of one element, so that no row is 64-byte aligned.
+struct Problem {
+  int64_t tokens = 0;
+  int64_t vocab = 0;
+  int64_t ld = 0;
+  DataType dtype = kFloat32;
+  std::vector<std::byte> storage;
+  std::size_t offset_bytes = 0;
+  std::vector<int64_t> targets;
+  std::vector<float> grad_loss;  // per-token upstream gradient
+
+  std::byte* base() { return storage.data() + offset_bytes; }
+  // The value at (i, v) as stored, widened to double: what the oracle sees.
+  double at(int64_t i, int64_t v) const;
+  void set(int64_t i, int64_t v, float value);
+  std::vector<double> as_double() const;  // [N, V] row-major
+  // Rank view of columns [shard.vocab_begin, shard.vocab_end).
+  TensorView shard_view(const VocabShard& shard);
+};
+
+// Normal(0, stddev) logits rounded to `dtype`, uniform targets, upstream gradients in [0.5, 2).
+Problem random_problem(int64_t tokens, int64_t vocab, DataType dtype, uint64_t seed,
+                       float stddev = 3.0f);
+
+struct RankOutputs {
+  std::vector<float> loss, lse;
+};
+
+struct RunResult {
+  std::vector<Status> status;          // per rank
+  std::vector<RankOutputs> per_rank;   // per rank
+  std::vector<double> grad;            // [N, V], gathered from every rank's columns
+};
+
+struct RunOptions {
+  LossOptions loss;
+  bool in_place = false;
+  DataType grad_dtype = kFloat32;  // out of place only
+  bool staged = false;             // use the staged API instead of forward()
+};
+
+// Runs forward and backward on one ThreadGroup of shards.size() ranks.
+RunResult run_ranks(Problem& problem, const std::vector<VocabShard>& shards, const RunOptions& options);
+
+// max |a - b| / max |b| (or max |a - b| when b is all zero).
+double relative_error(const std::vector<double>& a, const std::vector<double>& b);
+std::vector<double> widen(const std::vector<float>& v);
+
+}  // namespace vpce::test
