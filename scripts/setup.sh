@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs what building and testing vpce needs on Debian 12 (as root, or through sudo).
+# Does nothing when everything is already there.
+set -euo pipefail
+packages=(g++ cmake make libgtest-dev libcli11-dev libdlpack-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
