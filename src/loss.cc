@@ -2,8 +2,6 @@
 //
 // Each entry validates every argument, then runs its kernel; on any error it returns
 // before writing anything.
-#include <cstring>
-
 #include "cpu/kernels.h"
 #include "validate.h"
 #include "vpce/loss.h"
@@ -102,9 +100,8 @@ Status calculate_loss(const TensorView& stats, int64_t vocab_size, const LossOpt
   }
   if (Status s = detail::check_options(options, vocab_size); !s.ok()) return s;
   RowMatrix in;
-  if (Status s = detail::check_dtype("stats", stats.dtype, {kFloat32}, "float32"); !s.ok()) return s;
-  if (Status s = detail::as_row_matrix(stats, "stats", &in); !s.ok()) return s;
-  if (Status s = detail::as_stats_matrix(stats, "stats", in.rows, &in); !s.ok()) return s;
+  const int64_t tokens = stats.ndim >= 1 && stats.ndim <= TensorView::kMaxDims ? stats.shape[0] : 0;
+  if (Status s = detail::as_stats_matrix(stats, "stats", tokens, &in); !s.ok()) return s;
   TokenVector loss_out;
   TokenVector lse_out;
   if (Status s = detail::as_float_tokens(loss, "loss", in.rows, &loss_out); !s.ok()) return s;

@@ -1,9 +1,7 @@
 // validate.cc: argument checks shared by every public entry point (see validate.h).
 #include "validate.h"
 
-#include <cmath>
 #include <cstdio>
-#include <vector>
 
 namespace vpce::detail {
 namespace {

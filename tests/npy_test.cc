@@ -89,7 +89,7 @@ void expect_rejected(const std::vector<std::byte>& bytes, const char* fragment) 
 }
 
 TEST(Npy, RejectsMalformedFiles) {
-  const float four[4] = {};
+  const float four[8] = {};  // room for the oversized case
   const std::string good_start = "{'descr': '<f4', 'fortran_order': False, 'shape': ";
   expect_rejected({std::byte{0x93}, std::byte{'N'}}, "magic");
   expect_rejected(image(good_start + "(4,), }", four, 16, 4), "format version");

@@ -10,12 +10,14 @@
 
 #include "dtype.h"
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 namespace vpce::detail {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-int threads_or_default(int num_threads) { return num_threads > 0 ? num_threads : 0; }
 
 int64_t target_at(const TokenVector& targets, int64_t i) {
   return targets.dtype == kInt64 ? targets.at<int64_t>(i) : targets.at<int32_t>(i);
@@ -25,18 +27,13 @@ int64_t target_at(const TokenVector& targets, int64_t i) {
 template <class Body>
 void parallel_rows(int64_t n, int num_threads, const Body& body) {
 #if defined(_OPENMP)
-  const int threads = threads_or_default(num_threads);
-  if (threads == 1 || n < 2) {
+  if (num_threads == 1 || n < 2) {
     for (int64_t i = 0; i < n; ++i) body(i);
     return;
   }
-  if (threads > 0) {
+  const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < n; ++i) body(i);
-  } else {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) body(i);
-  }
+  for (int64_t i = 0; i < n; ++i) body(i);
 #else
   (void)num_threads;
   for (int64_t i = 0; i < n; ++i) body(i);
