@@ -49,27 +49,43 @@ int64_t announced_tokens(const TensorView& targets) {
   return n <= (int64_t{1} << 36) ? n : 0;
 }
 
-Status check_outputs(const LossInputs& in, const TensorView& loss, const TensorView& lse,
-                     TokenVector* loss_out, TokenVector* lse_out) {
+// The forward's outputs: float32, one per token (the loss: one element for a reduction),
+// overlapping neither each other nor the inputs.
+Status check_outputs(const LossInputs& in, const LossOptions& options, const TensorView& loss,
+                     const TensorView& lse, const ForwardExtras& extras, detail::LossOutputs* out) {
   const int64_t n = in.logits.rows;
-  if (Status s = detail::as_float_tokens(loss, "loss", n, loss_out); !s.ok()) return s;
-  if (Status s = detail::as_float_tokens(lse, "lse", n, lse_out); !s.ok()) return s;
-  const struct {
+  if (Status s = detail::check_loss_output(loss, "loss", n, options.reduction, &out->loss); !s.ok()) return s;
+  if (Status s = detail::as_float_tokens(lse, "lse", n, &out->lse); !s.ok()) return s;
+  if (extras.target_is_argmax != nullptr) {
+    if (Status s = detail::as_float_tokens(*extras.target_is_argmax, "target_is_argmax", n, &out->target_is_argmax);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (extras.entropy != nullptr) {
+    if (Status s = detail::as_float_tokens(*extras.entropy, "entropy", n, &out->entropy); !s.ok()) return s;
+  }
+  struct Region {
     const char* name;
     const char* begin;
     const char* end;
-  } regions[] = {{"loss", loss_out->base, loss_out->end_byte()},
-                 {"lse", lse_out->base, lse_out->end_byte()},
-                 {"the logits", in.logits.begin_byte(), in.logits.end_byte()},
-                 {"the targets", in.targets.base, in.targets.end_byte()}};
-  for (int out = 0; out < 2; ++out) {
-    for (int other = out + 1; other < 4; ++other) {
-      if (detail::overlaps(regions[out].begin, regions[out].end, regions[other].begin,
-                           regions[other].end)) {
+  };
+  auto region = [](const char* name, const TokenVector& v) { return Region{name, v.base, v.end_byte()}; };
+  const Region regions[] = {region("loss", out->loss),
+                            region("lse", out->lse),
+                            region("target_is_argmax", out->target_is_argmax),
+                            region("entropy", out->entropy),
+                            {"the logits", in.logits.begin_byte(), in.logits.end_byte()},
+                            region("the targets", in.targets),
+                            region("the weights", in.weights)};
+  constexpr int kOutputs = 4;
+  constexpr int kRegions = 7;
+  for (int a = 0; a < kOutputs; ++a) {
+    for (int b = a + 1; b < kRegions; ++b) {
+      if (regions[a].begin != nullptr && regions[b].begin != nullptr &&
+          detail::overlaps(regions[a].begin, regions[a].end, regions[b].begin, regions[b].end)) {
         return {Code::kInvalidArgument,
-                detail::expected_got(regions[out].name,
-                                     std::string("memory that does not overlap ") +
-                                         regions[other].name,
+                detail::expected_got(regions[a].name, std::string("memory that does not overlap ") + regions[b].name,
                                      "an overlapping buffer")};
       }
     }
@@ -81,7 +97,7 @@ Status check_outputs(const LossInputs& in, const TensorView& loss, const TensorV
 
 Status forward(Communicator& comm, const TensorView& logits, const TensorView& targets,
                const VocabShard& shard, const LossOptions& options, const TensorView& loss,
-               const TensorView& lse, Workspace* workspace) {
+               const TensorView& lse, const ForwardExtras& extras, Workspace* workspace) {
   const int rank = comm.rank();
   const int ranks = comm.size();
   if (ranks < 1 || rank < 0 || rank >= ranks) {
@@ -91,19 +107,20 @@ Status forward(Communicator& comm, const TensorView& logits, const TensorView& t
   }
 
   LossInputs in;
-  TokenVector loss_out;
-  TokenVector lse_out;
-  Status local = detail::check_loss_inputs(logits, targets, shard, options, &in);
-  if (local.ok()) local = check_outputs(in, loss, lse, &loss_out, &lse_out);
+  detail::LossOutputs out;
+  Status local = detail::check_loss_inputs(logits, targets, extras.weights, shard, options, &in);
+  if (local.ok()) local = check_outputs(in, options, loss, lse, extras, &out);
   const int64_t n = local.ok() ? in.logits.rows : announced_tokens(targets);
+  const bool with_extras = extras.target_is_argmax != nullptr || extras.entropy != nullptr;
+  const int64_t width = with_extras ? kStatsWidthWithExtras : kStatsWidth;
 
   Workspace own;
   Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
-  const std::size_t payload = detail::payload_bytes(n);
+  const std::size_t payload = detail::payload_bytes(n, width);
   try {
     buffers->send.resize(payload);
     buffers->recv.resize(payload * static_cast<std::size_t>(ranks));
-    buffers->merged.resize(static_cast<std::size_t>(n) * sizeof(TokenStats));
+    buffers->merged.resize(static_cast<std::size_t>(n * width) * sizeof(float));
   } catch (const std::bad_alloc&) {
     return {Code::kSystemError, "forward: could not allocate " +
                                     std::to_string(payload * static_cast<std::size_t>(ranks + 1)) +
@@ -111,13 +128,13 @@ Status forward(Communicator& comm, const TensorView& logits, const TensorView& t
   }
 
   const detail::RankHeader header =
-      detail::make_header(rank, ranks, n, shard, logits.dtype, options, in.targets_hash, local);
+      detail::make_header(rank, ranks, n, width, shard, logits.dtype, options, extras.weights != nullptr,
+                          in.inputs_hash, local);
   std::memcpy(buffers->send.data(), &header, sizeof(header));
+  const detail::LossParams params = detail::loss_params(options, shard.vocab_size);
   if (local.ok()) {
-    const RowMatrix stats{reinterpret_cast<char*>(buffers->send.data() + sizeof(header)), kFloat32,
-                          n, 4, 4};
-    detail::local_stats_kernel(in.logits, in.targets, shard.vocab_begin,
-                               options.label_smoothing != 0.0f, options.num_threads, stats);
+    const RowMatrix stats{reinterpret_cast<char*>(buffers->send.data() + sizeof(header)), kFloat32, n, width, width};
+    detail::local_stats_kernel(in.logits, in.targets, shard.vocab_begin, params, options.num_threads, stats);
   }
 
   Status gathered = comm.all_gather(buffers->send.data(), buffers->recv.data(), payload);
@@ -125,13 +142,11 @@ Status forward(Communicator& comm, const TensorView& logits, const TensorView& t
   const auto* recv = reinterpret_cast<const char*>(buffers->recv.data());
   if (Status group = detail::check_group(recv, payload, ranks, rank); !group.ok()) return group;
 
-  const RowMatrix merged{reinterpret_cast<char*>(buffers->merged.data()), kFloat32, n, 4, 4};
+  const RowMatrix merged{reinterpret_cast<char*>(buffers->merged.data()), kFloat32, n, width, width};
   detail::merge_stats_kernel(reinterpret_cast<const float*>(recv + sizeof(header)),
-                             static_cast<int64_t>(payload / sizeof(float)), ranks, n, 4,
-                             options.num_threads, merged);
-  detail::loss_kernel(merged, shard.vocab_size,
-                      detail::smoothing_terms(options.label_smoothing, shard.vocab_size),
-                      options.num_threads, loss_out, lse_out);
+                             static_cast<int64_t>(payload / sizeof(float)), ranks, width, options.num_threads,
+                             merged);
+  detail::loss_kernel(merged, in.targets, in.weights, params, options.num_threads, out);
   return {};
 }
 

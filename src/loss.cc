@@ -20,25 +20,38 @@ Status overlap_error(const char* output, const char* input) {
                                "an overlapping buffer")};
 }
 
+bool overlaps(const TokenVector& a, const char* begin, const char* end) {
+  return detail::overlaps(a.base, a.end_byte(), begin, end);
+}
+
+// A stats tensor: float32 [rows, 4] or [rows, 6]; rows = its first dimension.
+Status as_any_stats(const TensorView& t, const char* name, RowMatrix* out) {
+  if (t.ndim != 2) {
+    return {Code::kInvalidArgument, detail::expected_got((std::string(name) + ".ndim").c_str(),
+                                                         "2 ([tokens, 4 or 6])", std::to_string(t.ndim))};
+  }
+  const int64_t width = t.shape[1] == kStatsWidthWithExtras ? kStatsWidthWithExtras : kStatsWidth;
+  return detail::as_stats_matrix(t, name, t.shape[0], width, out);
+}
+
 }  // namespace
 
 Status calculate_local_stats(const TensorView& logits, const TensorView& targets,
                              const VocabShard& shard, const LossOptions& options,
                              const TensorView& stats) {
   LossInputs in;
-  if (Status s = detail::check_loss_inputs(logits, targets, shard, options, &in); !s.ok()) return s;
+  if (Status s = detail::check_loss_inputs(logits, targets, nullptr, shard, options, &in); !s.ok()) {
+    return s;
+  }
   RowMatrix out;
-  if (Status s = detail::as_stats_matrix(stats, "stats", in.logits.rows, &out); !s.ok()) return s;
-  if (detail::overlaps(out.begin_byte(), out.end_byte(), in.logits.begin_byte(),
-                       in.logits.end_byte())) {
+  const int64_t width = stats.ndim == 2 && stats.shape[1] == kStatsWidthWithExtras ? kStatsWidthWithExtras : kStatsWidth;
+  if (Status s = detail::as_stats_matrix(stats, "stats", in.logits.rows, width, &out); !s.ok()) return s;
+  if (detail::overlaps(out.begin_byte(), out.end_byte(), in.logits.begin_byte(), in.logits.end_byte())) {
     return overlap_error("stats", "the logits");
   }
-  if (detail::overlaps(out.begin_byte(), out.end_byte(), in.targets.base, in.targets.end_byte())) {
-    return overlap_error("stats", "the targets");
-  }
-  const bool with_sum_logits = options.label_smoothing != 0.0f;
-  detail::local_stats_kernel(in.logits, in.targets, shard.vocab_begin, with_sum_logits,
-                             options.num_threads, out);
+  if (overlaps(in.targets, out.begin_byte(), out.end_byte())) return overlap_error("stats", "the targets");
+  detail::local_stats_kernel(in.logits, in.targets, shard.vocab_begin,
+                             detail::loss_params(options, shard.vocab_size), options.num_threads, out);
   return {};
 }
 
@@ -49,88 +62,111 @@ Status merge_stats(const TensorView& gathered, const LossOptions& options,
   }
   if (gathered.ndim != 3) {
     return {Code::kInvalidArgument,
-            detail::expected_got("gathered.ndim", "3 ([ranks, tokens, 4])",
-                                 std::to_string(gathered.ndim))};
+            detail::expected_got("gathered.ndim", "3 ([ranks, tokens, 4 or 6])", std::to_string(gathered.ndim))};
   }
   const int64_t ranks = gathered.shape[0];
   if (ranks < 1 || ranks > (1 << 20)) {
     return {Code::kInvalidArgument,
-            detail::expected_got("gathered.shape[0]", "a number of ranks in [1, 2^20]",
-                                 std::to_string(ranks))};
+            detail::expected_got("gathered.shape[0]", "a number of ranks in [1, 2^20]", std::to_string(ranks))};
   }
   if (options.num_threads < 0) {
     return {Code::kInvalidArgument,
             detail::expected_got("options.num_threads", ">= 0", std::to_string(options.num_threads))};
   }
-  // Rank r's [N, 4] block is itself a row matrix; check the first and the stride to the rest.
+  // Rank r's [N, W] block is itself a stats matrix; check the first and the stride to the rest.
   TensorView block = gathered;
   block.ndim = 2;
   block.shape = {gathered.shape[1], gathered.shape[2]};
   block.strides = {gathered.strides[1], gathered.strides[2]};
   RowMatrix first;
-  if (Status s = detail::as_stats_matrix(block, "gathered[r]", gathered.shape[1], &first); !s.ok()) {
-    return s;
-  }
+  if (Status s = as_any_stats(block, "gathered[r]", &first); !s.ok()) return s;
   const int64_t rank_stride = gathered.strides[0];
   const int64_t block_elements = (first.end_byte() - first.begin_byte()) / 4;
   if (ranks > 1 && rank_stride < block_elements) {
     return {Code::kInvalidArgument,
             detail::expected_got("gathered.strides[0]",
-                                 ">= " + std::to_string(block_elements) +
-                                     " (ranks' blocks must not overlap)",
+                                 ">= " + std::to_string(block_elements) + " (ranks' blocks must not overlap)",
                                  std::to_string(rank_stride))};
   }
   RowMatrix out;
-  if (Status s = detail::as_stats_matrix(stats, "stats", first.rows, &out); !s.ok()) return s;
-  const char* gathered_end = first.begin_byte() + ((ranks - 1) * rank_stride) * 4 +
-                             (first.end_byte() - first.begin_byte());
+  if (Status s = detail::as_stats_matrix(stats, "stats", first.rows, first.cols, &out); !s.ok()) return s;
+  const char* gathered_end =
+      first.begin_byte() + ((ranks - 1) * rank_stride) * 4 + (first.end_byte() - first.begin_byte());
   if (detail::overlaps(out.begin_byte(), out.end_byte(), first.begin_byte(), gathered_end)) {
     return overlap_error("stats", "gathered");
   }
-  detail::merge_stats_kernel(first.row<const float>(0), rank_stride, static_cast<int>(ranks),
-                             first.rows, first.row_stride, options.num_threads, out);
+  detail::merge_stats_kernel(first.row<const float>(0), rank_stride, static_cast<int>(ranks), first.row_stride,
+                             options.num_threads, out);
   return {};
 }
 
-Status calculate_loss(const TensorView& stats, int64_t vocab_size, const LossOptions& options,
-                      const TensorView& loss, const TensorView& lse) {
-  if (vocab_size < 1) {
+Status calculate_loss(const TensorView& stats, const TensorView& targets, int64_t vocab_size,
+                      const LossOptions& options, const TensorView& loss, const TensorView& lse,
+                      const ForwardExtras& extras) {
+  if (vocab_size < 1 || vocab_size > INT32_MAX) {
     return {Code::kInvalidArgument,
-            detail::expected_got("vocab_size", ">= 1", std::to_string(vocab_size))};
+            detail::expected_got("vocab_size", "a value in [1, 2^31 - 1]", std::to_string(vocab_size))};
   }
   if (Status s = detail::check_options(options, vocab_size); !s.ok()) return s;
   RowMatrix in;
-  const int64_t tokens = stats.ndim >= 1 && stats.ndim <= TensorView::kMaxDims ? stats.shape[0] : 0;
-  if (Status s = detail::as_stats_matrix(stats, "stats", tokens, &in); !s.ok()) return s;
-  TokenVector loss_out;
-  TokenVector lse_out;
-  if (Status s = detail::as_float_tokens(loss, "loss", in.rows, &loss_out); !s.ok()) return s;
-  if (Status s = detail::as_float_tokens(lse, "lse", in.rows, &lse_out); !s.ok()) return s;
-  if (detail::overlaps(loss_out.base, loss_out.end_byte(), lse_out.base, lse_out.end_byte())) {
-    return overlap_error("loss", "lse");
+  if (Status s = as_any_stats(stats, "stats", &in); !s.ok()) return s;
+  const int64_t n = in.rows;
+  TokenVector y;
+  if (Status s = detail::check_dtype("targets", targets.dtype, {kInt32, kInt64}, "int32 or int64"); !s.ok()) return s;
+  if (Status s = detail::as_token_vector(targets, "targets", n, &y); !s.ok()) return s;
+  const int64_t valid = options.valid_vocab_size > 0 ? options.valid_vocab_size : vocab_size;
+  uint64_t hash = 0;
+  if (Status s = detail::check_targets(y, valid, options.ignore_index, &hash); !s.ok()) return s;
+  TokenVector weights;
+  if (Status s = detail::check_weights(extras.weights, n, &weights, &hash); !s.ok()) return s;
+
+  detail::LossOutputs out;
+  if (Status s = detail::check_loss_output(loss, "loss", n, options.reduction, &out.loss); !s.ok()) return s;
+  if (Status s = detail::as_float_tokens(lse, "lse", n, &out.lse); !s.ok()) return s;
+  const std::pair<const TensorView*, TokenVector*> wanted[] = {{extras.target_is_argmax, &out.target_is_argmax},
+                                                               {extras.entropy, &out.entropy}};
+  for (const auto& [view, vec] : wanted) {
+    if (view == nullptr) continue;
+    const char* name = vec == &out.entropy ? "entropy" : "target_is_argmax";
+    if (in.cols != kStatsWidthWithExtras) {
+      return {Code::kInvalidArgument,
+              detail::expected_got("stats", std::string("6 columns (the extras) to compute ") + name,
+                                   std::to_string(in.cols))};
+    }
+    if (Status s = detail::as_float_tokens(*view, name, n, vec); !s.ok()) return s;
   }
-  for (const TokenVector* out : {&loss_out, &lse_out}) {
-    if (detail::overlaps(out->base, out->end_byte(), in.begin_byte(), in.end_byte())) {
-      return overlap_error(out == &loss_out ? "loss" : "lse", "stats");
+  const TokenVector* outputs[] = {&out.loss, &out.lse, &out.target_is_argmax, &out.entropy};
+  for (int a = 0; a < 4; ++a) {
+    if (!detail::present(*outputs[a])) continue;
+    if (overlaps(*outputs[a], in.begin_byte(), in.end_byte()) || overlaps(*outputs[a], y.base, y.end_byte()) ||
+        (detail::present(weights) && overlaps(*outputs[a], weights.base, weights.end_byte()))) {
+      return overlap_error("an output", "the stats, targets or weights");
+    }
+    for (int b = a + 1; b < 4; ++b) {
+      if (detail::present(*outputs[b]) && overlaps(*outputs[a], outputs[b]->base, outputs[b]->end_byte())) {
+        return overlap_error("the outputs", "each other");
+      }
     }
   }
-  detail::loss_kernel(in, vocab_size, detail::smoothing_terms(options.label_smoothing, vocab_size),
-                      options.num_threads, loss_out, lse_out);
+  detail::loss_kernel(in, y, weights, detail::loss_params(options, vocab_size), options.num_threads, out);
   return {};
 }
 
 Status backward(const TensorView& logits, const TensorView& targets, const TensorView& lse,
                 const TensorView& grad_loss, const VocabShard& shard,
-                const LossOptions& options, const TensorView& grad_logits) {
+                const LossOptions& options, const TensorView& grad_logits,
+                const TensorView* weights) {
   LossInputs in;
-  if (Status s = detail::check_loss_inputs(logits, targets, shard, options, &in); !s.ok()) return s;
+  if (Status s = detail::check_loss_inputs(logits, targets, weights, shard, options, &in); !s.ok()) return s;
   const int64_t n = in.logits.rows;
   TokenVector lse_in;
   TokenVector upstream;
   if (Status s = detail::as_float_tokens(lse, "lse", n, &lse_in); !s.ok()) return s;
-  if (Status s = detail::as_float_tokens(grad_loss, "grad_loss", n, &upstream); !s.ok()) return s;
-  if (Status s = detail::check_dtype("grad_logits", grad_logits.dtype,
-                                     {kFloat32, kBFloat16, kFloat16}, "float32, bfloat16 or float16");
+  if (Status s = detail::check_loss_output(grad_loss, "grad_loss", n, options.reduction, &upstream); !s.ok()) {
+    return s;
+  }
+  if (Status s = detail::check_dtype("grad_logits", grad_logits.dtype, {kFloat32, kBFloat16, kFloat16},
+                                     "float32, bfloat16 or float16");
       !s.ok()) {
     return s;
   }
@@ -148,27 +184,23 @@ Status backward(const TensorView& logits, const TensorView& targets, const Tenso
       (grad.dtype != in.logits.dtype || (n > 1 && grad.row_stride != in.logits.row_stride))) {
     return {Code::kInvalidArgument,
             detail::expected_got("grad_logits",
-                                 "for an in-place gradient, the logits' dtype " +
-                                     to_string(in.logits.dtype) + " and row stride " +
-                                     std::to_string(in.logits.row_stride),
-                                 to_string(grad.dtype) + " and row stride " +
-                                     std::to_string(grad.row_stride))};
+                                 "for an in-place gradient, the logits' dtype " + to_string(in.logits.dtype) +
+                                     " and row stride " + std::to_string(in.logits.row_stride),
+                                 to_string(grad.dtype) + " and row stride " + std::to_string(grad.row_stride))};
   }
-  if (!in_place && detail::overlaps(grad.begin_byte(), grad.end_byte(), in.logits.begin_byte(),
-                                    in.logits.end_byte())) {
+  if (!in_place &&
+      detail::overlaps(grad.begin_byte(), grad.end_byte(), in.logits.begin_byte(), in.logits.end_byte())) {
     return overlap_error("grad_logits", "the logits (or exactly the logits, for in place)");
   }
   const std::pair<const char*, const TokenVector*> token_inputs[] = {
-      {"the targets", &in.targets}, {"lse", &lse_in}, {"grad_loss", &upstream}};
+      {"the targets", &in.targets}, {"lse", &lse_in}, {"grad_loss", &upstream}, {"the weights", &in.weights}};
   for (const auto& [label, vec] : token_inputs) {
-    if (detail::overlaps(grad.begin_byte(), grad.end_byte(), vec->base, vec->end_byte())) {
+    if (detail::present(*vec) && overlaps(*vec, grad.begin_byte(), grad.end_byte())) {
       return overlap_error("grad_logits", label);
     }
   }
-  detail::gradient_kernel(in.logits, in.targets, lse_in, upstream, shard.vocab_begin,
-                          shard.vocab_size,
-                          detail::smoothing_terms(options.label_smoothing, shard.vocab_size),
-                          options.num_threads, grad);
+  detail::gradient_kernel(in.logits, in.targets, in.weights, lse_in, upstream, shard.vocab_begin,
+                          detail::loss_params(options, shard.vocab_size), options.num_threads, grad);
   return {};
 }
 

@@ -80,9 +80,9 @@ Status check_partition(const std::vector<RankHeader>& headers) {
 
 }  // namespace
 
-RankHeader make_header(int rank, int num_ranks, int64_t num_tokens, const VocabShard& shard,
-                       DataType logits_dtype, const LossOptions& options, uint64_t targets_hash,
-                       const Status& local) {
+RankHeader make_header(int rank, int num_ranks, int64_t num_tokens, int64_t stats_width,
+                       const VocabShard& shard, DataType logits_dtype, const LossOptions& options,
+                       bool has_weights, uint64_t inputs_hash, const Status& local) {
   RankHeader h;
   h.rank = rank;
   h.num_ranks = num_ranks;
@@ -92,8 +92,17 @@ RankHeader make_header(int rank, int num_ranks, int64_t num_tokens, const VocabS
   h.vocab_size = shard.vocab_size;
   h.vocab_begin = shard.vocab_begin;
   h.vocab_end = shard.vocab_end;
-  h.targets_hash = targets_hash;
+  h.inputs_hash = inputs_hash;
+  h.stats_width = stats_width;
+  h.ignore_index = options.ignore_index;
+  h.valid_vocab_size = options.valid_vocab_size;
   h.label_smoothing_bits = std::bit_cast<uint32_t>(options.label_smoothing);
+  h.z_loss_bits = std::bit_cast<uint32_t>(options.z_loss_weight);
+  h.logit_scale_bits = std::bit_cast<uint32_t>(options.logit_scale);
+  h.softcap_bits = std::bit_cast<uint32_t>(options.softcap);
+  h.smoothing_semantics = static_cast<int32_t>(options.smoothing_semantics);
+  h.reduction = static_cast<int32_t>(options.reduction);
+  h.has_weights = has_weights ? 1 : 0;
   const std::string& text = local.message();
   std::memcpy(h.message, text.data(), std::min(text.size(), sizeof(h.message) - 1));
   return h;
@@ -137,13 +146,32 @@ Status check_group(const char* gathered, std::size_t stride, int ranks, int self
       return disagree("the logits' dtype", 0, dtype_text(first.logits_dtype), r,
                       dtype_text(h.logits_dtype));
     }
-    if (h.label_smoothing_bits != first.label_smoothing_bits) {
-      return disagree("options.label_smoothing", 0,
-                      std::to_string(std::bit_cast<float>(first.label_smoothing_bits)), r,
-                      std::to_string(std::bit_cast<float>(h.label_smoothing_bits)));
+    const struct {
+      const char* what;
+      int64_t mine;
+      int64_t theirs;
+      bool is_float;
+    } options[] = {
+        {"options.label_smoothing", first.label_smoothing_bits, h.label_smoothing_bits, true},
+        {"options.smoothing_semantics", first.smoothing_semantics, h.smoothing_semantics, false},
+        {"options.ignore_index", first.ignore_index, h.ignore_index, false},
+        {"options.z_loss_weight", first.z_loss_bits, h.z_loss_bits, true},
+        {"options.logit_scale", first.logit_scale_bits, h.logit_scale_bits, true},
+        {"options.softcap", first.softcap_bits, h.softcap_bits, true},
+        {"options.valid_vocab_size", first.valid_vocab_size, h.valid_vocab_size, false},
+        {"options.reduction", first.reduction, h.reduction, false},
+        {"whether weights are given", first.has_weights, h.has_weights, false},
+        {"which extras are computed (stats per token)", first.stats_width, h.stats_width, false},
+    };
+    for (const auto& o : options) {
+      if (o.mine == o.theirs) continue;
+      auto text = [&](int64_t v) {
+        return o.is_float ? std::to_string(std::bit_cast<float>(static_cast<uint32_t>(v))) : std::to_string(v);
+      };
+      return disagree(o.what, 0, text(o.mine), r, text(o.theirs));
     }
-    if (h.targets_hash != first.targets_hash) {
-      return disagree("the targets", 0, "one set of values", r, "another (their hashes differ)");
+    if (h.inputs_hash != first.inputs_hash) {
+      return disagree("the targets or weights", 0, "one set of values", r, "another (their hashes differ)");
     }
   }
   return check_partition(headers);

@@ -18,34 +18,43 @@ namespace vpce::detail {
 
 struct RankHeader {
   static constexpr uint32_t kMagic = 0x45435056;  // "VPCE"
-  static constexpr uint32_t kVersion = 1;
+  static constexpr uint32_t kVersion = 2;
 
   uint32_t magic = kMagic;
   uint32_t version = kVersion;
   int32_t rank = 0;
   int32_t num_ranks = 0;
-  int32_t status = 0;  // Code of this rank's own argument check; 0 when fine
+  int32_t status = 0;         // Code of this rank's own argument check; 0 when fine
   uint32_t logits_dtype = 0;  // code | bits << 8 | lanes << 16
   int64_t num_tokens = 0;
   int64_t vocab_size = 0;
   int64_t vocab_begin = 0;
   int64_t vocab_end = 0;
-  uint64_t targets_hash = 0;
+  uint64_t inputs_hash = 0;  // of the targets' and weights' values
+  int64_t stats_width = 0;   // floats per token: 4, or 6 with the extras
+  // The options, bit for bit.
+  int64_t ignore_index = 0;
+  int64_t valid_vocab_size = 0;
   uint32_t label_smoothing_bits = 0;
-  uint32_t reserved = 0;
-  char message[184] = {};  // this rank's error, truncated, NUL-terminated
+  uint32_t z_loss_bits = 0;
+  uint32_t logit_scale_bits = 0;
+  uint32_t softcap_bits = 0;
+  int32_t smoothing_semantics = 0;
+  int32_t reduction = 0;
+  uint8_t has_weights = 0;
+  char message[143] = {};  // this rank's error, truncated, NUL-terminated
 };
 static_assert(sizeof(RankHeader) == 256);
 
-// Bytes one rank sends for n tokens.
-inline std::size_t payload_bytes(int64_t n) {
-  return sizeof(RankHeader) + static_cast<std::size_t>(n) * sizeof(TokenStats);
+// Bytes one rank sends for n tokens of `width` floats each.
+inline std::size_t payload_bytes(int64_t n, int64_t width) {
+  return sizeof(RankHeader) + static_cast<std::size_t>(n * width) * sizeof(float);
 }
 
 // Fills a header for this rank; `local` is the rank's own argument check.
-RankHeader make_header(int rank, int num_ranks, int64_t num_tokens, const VocabShard& shard,
-                       DataType logits_dtype, const LossOptions& options, uint64_t targets_hash,
-                       const Status& local);
+RankHeader make_header(int rank, int num_ranks, int64_t num_tokens, int64_t stats_width,
+                       const VocabShard& shard, DataType logits_dtype, const LossOptions& options,
+                       bool has_weights, uint64_t inputs_hash, const Status& local);
 
 // Checks the gathered headers (`ranks` of them, `stride` bytes apart) for agreement and
 // returns the same Status on every rank that sees the same bytes. `self` is the calling

@@ -1,6 +1,8 @@
 // validate.cc: argument checks shared by every public entry point (see validate.h).
 #include "validate.h"
 
+#include <bit>
+#include <cmath>
 #include <cstdio>
 
 namespace vpce::detail {
@@ -185,9 +187,9 @@ Status check_dtype(const char* name, DataType actual, std::initializer_list<Data
 }
 
 Status check_shard(const VocabShard& shard, int64_t logits_cols, const char* logits_name) {
-  if (shard.vocab_size < 1) {
-    return {Code::kInvalidArgument,
-            expected_got("shard.vocab_size", ">= 1", std::to_string(shard.vocab_size))};
+  if (shard.vocab_size < 1 || shard.vocab_size > INT32_MAX) {
+    return {Code::kInvalidArgument, expected_got("shard.vocab_size", "a value in [1, 2^31 - 1]",
+                                                 std::to_string(shard.vocab_size))};
   }
   if (shard.vocab_begin < 0 || shard.vocab_begin > shard.vocab_end ||
       shard.vocab_end > shard.vocab_size) {
@@ -213,10 +215,40 @@ Status check_options(const LossOptions& options, int64_t vocab_size) {
     return {Code::kInvalidArgument,
             expected_got("options.label_smoothing", "a value in [0, 1)", std::to_string(a))};
   }
-  if (a > 0.0f && vocab_size < 2) {
+  const auto semantics = static_cast<int32_t>(options.smoothing_semantics);
+  if (semantics != 0 && semantics != 1) {
+    return {Code::kInvalidArgument, expected_got("options.smoothing_semantics",
+                                                 "kMegatron (0) or kPyTorch (1)",
+                                                 std::to_string(semantics))};
+  }
+  const auto reduction = static_cast<int32_t>(options.reduction);
+  if (reduction < 0 || reduction > 2) {
+    return {Code::kInvalidArgument, expected_got("options.reduction", "kNone (0), kSum (1) or kMean (2)",
+                                                 std::to_string(reduction))};
+  }
+  if (!(options.z_loss_weight >= 0.0f) || !std::isfinite(options.z_loss_weight)) {
+    return {Code::kInvalidArgument, expected_got("options.z_loss_weight", "a finite value >= 0",
+                                                 std::to_string(options.z_loss_weight))};
+  }
+  if (!(options.logit_scale > 0.0f) || !std::isfinite(options.logit_scale)) {
+    return {Code::kInvalidArgument, expected_got("options.logit_scale", "a finite value > 0",
+                                                 std::to_string(options.logit_scale))};
+  }
+  if (!(options.softcap >= 0.0f) || !std::isfinite(options.softcap)) {
+    return {Code::kInvalidArgument, expected_got("options.softcap", "a finite value >= 0 (0: off)",
+                                                 std::to_string(options.softcap))};
+  }
+  if (options.valid_vocab_size < 0 || options.valid_vocab_size > vocab_size) {
     return {Code::kInvalidArgument,
-            expected_got("shard.vocab_size", ">= 2 when label smoothing is used",
-                         std::to_string(vocab_size))};
+            expected_got("options.valid_vocab_size",
+                         "a value in [0, " + std::to_string(vocab_size) + "] (0: every column)",
+                         std::to_string(options.valid_vocab_size))};
+  }
+  const int64_t valid = options.valid_vocab_size > 0 ? options.valid_vocab_size : vocab_size;
+  if (a > 0.0f && options.smoothing_semantics == SmoothingSemantics::kMegatron && valid < 2) {
+    return {Code::kInvalidArgument,
+            expected_got("valid vocabulary size", ">= 2 when Megatron label smoothing is used",
+                         std::to_string(valid))};
   }
   if (options.num_threads < 0) {
     return {Code::kInvalidArgument,
@@ -226,19 +258,42 @@ Status check_options(const LossOptions& options, int64_t vocab_size) {
   return {};
 }
 
-Status check_targets(const TokenVector& targets, int64_t vocab_size, uint64_t* hash) {
+Status check_targets(const TokenVector& targets, int64_t valid_vocab, int64_t ignore_index,
+                     uint64_t* hash) {
   const bool wide = targets.dtype == kInt64;
-  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a offset basis, over 64-bit values
+  uint64_t h = *hash;
   for (int64_t i = 0; i < targets.n; ++i) {
     const int64_t y = wide ? targets.at<int64_t>(i) : targets.at<int32_t>(i);
-    if (y < 0 || y >= vocab_size) {
+    if (y != ignore_index && (y < 0 || y >= valid_vocab)) {
       return {Code::kInvalidArgument,
-              expected_got("targets", "values in [0, " + std::to_string(vocab_size) + ")",
+              expected_got("targets",
+                           "values in [0, " + std::to_string(valid_vocab) + ") or ignore_index " +
+                               std::to_string(ignore_index),
                            std::to_string(y) + " at token " + std::to_string(i))};
     }
-    h = (h ^ static_cast<uint64_t>(y)) * 0x100000001b3ULL;
+    h = (h ^ static_cast<uint64_t>(y)) * 0x100000001b3ULL;  // FNV-1a over 64-bit values
   }
-  if (hash != nullptr) *hash = h;
+  *hash = h;
+  return {};
+}
+
+Status check_weights(const TensorView* weights, int64_t n, TokenVector* out, uint64_t* hash) {
+  *out = TokenVector{};
+  if (weights == nullptr) return {};
+  TokenVector w;
+  if (Status s = check_dtype("weights", weights->dtype, {kFloat32}, "float32"); !s.ok()) return s;
+  if (Status s = as_token_vector(*weights, "weights", n, &w); !s.ok()) return s;
+  uint64_t h = *hash;
+  for (int64_t i = 0; i < n; ++i) {
+    const float value = w.at<float>(i);
+    if (!std::isfinite(value)) {
+      return {Code::kInvalidArgument,
+              expected_got("weights", "finite values", std::to_string(value) + " at token " + std::to_string(i))};
+    }
+    h = (h ^ std::bit_cast<uint32_t>(value)) * 0x100000001b3ULL;
+  }
+  *out = w;
+  *hash = h;
   return {};
 }
 
@@ -252,7 +307,8 @@ bool overlaps(const char* a_begin, const char* a_end, const char* b_begin, const
 namespace vpce::detail {
 
 Status check_loss_inputs(const TensorView& logits, const TensorView& targets,
-                         const VocabShard& shard, const LossOptions& options, LossInputs* out) {
+                         const TensorView* weights, const VocabShard& shard,
+                         const LossOptions& options, LossInputs* out) {
   LossInputs in;
   if (Status s = check_dtype("logits", logits.dtype, {kFloat32, kBFloat16, kFloat16},
                              "float32, bfloat16 or float16");
@@ -269,19 +325,33 @@ Status check_loss_inputs(const TensorView& logits, const TensorView& targets,
   if (Status s = as_token_vector(targets, "targets", in.logits.rows, &in.targets); !s.ok()) {
     return s;
   }
-  if (Status s = check_targets(in.targets, shard.vocab_size, &in.targets_hash); !s.ok()) return s;
+  const int64_t valid = options.valid_vocab_size > 0 ? options.valid_vocab_size : shard.vocab_size;
+  in.inputs_hash = 0xcbf29ce484222325ULL;  // FNV-1a offset basis
+  if (Status s = check_targets(in.targets, valid, options.ignore_index, &in.inputs_hash); !s.ok()) {
+    return s;
+  }
+  if (Status s = check_weights(weights, in.logits.rows, &in.weights, &in.inputs_hash); !s.ok()) {
+    return s;
+  }
   *out = in;
   return {};
 }
 
-Status as_stats_matrix(const TensorView& t, const char* name, int64_t rows, RowMatrix* out) {
+Status check_loss_output(const TensorView& loss, const char* name, int64_t n,
+                         Reduction reduction, TokenVector* out) {
+  if (Status s = check_dtype(name, loss.dtype, {kFloat32}, "float32"); !s.ok()) return s;
+  return as_token_vector(loss, name, reduction == Reduction::kNone ? n : 1, out);
+}
+
+Status as_stats_matrix(const TensorView& t, const char* name, int64_t rows, int64_t width,
+                       RowMatrix* out) {
   RowMatrix m;
   if (Status s = check_dtype(name, t.dtype, {kFloat32}, "float32"); !s.ok()) return s;
   if (Status s = as_row_matrix(t, name, &m); !s.ok()) return s;
-  if (m.rows != rows || m.cols != 4) {
+  if (m.rows != rows || m.cols != width) {
     return {Code::kInvalidArgument,
             expected_got((std::string(name) + ".shape").c_str(),
-                         "[" + std::to_string(rows) + ", 4] (one TokenStats per token)",
+                         "[" + std::to_string(rows) + ", " + std::to_string(width) + "] (one stats row per token)",
                          "[" + std::to_string(m.rows) + ", " + std::to_string(m.cols) + "]")};
   }
   *out = m;

@@ -58,14 +58,19 @@ Status as_token_vector(const TensorView& t, const char* name, int64_t n, TokenVe
 Status check_dtype(const char* name, DataType actual, std::initializer_list<DataType> allowed,
                    const char* allowed_text);
 
-// 0 <= begin <= end <= size, size >= 1, cols == end - begin.
+// 0 <= begin <= end <= size, 1 <= size < 2^31, cols == end - begin.
 Status check_shard(const VocabShard& shard, int64_t logits_cols, const char* logits_name);
-// label_smoothing in [0, 1), and V >= 2 when it is positive; num_threads >= 0.
+// Every option in its range, given the global V (see LossOptions).
 Status check_options(const LossOptions& options, int64_t vocab_size);
 
-// Every target in [0, vocab_size); also returns a 64-bit hash of the targets' values
-// (the same for int32 and int64 storage) when `hash` is not null.
-Status check_targets(const TokenVector& targets, int64_t vocab_size, uint64_t* hash);
+// Every target in [0, valid_vocab) or equal to ignore_index; also folds the targets'
+// values into the 64-bit hash `hash` (the same for int32 and int64 storage).
+Status check_targets(const TokenVector& targets, int64_t valid_vocab, int64_t ignore_index,
+                     uint64_t* hash);
+
+// Optional per-token weights: absent (null) or float32, one per token, all finite; folds
+// their bits into `hash`. `out` gets base == nullptr when absent.
+Status check_weights(const TensorView* weights, int64_t n, TokenVector* out, uint64_t* hash);
 
 // The byte ranges of a and b intersect.
 bool overlaps(const char* a_begin, const char* a_end, const char* b_begin, const char* b_end);
@@ -81,16 +86,23 @@ namespace vpce::detail {
 struct LossInputs {
   RowMatrix logits;
   TokenVector targets;
-  uint64_t targets_hash = 0;
+  TokenVector weights;       // base == nullptr when absent
+  uint64_t inputs_hash = 0;  // of the targets' and the weights' values
 };
 
 // logits [..., Vr] fp32/bf16/fp16 on the CPU, targets int32/int64 with one per row and
-// values in [0, V), the shard, and the options.
+// values in [0, Vv) or ignore_index, optional weights, the shard, and the options.
 Status check_loss_inputs(const TensorView& logits, const TensorView& targets,
-                         const VocabShard& shard, const LossOptions& options, LossInputs* out);
+                         const TensorView* weights, const VocabShard& shard,
+                         const LossOptions& options, LossInputs* out);
 
-// A float32 [rows, 4] stats tensor (TokenStats rows).
-Status as_stats_matrix(const TensorView& t, const char* name, int64_t rows, RowMatrix* out);
+// The loss output: float32 with n elements for Reduction::kNone, one element otherwise.
+Status check_loss_output(const TensorView& loss, const char* name, int64_t n,
+                         Reduction reduction, TokenVector* out);
+
+// A float32 [rows, width] stats tensor (width 4, or 6 with the extras).
+Status as_stats_matrix(const TensorView& t, const char* name, int64_t rows, int64_t width,
+                       RowMatrix* out);
 
 // A float32 tensor of n elements, one per token.
 Status as_float_tokens(const TensorView& t, const char* name, int64_t n, TokenVector* out);

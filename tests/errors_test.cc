@@ -90,7 +90,7 @@ TEST(BadInput, ShardOutsideVocabulary) {
   f.shard = {5, 4, kVocab};
   expect_error(f.run_backward(), Code::kInvalidArgument, {"shard", "vocab_begin <= vocab_end"});
   f.shard = {0, kVocab, 0};
-  expect_error(f.run_forward(), Code::kInvalidArgument, {"shard.vocab_size", ">= 1", "got 0"});
+  expect_error(f.run_forward(), Code::kInvalidArgument, {"shard.vocab_size", "[1, 2^31 - 1]", "got 0"});
   f.expect_nothing_written();
 }
 
@@ -188,7 +188,7 @@ TEST(BadInput, LabelSmoothingNeedsTwoClasses) {
   f.options.label_smoothing = 0.1f;
   expect_error(f.run_forward(TensorView::contiguous(one.data(), kFloat32, {kTokens, 1}),
                              TensorView::contiguous(zeros.data(), kInt64, {kTokens}), f.loss_view(), f.lse_view()),
-               Code::kInvalidArgument, {"vocab_size", ">= 2 when label smoothing", "got 1"});
+               Code::kInvalidArgument, {"valid vocabulary size", ">= 2 when Megatron label smoothing", "got 1"});
   f.expect_nothing_written();
 }
 
@@ -283,9 +283,9 @@ TEST(BadInput, StagedApiChecksItsArguments) {
   expect_error(merge_stats(TensorView::contiguous(stats.data(), kFloat32, {1, kTokens, 4}), f.options,
                            TensorView::contiguous(stats.data(), kFloat32, {kTokens, 4})),
                Code::kInvalidArgument, {"stats", "does not overlap gathered"});
-  expect_error(calculate_loss(TensorView::contiguous(stats.data(), kFloat32, {kTokens, 4}), 0, f.options,
+  expect_error(calculate_loss(TensorView::contiguous(stats.data(), kFloat32, {kTokens, 4}), f.y(), 0, f.options,
                               f.loss_view(), f.lse_view()),
-               Code::kInvalidArgument, {"vocab_size", ">= 1", "got 0"});
+               Code::kInvalidArgument, {"vocab_size", "[1, 2^31 - 1]", "got 0"});
   for (float s : stats) EXPECT_EQ(s, -7.0f);
   f.expect_nothing_written();
 }

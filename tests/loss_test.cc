@@ -218,9 +218,11 @@ TEST(FiniteDifferences, GradientMatches) {
         std::vector<double> plus = row, minus = row;
         plus[static_cast<size_t>(v)] += h;
         minus[static_cast<size_t>(v)] -= h;
-        const double fd = (reference::token_loss(plus.data(), 40, problem.targets[static_cast<size_t>(i)], smoothing) -
-                           reference::token_loss(minus.data(), 40, problem.targets[static_cast<size_t>(i)], smoothing)) /
-                          (2 * h);
+        reference::Options megatron;
+        megatron.label_smoothing = smoothing;
+        const int64_t y = problem.targets[static_cast<size_t>(i)];
+        const double fd = (reference::token_loss(plus.data(), 40, y, megatron) -
+                           reference::token_loss(minus.data(), 40, y, megatron)) / (2 * h);
         EXPECT_NEAR(result.grad[static_cast<size_t>(i * 40 + v)], fd, 2e-6) << "token " << i << " column " << v;
       }
     }

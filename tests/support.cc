@@ -101,25 +101,27 @@ double grad_element(const std::vector<std::byte>& buffer, DataType dtype, std::s
   return dtype == kBFloat16 ? detail::to_float(BFloat16{bits}) : detail::to_float(Float16{bits});
 }
 
-Status staged_forward(Communicator& comm, const TensorView& x, const TensorView& y,
-                      const VocabShard& shard, const LossOptions& options,
-                      std::vector<float>* stats_all, const TensorView& loss, const TensorView& lse) {
+Status staged_forward(Communicator& comm, const TensorView& x, const TensorView& y, const VocabShard& shard,
+                      const LossOptions& options, const ForwardExtras& extras, const TensorView& loss,
+                      const TensorView& lse) {
   const int64_t n = x.shape[0];
   const int ranks = comm.size();
-  std::vector<float> mine(static_cast<std::size_t>(n * 4));
-  if (Status s = calculate_local_stats(x, y, shard, options, TensorView::contiguous(mine.data(), kFloat32, {n, 4}));
+  const bool with_extras = extras.entropy != nullptr || extras.target_is_argmax != nullptr;
+  const int64_t width = with_extras ? kStatsWidthWithExtras : kStatsWidth;
+  std::vector<float> mine(static_cast<std::size_t>(n * width));
+  if (Status s = calculate_local_stats(x, y, shard, options, TensorView::contiguous(mine.data(), kFloat32, {n, width}));
       !s.ok()) {
     return s;
   }
-  stats_all->resize(static_cast<std::size_t>(ranks * n * 4));
-  if (Status s = comm.all_gather(mine.data(), stats_all->data(), mine.size() * sizeof(float)); !s.ok()) return s;
-  std::vector<float> merged(static_cast<std::size_t>(n * 4));
-  const TensorView merged_view = TensorView::contiguous(merged.data(), kFloat32, {n, 4});
-  if (Status s = merge_stats(TensorView::contiguous(stats_all->data(), kFloat32, {ranks, n, 4}), options, merged_view);
+  std::vector<float> all(static_cast<std::size_t>(ranks * n * width));
+  if (Status s = comm.all_gather(mine.data(), all.data(), mine.size() * sizeof(float)); !s.ok()) return s;
+  std::vector<float> merged(static_cast<std::size_t>(n * width));
+  const TensorView merged_view = TensorView::contiguous(merged.data(), kFloat32, {n, width});
+  if (Status s = merge_stats(TensorView::contiguous(all.data(), kFloat32, {ranks, n, width}), options, merged_view);
       !s.ok()) {
     return s;
   }
-  return calculate_loss(merged_view, shard.vocab_size, options, loss, lse);
+  return calculate_loss(merged_view, y, shard.vocab_size, options, loss, lse, extras);
 }
 
 }  // namespace
@@ -127,11 +129,14 @@ Status staged_forward(Communicator& comm, const TensorView& x, const TensorView&
 RunResult run_ranks(Problem& problem, const std::vector<VocabShard>& shards, const RunOptions& options) {
   const int ranks = static_cast<int>(shards.size());
   const int64_t n = problem.tokens;
+  const bool reduced = options.loss.reduction != Reduction::kNone;
   RunResult result;
   result.per_rank.resize(static_cast<std::size_t>(ranks));
   for (RankOutputs& o : result.per_rank) {
-    o.loss.assign(static_cast<std::size_t>(n), std::nanf(""));
+    o.loss.assign(reduced ? 1 : static_cast<std::size_t>(n), std::nanf(""));
     o.lse.assign(static_cast<std::size_t>(n), std::nanf(""));
+    o.target_is_argmax.assign(static_cast<std::size_t>(n), std::nanf(""));
+    o.entropy.assign(static_cast<std::size_t>(n), std::nanf(""));
   }
   const DataType grad_dtype = options.in_place ? problem.dtype : options.grad_dtype;
   std::vector<std::byte> grad(static_cast<std::size_t>(n * problem.vocab * grad_dtype.bytes()) + 8);
@@ -140,27 +145,37 @@ RunResult run_ranks(Problem& problem, const std::vector<VocabShard>& shards, con
     result.status.assign(static_cast<std::size_t>(ranks), s);
     return result;
   }
+  const TensorView weights = TensorView::contiguous(options.weights.data(), kFloat32, {n});
+  const TensorView* weights_view = options.weights.empty() ? nullptr : &weights;
   result.status = group->run([&](Communicator& comm) -> Status {
     const auto r = static_cast<std::size_t>(comm.rank());
+    RankOutputs& mine = result.per_rank[r];
     const VocabShard& shard = shards[r];
     const TensorView x = problem.shard_view(shard);
     const TensorView y = TensorView::contiguous(problem.targets.data(), kInt64, {n});
-    const TensorView loss = TensorView::contiguous(result.per_rank[r].loss.data(), kFloat32, {n});
-    const TensorView lse = TensorView::contiguous(result.per_rank[r].lse.data(), kFloat32, {n});
-    std::vector<float> stats_all;
+    const TensorView loss = TensorView::contiguous(mine.loss.data(), kFloat32, {static_cast<int64_t>(mine.loss.size())});
+    const TensorView lse = TensorView::contiguous(mine.lse.data(), kFloat32, {n});
+    const TensorView argmax = TensorView::contiguous(mine.target_is_argmax.data(), kFloat32, {n});
+    const TensorView entropy = TensorView::contiguous(mine.entropy.data(), kFloat32, {n});
+    ForwardExtras extras;
+    extras.weights = weights_view;
+    if (options.extras) {
+      extras.target_is_argmax = &argmax;
+      extras.entropy = &entropy;
+    }
     Workspace workspace;
-    const Status forwarded = options.staged
-                                 ? staged_forward(comm, x, y, shard, options.loss, &stats_all, loss, lse)
-                                 : forward(comm, x, y, shard, options.loss, loss, lse, &workspace);
+    const Status forwarded = options.staged ? staged_forward(comm, x, y, shard, options.loss, extras, loss, lse)
+                                            : forward(comm, x, y, shard, options.loss, loss, lse, extras, &workspace);
     if (!forwarded.ok()) return forwarded;
-    const TensorView g = TensorView::contiguous(problem.grad_loss.data(), kFloat32, {n});
+    const TensorView g = reduced ? TensorView::contiguous(&options.grad_scalar, kFloat32, {1})
+                                 : TensorView::contiguous(problem.grad_loss.data(), kFloat32, {n});
     const int64_t cols = shard.vocab_end - shard.vocab_begin;
     const TensorView out =
         options.in_place ? x
-                         : TensorView::matrix(grad.data() + shard.vocab_begin * grad_dtype.bytes(),
-                                              grad_dtype, n, cols, problem.vocab);
-    return options.staged ? calculate_gradients(x, y, lse, g, shard, options.loss, out)
-                          : backward(x, y, lse, g, shard, options.loss, out);
+                         : TensorView::matrix(grad.data() + shard.vocab_begin * grad_dtype.bytes(), grad_dtype, n,
+                                              cols, problem.vocab);
+    return options.staged ? calculate_gradients(x, y, lse, g, shard, options.loss, out, weights_view)
+                          : backward(x, y, lse, g, shard, options.loss, out, weights_view);
   });
   result.grad.resize(static_cast<std::size_t>(n * problem.vocab));
   for (int64_t i = 0; i < n; ++i) {
@@ -171,6 +186,26 @@ RunResult run_ranks(Problem& problem, const std::vector<VocabShard>& shards, con
     }
   }
   return result;
+}
+
+reference::Result oracle(const Problem& problem, const RunOptions& options) {
+  reference::Options o;
+  const LossOptions& l = options.loss;
+  o.label_smoothing = l.label_smoothing;
+  o.pytorch_smoothing = l.smoothing_semantics == SmoothingSemantics::kPyTorch;
+  o.ignore_index = l.ignore_index;
+  o.z_loss = l.z_loss_weight;
+  o.logit_scale = l.logit_scale;
+  o.softcap = l.softcap;
+  o.valid_vocab = l.valid_vocab_size;
+  o.reduction = l.reduction == Reduction::kNone  ? reference::Reduction::kNone
+                : l.reduction == Reduction::kSum ? reference::Reduction::kSum
+                                                 : reference::Reduction::kMean;
+  const std::vector<double> grad_loss = l.reduction == Reduction::kNone
+                                            ? widen(problem.grad_loss)
+                                            : std::vector<double>{static_cast<double>(options.grad_scalar)};
+  return reference::cross_entropy(problem.as_double(), problem.tokens, problem.vocab, problem.targets,
+                                  widen(options.weights), grad_loss, o);
 }
 
 double relative_error(const std::vector<double>& a, const std::vector<double>& b) {

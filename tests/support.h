@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "reference/reference.h"
 #include "vpce/vpce.h"
 
 namespace vpce::test {
@@ -42,7 +43,8 @@ Problem random_problem(int64_t tokens, int64_t vocab, DataType dtype, uint64_t s
                        float stddev = 3.0f);
 
 struct RankOutputs {
-  std::vector<float> loss, lse;
+  std::vector<float> loss;  // [N] for kNone, [1] otherwise
+  std::vector<float> lse, target_is_argmax, entropy;
 };
 
 struct RunResult {
@@ -56,10 +58,16 @@ struct RunOptions {
   bool in_place = false;
   DataType grad_dtype = kFloat32;  // out of place only
   bool staged = false;             // use the staged API instead of forward()
+  bool extras = false;             // ask for target_is_argmax and entropy
+  std::vector<float> weights;      // per-token weights, or empty for none
+  float grad_scalar = 1.0f;        // the upstream gradient of a reduced loss
 };
 
 // Runs forward and backward on one ThreadGroup of shards.size() ranks.
 RunResult run_ranks(Problem& problem, const std::vector<VocabShard>& shards, const RunOptions& options);
+
+// The oracle on the same problem and options, as the test runner uses them.
+reference::Result oracle(const Problem& problem, const RunOptions& options);
 
 // max |a - b| / max |b| (or max |a - b| when b is all zero).
 double relative_error(const std::vector<double>& a, const std::vector<double>& b);

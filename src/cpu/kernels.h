@@ -11,34 +11,57 @@
 
 namespace vpce::detail {
 
-// The constants of the loss for a global vocabulary V and label smoothing a (Megatron's
-// semantics): s = a V / (V - 1), and the gradient's uniform term s / V.
-struct SmoothingTerms {
-  double weight = 0.0;  // s
-  bool enabled() const { return weight != 0.0; }
+// The constants of the loss, derived once from the options and the global V.
+struct LossParams {
+  int64_t vocab_size = 0;   // V
+  int64_t valid_vocab = 0;  // Vv: columns [Vv, V) are padding
+  double smoothing = 0.0;   // s: a Vv / (Vv - 1) (Megatron) or a (PyTorch); 0 when off
+  double z_loss = 0.0;
+  float logit_scale = 1.0f;
+  float softcap = 0.0f;
+  int64_t ignore_index = -100;
+  Reduction reduction = Reduction::kNone;
+
+  bool with_sum_logits() const { return smoothing != 0.0; }
+  bool ignored(int64_t target) const { return target == ignore_index; }
 };
-SmoothingTerms smoothing_terms(float label_smoothing, int64_t vocab_size);
+LossParams loss_params(const LossOptions& options, int64_t vocab_size);
 
-// logits [N, Vr] (fp32/bf16/fp16), targets [N] (int32/int64, validated in [0, V))
-//   -> stats [N, 4] float32 (TokenStats rows), over the columns [vocab_begin, +Vr).
-void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets,
-                        int64_t vocab_begin, bool with_sum_logits, int num_threads,
-                        const RowMatrix& stats);
+// Absent optional token vectors have base == nullptr.
+inline bool present(const TokenVector& v) { return v.base != nullptr; }
+int64_t target_at(const TokenVector& targets, int64_t i);
 
-// gathered: `ranks` stats matrices [N, 4], rank r's rows at gathered_base + r * rank_stride
-// floats -> stats [N, 4], merged in rank order.
+// logits [N, Vr] (fp32/bf16/fp16), targets [N] -> stats [N, W] float32 (W = 4, or 6 with
+// the extras), over the global columns [vocab_begin, vocab_begin + Vr).
+void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets, int64_t vocab_begin,
+                        const LossParams& params, int num_threads, const RowMatrix& stats);
+
+// gathered: `ranks` stats matrices [N, W], rank r's row i at
+// gathered_base + r * rank_stride + i * row_stride floats -> stats [N, W], in rank order.
 void merge_stats_kernel(const float* gathered_base, int64_t rank_stride, int ranks,
-                        int64_t num_tokens, int64_t row_stride, int num_threads,
-                        const RowMatrix& stats);
+                        int64_t row_stride, int num_threads, const RowMatrix& stats);
 
-// merged stats [N, 4] -> loss [N], lse [N] (float32).
-void loss_kernel(const RowMatrix& stats, int64_t vocab_size, SmoothingTerms smoothing,
-                 int num_threads, const TokenVector& loss, const TokenVector& lse);
+struct LossOutputs {
+  TokenVector loss;              // [N] for kNone, [1] otherwise
+  TokenVector lse;               // [N]
+  TokenVector target_is_argmax;  // [N] or absent (needs W = 6)
+  TokenVector entropy;           // [N] or absent (needs W = 6)
+};
 
-// logits [N, Vr], targets [N], lse [N], grad_loss [N] -> grad [N, Vr] (fp32/bf16/fp16),
-// grad may be the logits themselves (same base, dtype and row stride).
-void gradient_kernel(const RowMatrix& logits, const TokenVector& targets, const TokenVector& lse,
-                     const TokenVector& grad_loss, int64_t vocab_begin, int64_t vocab_size,
-                     SmoothingTerms smoothing, int num_threads, const RowMatrix& grad);
+// merged stats [N, W], targets [N], weights [N] or absent -> the outputs.
+void loss_kernel(const RowMatrix& stats, const TokenVector& targets, const TokenVector& weights,
+                 const LossParams& params, int num_threads, const LossOutputs& out);
+
+// The denominator of the mean: the sum of the counted tokens' weights (1 each without
+// weights), summed in token order in fp64.
+double counted_weight(const TokenVector& targets, const TokenVector& weights,
+                      const LossParams& params);
+
+// logits [N, Vr], targets [N], weights [N] or absent, lse [N], grad_loss ([N] for kNone,
+// [1] otherwise) -> grad [N, Vr] (fp32/bf16/fp16), which may be the logits themselves.
+void gradient_kernel(const RowMatrix& logits, const TokenVector& targets,
+                     const TokenVector& weights, const TokenVector& lse,
+                     const TokenVector& grad_loss, int64_t vocab_begin,
+                     const LossParams& params, int num_threads, const RowMatrix& grad);
 
 }  // namespace vpce::detail

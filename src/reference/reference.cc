@@ -1,65 +1,133 @@
 // reference/reference.cc: the fp64 oracle (see reference.h).
-//
-//   lse  = log sum_v exp(z_v)                    (computed as m + log sum exp(z_v - m))
-//   s    = a V / (V - 1)                          (Megatron's label smoothing, global V)
-//   loss = (1 - s)(lse - z_y) + s (lse - mean_v z_v)
-//   grad = g (p_v - (1 - s)[v == y] - s / V),    p_v = exp(z_v - lse)
 #include "reference.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
 namespace vpce::reference {
 namespace {
 
-double log_sum_exp(const double* row, int64_t v) {
+int64_t valid_columns(const Options& o, int64_t v) { return o.valid_vocab > 0 ? o.valid_vocab : v; }
+
+double transform(double x, const Options& o) {
+  const double z = x * o.logit_scale;
+  return o.softcap > 0.0 ? o.softcap * std::tanh(z / o.softcap) : z;
+}
+
+// dz/dx at z.
+double slope(double z, const Options& o) {
+  if (o.softcap <= 0.0) return o.logit_scale;
+  const double t = z / o.softcap;
+  return o.logit_scale * (1.0 - t * t);
+}
+
+// The transformed valid logits of one row.
+std::vector<double> transformed(const double* row, int64_t v, const Options& o) {
+  std::vector<double> z(static_cast<size_t>(valid_columns(o, v)));
+  for (size_t j = 0; j < z.size(); ++j) z[j] = transform(row[j], o);
+  return z;
+}
+
+double log_sum_exp(const std::vector<double>& z) {
   double m = -std::numeric_limits<double>::infinity();
-  for (int64_t j = 0; j < v; ++j) m = std::max(m, row[j]);
+  for (double x : z) m = std::max(m, x);
   double sum = 0.0;
-  for (int64_t j = 0; j < v; ++j) sum += std::exp(row[j] - m);
+  for (double x : z) sum += std::exp(x - m);
   return m + std::log(sum);
 }
 
-double smoothing_weight(double label_smoothing, int64_t v) {
-  return label_smoothing == 0.0 ? 0.0 : label_smoothing * static_cast<double>(v) / (v - 1.0);
+// The target distribution q over the valid columns.
+std::vector<double> target_distribution(size_t columns, int64_t target, const Options& o) {
+  const double a = o.label_smoothing;
+  const auto vv = static_cast<double>(columns);
+  std::vector<double> q(columns, o.pytorch_smoothing ? a / vv : (a > 0.0 ? a / (vv - 1.0) : 0.0));
+  q[static_cast<size_t>(target)] = o.pytorch_smoothing ? 1.0 - a + a / vv : 1.0 - a;
+  return q;
+}
+
+double loss_of(const std::vector<double>& z, double lse, int64_t target, const Options& o) {
+  const std::vector<double> q = target_distribution(z.size(), target, o);
+  double loss = 0.0;
+  for (size_t j = 0; j < z.size(); ++j) {
+    if (q[j] != 0.0) loss -= q[j] * (z[j] - lse);
+  }
+  return loss + o.z_loss * lse * lse;
 }
 
 }  // namespace
 
-double token_loss(const double* row, int64_t v, int64_t target, double label_smoothing) {
-  const double lse = log_sum_exp(row, v);
-  const double s = smoothing_weight(label_smoothing, v);
-  double loss = lse - row[target];
-  if (s != 0.0) {
-    double mean = 0.0;
-    for (int64_t j = 0; j < v; ++j) mean += row[j];
-    mean /= static_cast<double>(v);
-    loss = (1.0 - s) * loss + s * (lse - mean);
+double token_loss(const double* row, int64_t v, int64_t target, const Options& options) {
+  const std::vector<double> z = transformed(row, v, options);
+  return loss_of(z, log_sum_exp(z), target, options);
+}
+
+Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v,
+                     const std::vector<int64_t>& targets, const std::vector<double>& weights,
+                     const std::vector<double>& grad_loss, const Options& options) {
+  Result out;
+  const auto un = static_cast<size_t>(n);
+  out.lse.resize(un);
+  out.grad.assign(un * static_cast<size_t>(v), 0.0);
+  out.target_is_argmax.resize(un);
+  out.entropy.resize(un);
+  out.top_gap.resize(un);
+  std::vector<double> per_token(un, 0.0);
+  double counted_weight = 0.0;
+  for (size_t i = 0; i < un; ++i) {
+    const bool ignored = targets[i] == options.ignore_index;
+    const double w = weights.empty() ? 1.0 : weights[i];
+    if (!ignored) counted_weight += w;
   }
-  return loss;
+  for (size_t i = 0; i < un; ++i) {
+    const double* row = logits.data() + i * static_cast<size_t>(v);
+    const std::vector<double> z = transformed(row, v, options);
+    const double lse = log_sum_exp(z);
+    out.lse[i] = lse;
+    double entropy = 0.0;
+    size_t best = 0;
+    for (size_t j = 0; j < z.size(); ++j) {
+      const double p = std::exp(z[j] - lse);
+      if (p > 0.0) entropy -= p * (z[j] - lse);
+      if (z[j] > z[best]) best = j;
+    }
+    double second = -std::numeric_limits<double>::infinity();
+    for (size_t j = 0; j < z.size(); ++j) {
+      if (j != best) second = std::max(second, z[j]);
+    }
+    out.entropy[i] = entropy;
+    out.top_gap[i] = z[best] - second;
+    const bool ignored = targets[i] == options.ignore_index;
+    const double w = weights.empty() ? 1.0 : weights[i];
+    out.target_is_argmax[i] = !ignored && w != 0.0 && static_cast<int64_t>(best) == targets[i] ? 1.0 : 0.0;
+    if (ignored || w == 0.0) continue;
+    per_token[i] = w * loss_of(z, lse, targets[i], options);
+    double g = grad_loss.empty() ? 1.0 : grad_loss[options.reduction == Reduction::kNone ? i : 0];
+    if (options.reduction == Reduction::kMean) g = counted_weight != 0.0 ? g / counted_weight : 0.0;
+    const std::vector<double> q = target_distribution(z.size(), targets[i], options);
+    for (size_t j = 0; j < z.size(); ++j) {
+      const double p = std::exp(z[j] - lse);
+      out.grad[i * static_cast<size_t>(v) + j] =
+          g * w * (p * (1.0 + 2.0 * options.z_loss * lse) - q[j]) * slope(z[j], options);
+    }
+  }
+  if (options.reduction == Reduction::kNone) {
+    out.loss = per_token;
+  } else {
+    double total = 0.0;
+    for (double l : per_token) total += l;
+    if (options.reduction == Reduction::kMean) total = counted_weight != 0.0 ? total / counted_weight : 0.0;
+    out.loss = {total};
+  }
+  return out;
 }
 
 Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v,
                      const std::vector<int64_t>& targets, double label_smoothing,
                      const std::vector<double>& grad_loss) {
-  Result out;
-  out.loss.resize(static_cast<size_t>(n));
-  out.lse.resize(static_cast<size_t>(n));
-  out.grad.resize(static_cast<size_t>(n * v));
-  const double s = smoothing_weight(label_smoothing, v);
-  for (int64_t i = 0; i < n; ++i) {
-    const double* row = logits.data() + i * v;
-    const double lse = log_sum_exp(row, v);
-    const double g = grad_loss.empty() ? 1.0 : grad_loss[static_cast<size_t>(i)];
-    out.lse[static_cast<size_t>(i)] = lse;
-    out.loss[static_cast<size_t>(i)] = token_loss(row, v, targets[static_cast<size_t>(i)],
-                                                  label_smoothing);
-    for (int64_t j = 0; j < v; ++j) {
-      const double target = j == targets[static_cast<size_t>(i)] ? 1.0 - s : 0.0;
-      out.grad[static_cast<size_t>(i * v + j)] = g * (std::exp(row[j] - lse) - target - s / v);
-    }
-  }
-  return out;
+  Options options;
+  options.label_smoothing = label_smoothing;
+  return cross_entropy(logits, n, v, targets, {}, grad_loss, options);
 }
 
 }  // namespace vpce::reference

@@ -1,8 +1,11 @@
 // reference/reference.h: the test oracle, a plain scalar fp64 implementation of the loss
-// and gradient of docs/design.md section 1 over the full (unsplit) vocabulary.
+// of docs/design.md section 1 over the full (unsplit) vocabulary.
 //
-// Written for clarity, not speed: no sharding, no merging, no fp32 anywhere. Every fast
-// path of vpce is tested against it.
+// Written for clarity, not speed, and from the definitions rather than from vpce's
+// formulas: the loss is the cross-entropy -sum_v q_v log p_v against the explicit target
+// distribution q of each smoothing semantics, plus the z-loss; the gradient is
+// p (1 + 2 zl lse) - q, through the logit transform's derivative. No sharding, no merging,
+// no fp32 anywhere. Every fast path of vpce is tested against it.
 #pragma once
 
 #include <cstdint>
@@ -10,16 +13,38 @@
 
 namespace vpce::reference {
 
-struct Result {
-  std::vector<double> loss;  // [n]
-  std::vector<double> lse;   // [n]
-  std::vector<double> grad;  // [n, v], d loss_i / d z_iv scaled by grad_loss_i
+enum class Reduction { kNone, kSum, kMean };
+
+struct Options {
+  double label_smoothing = 0.0;
+  bool pytorch_smoothing = false;  // target distribution (1 - a) onehot + a / Vv
+  int64_t ignore_index = -100;
+  double z_loss = 0.0;
+  double logit_scale = 1.0;
+  double softcap = 0.0;
+  int64_t valid_vocab = 0;  // 0: every column
+  Reduction reduction = Reduction::kNone;
 };
 
-// loss_i of one row of v logits with target y and Megatron label smoothing a.
-double token_loss(const double* row, int64_t v, int64_t target, double label_smoothing);
+struct Result {
+  std::vector<double> loss;              // [n] weighted per-token losses, or [1] reduced
+  std::vector<double> lse;               // [n]
+  std::vector<double> grad;              // [n, v], with respect to the raw logits x
+  std::vector<double> target_is_argmax;  // [n]: 1 or 0 (0 for ignored tokens)
+  std::vector<double> entropy;           // [n]
+  std::vector<double> top_gap;           // [n]: z of the largest minus the second largest
+};
 
-// logits: [n, v] row-major; targets: [n] in [0, v); grad_loss: [n], or empty for ones.
+// The unweighted loss of one non-ignored row of v raw logits (for finite differences).
+double token_loss(const double* row, int64_t v, int64_t target, const Options& options);
+
+// logits: [n, v] row-major; targets: [n]; weights: [n] or empty for ones; grad_loss: [n]
+// for kNone, [1] otherwise, or empty for ones.
+Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v,
+                     const std::vector<int64_t>& targets, const std::vector<double>& weights,
+                     const std::vector<double>& grad_loss, const Options& options);
+
+// The original core: Megatron label smoothing a, no other option.
 Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v,
                      const std::vector<int64_t>& targets, double label_smoothing,
                      const std::vector<double>& grad_loss);
