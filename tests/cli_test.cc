@@ -132,6 +132,51 @@ TEST_F(Cli, UnevenSplitsSmoothingUpstreamGradientInPlaceBf16) {
   expect_matches_oracle(dir_ / "bf16", 0.0, false, 1e-2);
 }
 
+TEST_F(Cli, EveryLossOptionMatchesOracle) {
+  std::vector<int32_t> targets = targets_;
+  for (std::size_t i = 0; i < targets.size(); ++i) targets[i] = i % 4 == 1 ? -1 : targets[i] % 33;
+  std::vector<float> weights(targets.size());
+  for (std::size_t i = 0; i < weights.size(); ++i) weights[i] = 0.5f + static_cast<float>(i % 3);
+  write_npy(dir_ / "t.npy", "<i4", "(3, 4)", targets.data(), 48);
+  write_npy(dir_ / "w.npy", "<f4", "(3, 4)", weights.data(), 48);
+  const float upstream = 2.0f;
+  write_npy(dir_ / "g.npy", "<f4", "()", &upstream, 4);
+  const Command c = run_cli("run --logits " + (dir_ / "logits.npy").string() + " --targets " + (dir_ / "t.npy").string() +
+                                " --weights " + (dir_ / "w.npy").string() + " --grad-output " + (dir_ / "g.npy").string() +
+                                " --vocab-splits 10,10,17 --ignore-index -1 --reduction mean --label-smoothing 0.1"
+                                " --smoothing-semantics pytorch --z-loss 0.01 --logit-scale 0.8 --softcap 5"
+                                " --valid-vocab-size 33 --extras --out " + (dir_ / "out").string(),
+                            dir_);
+  ASSERT_EQ(c.status, 0) << c.err;
+  EXPECT_NE(c.out.find("mean loss"), std::string::npos) << c.out;
+  reference::Options o;
+  o.label_smoothing = 0.1;
+  o.pytorch_smoothing = true;
+  o.ignore_index = -1;
+  o.z_loss = 0.01;
+  o.logit_scale = 0.8;
+  o.softcap = 5;
+  o.valid_vocab = 33;
+  o.reduction = reference::Reduction::kMean;
+  const auto want = reference::cross_entropy(std::vector<double>(logits_.begin(), logits_.end()), kS * kB, kV,
+                                             std::vector<int64_t>(targets.begin(), targets.end()),
+                                             std::vector<double>(weights.begin(), weights.end()), {2.0}, o);
+  npy::Array loss, grad, entropy, argmax;
+  ASSERT_TRUE(npy::read((dir_ / "out" / "loss.npy").string(), &loss).ok());
+  ASSERT_TRUE(npy::read((dir_ / "out" / "grad_logits.npy").string(), &grad).ok());
+  ASSERT_TRUE(npy::read((dir_ / "out" / "entropy.npy").string(), &entropy).ok());
+  ASSERT_TRUE(npy::read((dir_ / "out" / "target_is_argmax.npy").string(), &argmax).ok());
+  EXPECT_TRUE(loss.shape.empty());
+  EXPECT_NEAR(loss.as<float>()[0], want.loss[0], 1e-6 * std::fabs(want.loss[0]));
+  double scale = 0.0;
+  for (double g : want.grad) scale = std::max(scale, std::fabs(g));
+  for (std::size_t i = 0; i < want.grad.size(); ++i) EXPECT_NEAR(grad.as<float>()[i], want.grad[i], 1e-6 * scale) << i;
+  for (std::size_t i = 0; i < want.entropy.size(); ++i) {
+    EXPECT_NEAR(entropy.as<float>()[i], want.entropy[i], 1e-5);
+    EXPECT_EQ(argmax.as<float>()[i], want.target_is_argmax[i]);
+  }
+}
+
 void expect_usage_error(const Command& c, const char* fragment, const fs::path& out) {
   EXPECT_EQ(c.status, 2);
   EXPECT_NE(c.err.find(fragment), std::string::npos) << c.err;
@@ -161,6 +206,11 @@ TEST_F(Cli, BadInputsExitWithStatusTwoAndWriteNothing) {
   expect_usage_error(run_cli("run " + inputs() + " --label-smoothing 1.5" + tail, dir_), "label_smoothing", out);
   expect_usage_error(run_cli("run " + inputs() + " --vocab-splits 10,10" + tail, dir_), "summing to V = 37", out);
   expect_usage_error(run_cli("run " + inputs() + " --dtype fp64" + tail, dir_), "--dtype", out);
+  expect_usage_error(run_cli("run " + inputs() + " --reduction average" + tail, dir_), "--reduction", out);
+  expect_usage_error(run_cli("run " + inputs() + " --softcap -1" + tail, dir_), "options.softcap", out);
+  expect_usage_error(run_cli("run " + inputs() + " --valid-vocab-size 99" + tail, dir_), "options.valid_vocab_size", out);
+  expect_usage_error(run_cli("run " + inputs() + " --weights " + (dir_ / "targets.npy").string() + tail, dir_),
+                     "expected float32 with shape (3, 4)", out);
   std::ofstream(dir_ / "garbage.npy") << "not a numpy file";
   expect_usage_error(run_cli("run --logits " + (dir_ / "garbage.npy").string() + " --targets x" + tail, dir_),
                      "magic", out);
@@ -170,7 +220,9 @@ TEST_F(Cli, HelpListsEveryFlag) {
   const Command c = run_cli("run --help", dir_);
   EXPECT_EQ(c.status, 0);
   for (const char* flag : {"--logits", "--targets", "--tp", "--vocab-splits", "--label-smoothing", "--grad-output",
-                           "--in-place", "--dtype", "--out"}) {
+                           "--in-place", "--dtype", "--out", "--smoothing-semantics", "--ignore-index", "--reduction",
+                           "--z-loss", "--logit-scale", "--softcap", "--valid-vocab-size", "--weights", "--extras",
+                           "--threads"}) {
     EXPECT_NE(c.out.find(flag), std::string::npos) << flag;
   }
 }

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "vpce/loss.h"
 #include "vpce/status.h"
 
 namespace vpce::tools {
@@ -14,17 +15,18 @@ struct RunConfig {
   std::string logits_path;
   std::string targets_path;
   std::string grad_output_path;  // empty: an upstream gradient of ones
+  std::string weights_path;      // empty: no per-token weights
   std::string out_dir;
   int ranks = 1;                      // --tp
   std::vector<int64_t> vocab_splits;  // --vocab-splits; empty: even split over `ranks`
-  float label_smoothing = 0.0f;
+  LossOptions loss;                   // every loss option; num_threads from --threads
+  bool extras = false;                // also write target_is_argmax.npy and entropy.npy
   bool in_place = false;
   std::string dtype;  // "fp32", "bf16", "fp16", or empty for the file's own
-  int threads_per_rank = 0;  // 0: the machine's cores divided among the ranks
 };
 
 // Splits the vocabulary, runs the ranks, writes DIR/loss.npy, lse.npy, grad_logits.npy
-// and prints one summary line on stdout.
+// (and target_is_argmax.npy, entropy.npy with extras) and prints one summary line.
 Status run_command(const RunConfig& config);
 
 struct GenConfig {

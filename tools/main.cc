@@ -3,6 +3,8 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <map>
+#include <string>
 
 #include "commands.h"
 #include "vpce/version.h"
@@ -26,13 +28,31 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--vocab-splits", run.vocab_splits, "shard sizes a,b,... summing to V (uneven split)")
       ->delimiter(',')
       ->excludes(tp);
-  run_cmd->add_option("--label-smoothing", run.label_smoothing, "Megatron label smoothing in [0, 1)");
+  run_cmd->add_option("--label-smoothing", run.loss.label_smoothing, "label smoothing in [0, 1) (default 0)");
+  run_cmd
+      ->add_option("--smoothing-semantics", run.loss.smoothing_semantics,
+                   "megatron: target 1-a, others a/(V-1); pytorch: (1-a) onehot + a/V (default megatron)")
+      ->transform(CLI::CheckedTransformer(
+          std::map<std::string, vpce::SmoothingSemantics>{{"megatron", vpce::SmoothingSemantics::kMegatron},
+                                                          {"pytorch", vpce::SmoothingSemantics::kPyTorch}}));
+  run_cmd->add_option("--ignore-index", run.loss.ignore_index, "targets equal to this are ignored (default -100)");
+  run_cmd
+      ->add_option("--reduction", run.loss.reduction, "none, sum, or mean over counted tokens (default none)")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, vpce::Reduction>{
+          {"none", vpce::Reduction::kNone}, {"sum", vpce::Reduction::kSum}, {"mean", vpce::Reduction::kMean}}));
+  run_cmd->add_option("--z-loss", run.loss.z_loss_weight, "z-loss weight: adds w * lse^2 per token (default 0)");
+  run_cmd->add_option("--logit-scale", run.loss.logit_scale, "multiply the logits by this first (default 1)");
+  run_cmd->add_option("--softcap", run.loss.softcap, "soft-cap: z = c * tanh(z / c) (default 0: off)");
+  run_cmd->add_option("--valid-vocab-size", run.loss.valid_vocab_size,
+                      "real classes; columns from here to V are padding (default 0: all)");
+  run_cmd->add_option("--weights", run.weights_path, "float32 .npy of per-token loss weights, the targets' shape");
   run_cmd->add_option("--grad-output", run.grad_output_path,
-                      "float32 .npy of upstream gradients, the targets' shape (default ones)");
+                      "float32 .npy upstream gradient: the targets' shape, or one value with --reduction sum/mean");
+  run_cmd->add_flag("--extras", run.extras, "also write target_is_argmax.npy and entropy.npy");
   run_cmd->add_flag("--in-place", run.in_place, "write the gradient into the logits buffer");
   run_cmd->add_option("--dtype", run.dtype, "compute on logits converted to this type (default: the file's)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
-  run_cmd->add_option("--threads", run.threads_per_rank, "threads per rank (default: cores / R)")
+  run_cmd->add_option("--threads", run.loss.num_threads, "threads per rank (default: cores / R)")
       ->check(CLI::Range(0, 1024));
   run_cmd->add_option("--out", run.out_dir, "output directory")->required();
 
