@@ -39,14 +39,18 @@ using detail::TokenVector;
 
 // The number of tokens a rank announces even when its own arguments are bad, so that the
 // payload sizes still agree and the other ranks learn its error: the targets' element
-// count when their shape is readable, else 0.
+// count when the targets view itself is valid (so the caller holds that many targets and
+// the statistics buffer stays proportional to them), else 0.
 int64_t announced_tokens(const TensorView& targets) {
   if (targets.ndim < 0 || targets.ndim > TensorView::kMaxDims) return 0;
   int64_t n = 1;
   for (int d = 0; d < targets.ndim; ++d) {
     if (targets.shape[d] < 0 || __builtin_mul_overflow(n, targets.shape[d], &n)) return 0;
   }
-  return n <= (int64_t{1} << 36) ? n : 0;
+  TokenVector valid;
+  if (!detail::as_token_vector(targets, "targets", n, &valid).ok()) return 0;
+  if (targets.dtype != kInt32 && targets.dtype != kInt64) return 0;
+  return n;
 }
 
 // The forward's outputs: float32, one per token (the loss: one element for a reduction),

@@ -31,9 +31,9 @@ std::string range_text(const RankHeader& h) {
 
 Status disagree(const char* what, int rank_a, const std::string& a, int rank_b,
                 const std::string& b) {
-  return {Code::kInvalidUsage, "ranks disagree on " + std::string(what) + ": rank " +
-                                   std::to_string(rank_a) + " has " + a + ", rank " +
-                                   std::to_string(rank_b) + " has " + b};
+  return {Code::kInvalidUsage, "ranks disagree on " + std::string(what) + ": expected rank " +
+                                   std::to_string(rank_a) + "'s " + a + " on every rank, got " + b +
+                                   " on rank " + std::to_string(rank_b)};
 }
 
 RankHeader read_header(const char* gathered, std::size_t stride, int r) {
@@ -57,23 +57,25 @@ Status check_partition(const std::vector<RankHeader>& headers) {
   for (const RankHeader* h : sorted) {
     if (h->vocab_begin > covered) {
       return {Code::kInvalidUsage,
-              "vocabulary ranges do not partition [0, " + std::to_string(vocab) + "): columns [" +
-                  std::to_string(covered) + ", " + std::to_string(h->vocab_begin) +
-                  ") belong to no rank"};
+              "vocabulary ranges do not partition [0, " + std::to_string(vocab) +
+                  "): expected ranges that tile it, got columns [" + std::to_string(covered) + ", " +
+                  std::to_string(h->vocab_begin) + ") owned by no rank"};
     }
     if (h->vocab_begin < covered) {
       return {Code::kInvalidUsage,
-              "vocabulary ranges do not partition [0, " + std::to_string(vocab) + "): rank " +
-                  std::to_string(previous->rank) + " " + range_text(*previous) + " and rank " +
-                  std::to_string(h->rank) + " " + range_text(*h) + " overlap"};
+              "vocabulary ranges do not partition [0, " + std::to_string(vocab) +
+                  "): expected ranges that tile it, got rank " + std::to_string(previous->rank) + " " +
+                  range_text(*previous) + " and rank " + std::to_string(h->rank) + " " +
+                  range_text(*h) + " overlapping"};
     }
     covered = h->vocab_end;
     previous = h;
   }
   if (covered != vocab) {
     return {Code::kInvalidUsage, "vocabulary ranges do not partition [0, " + std::to_string(vocab) +
-                                     "): columns [" + std::to_string(covered) + ", " +
-                                     std::to_string(vocab) + ") belong to no rank"};
+                                     "): expected ranges that tile it, got columns [" +
+                                     std::to_string(covered) + ", " + std::to_string(vocab) +
+                                     ") owned by no rank"};
   }
   return {};
 }
@@ -118,9 +120,10 @@ Status check_group(const char* gathered, std::size_t stride, int ranks, int self
     if (h.magic != RankHeader::kMagic || h.version != RankHeader::kVersion || h.rank != r ||
         h.num_ranks != ranks) {
       return {Code::kInvalidUsage,
-              "rank " + std::to_string(r) +
-                  " sent something other than a vpce forward of this version and group: is "
-                  "another collective running on the same communicator?"};
+              "all_gather: expected a vpce forward header (version " +
+                  std::to_string(RankHeader::kVersion) + ", rank " + std::to_string(r) + " of " +
+                  std::to_string(ranks) + ") from rank " + std::to_string(r) +
+                  ", got something else: is another collective running on the same communicator?"};
     }
   }
   for (int r = 0; r < ranks; ++r) {
@@ -171,7 +174,7 @@ Status check_group(const char* gathered, std::size_t stride, int ranks, int self
       return disagree(o.what, 0, text(o.mine), r, text(o.theirs));
     }
     if (h.inputs_hash != first.inputs_hash) {
-      return disagree("the targets or weights", 0, "one set of values", r, "another (their hashes differ)");
+      return disagree("the targets or weights", 0, "values", r, "other values (their hashes differ)");
     }
   }
   return check_partition(headers);

@@ -125,14 +125,14 @@ TEST(Group, GapInRanges) {
   expect_all_fail(run_group([](int r, RankArgs& a) {
                     if (r == 3) a.shard = {32, 40, 40};
                   }),
-                  {"vocabulary ranges do not partition", "[30, 32) belong to no rank"});
+                  {"vocabulary ranges do not partition", "[30, 32) owned by no rank"});
 }
 
 TEST(Group, DifferentVocabularySize) {
   expect_all_fail(run_group([](int r, RankArgs& a) {
                     if (r == 2) a.shard.vocab_size = 41;
                   }),
-                  {"ranks disagree on the vocabulary size", "rank 0 has 40", "rank 2 has 41"});
+                  {"ranks disagree on the vocabulary size", "expected rank 0's 40 on every rank", "got 41 on rank 2"});
 }
 
 TEST(Group, DifferentDtype) {
@@ -153,7 +153,7 @@ TEST(Group, DifferentTargets) {
   expect_all_fail(run_group([](int r, RankArgs& a) {
                     if (r == 2) a.targets[1] = 8;
                   }),
-                  {"ranks disagree on the targets"});
+                  {"ranks disagree on the targets or weights"});
 }
 
 TEST(Group, DifferentNumberOfTokens) {

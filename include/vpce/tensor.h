@@ -66,8 +66,8 @@ struct TensorView {
                            int64_t row_stride, Device device = {});
 
   int64_t numel() const;
-  // Address of the first element: data + byte_offset.
-  void* first() const { return static_cast<char*>(data) + byte_offset; }
+  // Address of the first element: data + byte_offset (null when data is null).
+  void* first() const { return data == nullptr ? nullptr : static_cast<char*>(data) + byte_offset; }
 };
 
 }  // namespace vpce

@@ -41,8 +41,8 @@ struct ThreadGroup::Shared {
     if (generation != my_generation) return {};
     if (!done) {
       broken = true;
-      broken_reason = "a rank did not arrive at all_gather (" + std::string(phase) + ") within " +
-                      std::to_string(timeout.count()) + " ms";
+      broken_reason = "expected every rank at all_gather (" + std::string(phase) + ") within " +
+                      std::to_string(timeout.count()) + " ms, got a rank that did not arrive";
       changed.notify_all();
       return {Code::kTimeout, "threads backend: " + broken_reason};
     }
@@ -51,7 +51,8 @@ struct ThreadGroup::Shared {
 
   Status broken_status() const {
     return {Code::kInvalidUsage,
-            "threads backend: the group is broken by an earlier failure (" + broken_reason + ")"};
+            "threads backend: expected a working group, got one broken by an earlier failure (" +
+                broken_reason + ")"};
   }
 
   const int size;
@@ -91,10 +92,10 @@ class ThreadGroup::RankCommunicator final : public Communicator {
     for (int r = 1; r < shared_->size; ++r) {
       if (slots[static_cast<size_t>(r)].bytes != slots[0].bytes) {
         result = {Code::kInvalidUsage,
-                  "threads backend: ranks disagree on the all_gather size: rank 0 sends " +
-                      std::to_string(slots[0].bytes) + " bytes, rank " + std::to_string(r) +
-                      " sends " + std::to_string(slots[static_cast<size_t>(r)].bytes) +
-                      " (do they agree on the number of tokens?)"};
+                  "threads backend: ranks disagree on the all_gather size: expected rank 0's " +
+                      std::to_string(slots[0].bytes) + " bytes from every rank, got " +
+                      std::to_string(slots[static_cast<size_t>(r)].bytes) + " from rank " +
+                      std::to_string(r) + " (do they agree on the number of tokens?)"};
         break;
       }
     }
@@ -156,7 +157,8 @@ class InvalidCommunicator final : public Communicator {
   const char* name() const override { return "invalid"; }
   Status all_gather(const void*, void*, std::size_t) override {
     return {Code::kInvalidArgument,
-            "communicator: obtained from ThreadGroup::communicator with a rank outside the group"};
+            "communicator: expected one from ThreadGroup::communicator(r) with r in the group, got "
+            "the one returned for a rank outside it"};
   }
 };
 
