@@ -77,7 +77,9 @@ TensorView TensorView::matrix(const void* data, DataType dtype, int64_t rows, in
 
 int64_t TensorView::numel() const {
   int64_t n = 1;
-  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  for (int d = 0; d < ndim && d < kMaxDims; ++d) {
+    if (shape[d] < 0 || __builtin_mul_overflow(n, shape[d], &n)) return -1;
+  }
   return n;
 }
 

@@ -340,6 +340,11 @@ Status check_loss_inputs(const TensorView& logits, const TensorView& targets,
 Status check_loss_output(const TensorView& loss, const char* name, int64_t n,
                          Reduction reduction, TokenVector* out) {
   if (Status s = check_dtype(name, loss.dtype, {kFloat32}, "float32"); !s.ok()) return s;
+  if (reduction != Reduction::kNone && loss.ndim >= 0 && loss.ndim <= TensorView::kMaxDims && loss.numel() != 1) {
+    return {Code::kInvalidArgument,
+            expected_got((std::string(name) + ".shape").c_str(), "1 element (a reduced loss)",
+                         std::to_string(loss.numel()) + " elements")};
+  }
   return as_token_vector(loss, name, reduction == Reduction::kNone ? n : 1, out);
 }
 

@@ -301,5 +301,113 @@ TEST(BadInput, ThreadGroupSize) {
   f.expect_nothing_written();
 }
 
+TEST(BadInput, ZLossWeightNegativeOrNotFinite) {
+  for (float w : {-0.1f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    Fixture f;
+    f.options.z_loss_weight = w;
+    expect_error(f.run_forward(), Code::kInvalidArgument, {"options.z_loss_weight", "finite value >= 0"});
+    f.expect_nothing_written();
+  }
+}
+
+TEST(BadInput, LogitScaleNotPositive) {
+  for (float c : {0.0f, -1.0f, std::numeric_limits<float>::quiet_NaN()}) {
+    Fixture f;
+    f.options.logit_scale = c;
+    expect_error(f.run_backward(), Code::kInvalidArgument, {"options.logit_scale", "finite value > 0"});
+    f.expect_nothing_written();
+  }
+}
+
+TEST(BadInput, SoftcapNegativeOrInfinite) {
+  for (float c : {-2.0f, std::numeric_limits<float>::infinity()}) {
+    Fixture f;
+    f.options.softcap = c;
+    expect_error(f.run_forward(), Code::kInvalidArgument, {"options.softcap", "finite value >= 0"});
+    f.expect_nothing_written();
+  }
+}
+
+TEST(BadInput, ValidVocabularyLargerThanVocabulary) {
+  Fixture f;
+  f.options.valid_vocab_size = kVocab + 1;
+  expect_error(f.run_forward(), Code::kInvalidArgument, {"options.valid_vocab_size", "[0, 10]", "got 11"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, TargetInThePaddedColumns) {
+  Fixture f;
+  f.options.valid_vocab_size = 9;
+  expect_error(f.run_forward(), Code::kInvalidArgument, {"targets", "[0, 9)", "got 9 at token 5"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, UnknownReductionOrSemantics) {
+  Fixture f;
+  f.options.reduction = static_cast<Reduction>(5);
+  expect_error(f.run_forward(), Code::kInvalidArgument, {"options.reduction", "got 5"});
+  f.options.reduction = Reduction::kNone;
+  f.options.smoothing_semantics = static_cast<SmoothingSemantics>(-1);
+  expect_error(f.run_backward(), Code::kInvalidArgument, {"options.smoothing_semantics", "got -1"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, WeightsNotFinite) {
+  Fixture f;
+  std::vector<float> w(kTokens, 1.0f);
+  w[3] = std::numeric_limits<float>::quiet_NaN();
+  const TensorView weights = TensorView::contiguous(w.data(), kFloat32, {kTokens});
+  ForwardExtras extras;
+  extras.weights = &weights;
+  std::unique_ptr<ThreadGroup> group;
+  ASSERT_TRUE(ThreadGroup::create(1, &group).ok());
+  expect_error(forward(group->communicator(0), f.x(), f.y(), f.shard, f.options, f.loss_view(), f.lse_view(), extras),
+               Code::kInvalidArgument, {"weights", "finite values", "at token 3"});
+  expect_error(backward(f.x(), f.y(), f.lse_view(), f.g(), f.shard, f.options, f.grad_view(), &weights),
+               Code::kInvalidArgument, {"weights", "at token 3"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, WeightsWrongDtypeOrCount) {
+  Fixture f;
+  std::vector<double> wide(kTokens, 1.0);
+  const TensorView as_double = TensorView::contiguous(wide.data(), kFloat64, {kTokens});
+  expect_error(backward(f.x(), f.y(), f.lse_view(), f.g(), f.shard, f.options, f.grad_view(), &as_double),
+               Code::kInvalidArgument, {"weights.dtype", "float32", "got float64"});
+  std::vector<float> few(kTokens - 1, 1.0f);
+  const TensorView short_weights = TensorView::contiguous(few.data(), kFloat32, {kTokens - 1});
+  expect_error(backward(f.x(), f.y(), f.lse_view(), f.g(), f.shard, f.options, f.grad_view(), &short_weights),
+               Code::kInvalidArgument, {"weights.shape", "expected 6 elements", "got 5"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, ReducedLossNeedsOneElement) {
+  Fixture f;
+  f.options.reduction = Reduction::kMean;
+  expect_error(f.run_forward(), Code::kInvalidArgument, {"loss.shape", "expected 1 element (a reduced loss)", "got 6"});
+  expect_error(f.run_backward(), Code::kInvalidArgument, {"grad_loss.shape", "expected 1 element", "got 6"});
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, ExtrasNeedTheWideStats) {
+  Fixture f;
+  std::vector<float> stats(kTokens * 4, 0.5f), entropy(kTokens, -7.0f);
+  const TensorView entropy_view = TensorView::contiguous(entropy.data(), kFloat32, {kTokens});
+  ForwardExtras extras;
+  extras.entropy = &entropy_view;
+  expect_error(calculate_loss(TensorView::contiguous(stats.data(), kFloat32, {kTokens, 4}), f.y(), kVocab, f.options,
+                              f.loss_view(), f.lse_view(), extras),
+               Code::kInvalidArgument, {"stats", "6 columns", "entropy", "got 4"});
+  for (float e : entropy) EXPECT_EQ(e, -7.0f);
+  f.expect_nothing_written();
+}
+
+TEST(BadInput, VocabularyTooLargeForInt32Indices) {
+  Fixture f;
+  f.shard = {0, kVocab, int64_t{1} << 31};
+  expect_error(f.run_forward(), Code::kInvalidArgument, {"shard.vocab_size", "[1, 2^31 - 1]", "got 2147483648"});
+  f.expect_nothing_written();
+}
+
 }  // namespace
 }  // namespace vpce::test

@@ -65,6 +65,7 @@ struct TensorView {
   static TensorView matrix(const void* data, DataType dtype, int64_t rows, int64_t cols,
                            int64_t row_stride, Device device = {});
 
+  // The number of elements, or -1 if a dimension is negative or the count overflows.
   int64_t numel() const;
   // Address of the first element: data + byte_offset (null when data is null).
   void* first() const { return data == nullptr ? nullptr : static_cast<char*>(data) + byte_offset; }

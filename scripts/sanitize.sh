@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The test suite under AddressSanitizer + UndefinedBehaviorSanitizer (LeakSanitizer
+# included), and the in-process backend's tests under ThreadSanitizer (built without
+# OpenMP, whose runtime ThreadSanitizer cannot see into). Any report fails the run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+jobs=$(nproc)
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
+
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVPCE_SANITIZE=address,undefined >/dev/null
+cmake --build build-asan -j "$jobs"
+# The install test links an uninstrumented consumer against the instrumented library.
+(cd build-asan && ctest --output-on-failure -j "$jobs" -E InstallAndFindPackage)
+
+cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVPCE_SANITIZE=thread -DVPCE_WITH_OPENMP=OFF \
+  -DVPCE_BUILD_TOOLS=OFF >/dev/null
+cmake --build build-tsan -j "$jobs" --target vpce_tests
+(cd build-tsan && ctest --output-on-failure -j "$jobs" -R "Group|Concurrency|Endurance|Determinism|StagedApi|LabelSmoothing")

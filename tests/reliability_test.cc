@@ -1,0 +1,112 @@
+// tests/reliability_test.cc: determinism across repeated runs, several in-process groups
+// at once in one process, and one group reused for thousands of calls (leaks are caught by
+// LeakSanitizer in scripts/sanitize.sh, races by ThreadSanitizer).
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "support.h"
+
+namespace vpce::test {
+namespace {
+
+RunOptions busy_options() {
+  RunOptions o;
+  o.loss.label_smoothing = 0.1f;
+  o.loss.z_loss_weight = 1e-3f;
+  o.loss.softcap = 20.0f;
+  o.loss.num_threads = 2;
+  o.extras = true;
+  return o;
+}
+
+void expect_identical(const RunResult& a, const RunResult& b) {
+  for (const Status& s : a.status) ASSERT_TRUE(s.ok()) << s.to_string();
+  for (const Status& s : b.status) ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(a.per_rank[0].loss, b.per_rank[0].loss);
+  EXPECT_EQ(a.per_rank[0].lse, b.per_rank[0].lse);
+  EXPECT_EQ(a.per_rank[0].entropy, b.per_rank[0].entropy);
+  EXPECT_EQ(a.per_rank[0].target_is_argmax, b.per_rank[0].target_is_argmax);
+  EXPECT_EQ(a.grad, b.grad);
+}
+
+TEST(Determinism, RepeatedRunsAreBitIdentical) {
+  const Problem base = random_problem(40, 2000, kBFloat16, 12);
+  const auto shards = shards_from_sizes(even_splits(2000, 3));
+  Problem first_problem = base;
+  const RunResult first = run_ranks(first_problem, shards, busy_options());
+  for (int repeat = 0; repeat < 5; ++repeat) {
+    Problem p = base;
+    expect_identical(first, run_ranks(p, shards, busy_options()));
+  }
+}
+
+// Two groups of 4 in-process ranks compute at the same time in one process; each gets
+// exactly what it gets alone.
+TEST(Concurrency, TwoGroupsAtOnce) {
+  const Problem a = random_problem(30, 1500, kFloat32, 1), b = random_problem(25, 900, kFloat16, 2);
+  const auto shards_a = shards_from_sizes(even_splits(1500, 4)), shards_b = shards_from_sizes({100, 500, 0, 300});
+  Problem alone_a = a, alone_b = b;
+  const RunResult expected_a = run_ranks(alone_a, shards_a, busy_options());
+  const RunResult expected_b = run_ranks(alone_b, shards_b, busy_options());
+  for (int round = 0; round < 5; ++round) {
+    Problem pa = a, pb = b;
+    RunResult got_a, got_b;
+    std::thread first([&] { got_a = run_ranks(pa, shards_a, busy_options()); });
+    std::thread second([&] { got_b = run_ranks(pb, shards_b, busy_options()); });
+    first.join();
+    second.join();
+    expect_identical(expected_a, got_a);
+    expect_identical(expected_b, got_b);
+  }
+}
+
+// One group, one workspace per rank, thousands of forward + backward calls: the same
+// answer every time, and the workspace stops growing after the first call.
+TEST(Endurance, OneGroupThousandsOfCalls) {
+  constexpr int64_t kTokens = 8, kVocab = 96;
+  constexpr int kCalls = 3000;
+  Problem problem = random_problem(kTokens, kVocab, kFloat32, 3);
+  const auto shards = shards_from_sizes(even_splits(kVocab, 2));
+  std::unique_ptr<ThreadGroup> group;
+  ASSERT_TRUE(ThreadGroup::create(2, &group).ok());
+  std::vector<std::vector<float>> first_loss(2), first_grad(2);
+  std::vector<int> mismatches(2, 0);
+  std::vector<std::size_t> capacity_after_first(2), capacity_at_end(2);
+  const auto results = group->run([&](Communicator& comm) -> Status {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    const VocabShard& shard = shards[r];
+    const int64_t cols = shard.vocab_end - shard.vocab_begin;
+    const TensorView x = problem.shard_view(shard);
+    const TensorView y = TensorView::contiguous(problem.targets.data(), kInt64, {kTokens});
+    const TensorView g = TensorView::contiguous(problem.grad_loss.data(), kFloat32, {kTokens});
+    std::vector<float> loss(kTokens), lse(kTokens), grad(static_cast<std::size_t>(kTokens * cols));
+    const TensorView loss_view = TensorView::contiguous(loss.data(), kFloat32, {kTokens});
+    const TensorView lse_view = TensorView::contiguous(lse.data(), kFloat32, {kTokens});
+    const TensorView grad_view = TensorView::matrix(grad.data(), kFloat32, kTokens, cols, cols);
+    LossOptions options;
+    options.label_smoothing = 0.05f;
+    options.num_threads = 1;
+    Workspace workspace;
+    for (int call = 0; call < kCalls; ++call) {
+      if (Status s = forward(comm, x, y, shard, options, loss_view, lse_view, {}, &workspace); !s.ok()) return s;
+      if (Status s = backward(x, y, lse_view, g, shard, options, grad_view); !s.ok()) return s;
+      if (call == 0) {
+        first_loss[r] = loss;
+        first_grad[r] = grad;
+        capacity_after_first[r] = workspace.capacity();
+      } else if (loss != first_loss[r] || grad != first_grad[r]) {
+        ++mismatches[r];
+      }
+    }
+    capacity_at_end[r] = workspace.capacity();
+    return {};
+  });
+  for (const Status& s : results) ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(mismatches, (std::vector<int>{0, 0}));
+  EXPECT_EQ(capacity_at_end, capacity_after_first);
+  EXPECT_EQ(first_loss[0], first_loss[1]);
+}
+
+}  // namespace
+}  // namespace vpce::test
