@@ -1,17 +1,19 @@
-// cpu/kernels.cc: portable C++ kernels of the four stages (see kernels.h).
+// cpu/kernels.cc: the kernels of the four stages (see kernels.h).
 //
-// One token's row is handled by one thread: the max (and its first index) over the row,
-// then the sums of exp(z - max) (fp32 exp, fp64 accumulation) while the row is still in
-// cache; the gradient reads each logit once and writes each gradient element once. The
-// logit transform (scale, soft-cap) is a template parameter, so the plain case pays
-// nothing for it.
+// Rows are cut into blocks of kBlockColumns at fixed offsets; simd_rows.cc does each
+// block's SIMD work (statistics in two passes while the block is in cache; the gradient in
+// one read and one write). Threads take whole rows, or (row, block) pairs when there are
+// fewer rows than threads; either way the blocks are folded in column order, so results do
+// not depend on the thread count. The O(tokens) work (merge, loss, reductions) is scalar.
 #include "kernels.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <limits>
 
 #include "dtype.h"
+#include "simd_rows.h"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -39,55 +41,27 @@ void parallel_rows(int64_t n, int num_threads, const Body& body) {
 #endif
 }
 
-// ---- the logit transform: z = f(x), and dz/dx --------------------------------------------
-
-struct Identity {
-  float operator()(float x) const { return x; }
-  static constexpr bool kHasSlope = false;
-  float slope(float) const { return 1.0f; }
-};
-
-struct Scaled {
-  float scale;
-  float operator()(float x) const { return x * scale; }
-  static constexpr bool kHasSlope = true;
-  float slope(float) const { return scale; }
-};
-
-struct SoftCapped {
-  float scale;
-  float cap;
-  float inverse_cap;
-  float operator()(float x) const { return cap * std::tanh(x * scale * inverse_cap); }
-  static constexpr bool kHasSlope = true;
-  float slope(float z) const {
-    const float t = z * inverse_cap;
-    return scale * (1.0f - t * t);
-  }
-};
-
-// Calls fn(transform) with the transform the params ask for.
-template <class Fn>
-void with_transform(const LossParams& p, const Fn& fn) {
-  if (p.softcap > 0.0f) {
-    fn(SoftCapped{p.logit_scale, p.softcap, 1.0f / p.softcap});
-  } else if (p.logit_scale != 1.0f) {
-    fn(Scaled{p.logit_scale});
-  } else {
-    fn(Identity{});
-  }
+StorageType storage_of(DataType dtype) {
+  return dtype == kFloat32 ? StorageType::kFloat32 : dtype == kBFloat16 ? StorageType::kBFloat16 : StorageType::kFloat16;
 }
 
-// Calls fn(T{}) with the storage type of `dtype` (fp32, bf16 or fp16).
-template <class Fn>
-void with_storage(DataType dtype, const Fn& fn) {
-  if (dtype == kFloat32) {
-    fn(float{});
-  } else if (dtype == kBFloat16) {
-    fn(BFloat16{});
-  } else {
-    fn(Float16{});
+TransformParams transform_of(const LossParams& p) {
+  TransformParams t;
+  t.scale = p.logit_scale;
+  if (p.softcap > 0.0f) {
+    t.cap = p.softcap;
+    t.inverse_cap = 1.0f / p.softcap;
   }
+  return t;
+}
+
+int resolved_threads(int num_threads) {
+#if defined(_OPENMP)
+  return num_threads > 0 ? num_threads : omp_get_max_threads();
+#else
+  (void)num_threads;
+  return 1;
+#endif
 }
 
 // The columns of [vocab_begin, vocab_begin + cols) that are real classes, counted from 0.
@@ -96,83 +70,48 @@ int64_t valid_columns(int64_t vocab_begin, int64_t cols, const LossParams& p) {
   return valid < 0 ? 0 : valid > cols ? cols : valid;
 }
 
-// ---- stage 1: local statistics ---------------------------------------------------------
+int64_t block_count(int64_t columns) { return (columns + kBlockColumns - 1) / kBlockColumns; }
 
-// row: [cols] of T -> out[0..W) (TokenStats, then TokenStatsExtras when W = 6).
-template <class T, class Transform>
-void row_stats(const T* row, int64_t cols, int64_t target_col, int64_t vocab_begin,
-               bool with_sum_logits, bool with_extras, Transform f, float* out) {
-  float max = kNegInf;
-  int64_t argmax = -1;
-  for (int64_t v = 0; v < cols; ++v) {
-    const float z = f(to_float(row[v]));
-    if (z > max) {
-      max = z;
-      argmax = v;
-    }
-  }
-  double sum_exp = 0.0;
-  double sum_logits = 0.0;
-  double weighted_offsets = 0.0;
-  if (max != kNegInf) {
-    for (int64_t v = 0; v < cols; ++v) {
-      const float z = f(to_float(row[v]));
-      const float offset = z - max;
-      const float e = std::exp(offset);
-      sum_exp += static_cast<double>(e);
-      sum_logits += static_cast<double>(z);
-      if (e > 0.0f) weighted_offsets += static_cast<double>(e) * static_cast<double>(offset);
-    }
-  } else if (cols > 0) {
-    sum_logits = -std::numeric_limits<double>::infinity();  // every column is -inf
-  }
-  const bool owns_target = target_col >= 0 && target_col < cols;
-  out[0] = max;
-  out[1] = static_cast<float>(sum_exp);
-  out[2] = owns_target ? f(to_float(row[target_col])) : kNegInf;
-  out[3] = with_sum_logits ? static_cast<float>(sum_logits) : 0.0f;
-  if (with_extras) {
-    const int32_t global = argmax < 0 ? -1 : static_cast<int32_t>(argmax + vocab_begin);
-    out[4] = std::bit_cast<float>(global);
-    out[5] = static_cast<float>(weighted_offsets);
-  }
+// Few rows and many blocks: the (row, block) pairs are spread over the threads instead of
+// the rows, with their results in a stack array of this many entries.
+constexpr int64_t kMaxSplitItems = 512;
+
+bool split_blocks(int64_t rows, int64_t blocks, int threads) {
+  return rows < threads && blocks > 1 && rows * blocks <= kMaxSplitItems;
 }
 
-// ---- stage 4: gradient -------------------------------------------------------------------
-
-struct RowGradient {
-  float upstream;       // g_i w_i (0: the row is all zeros)
-  float lse;
-  float coefficient;    // 1 + 2 zl lse
-  float uniform;        // s / Vv
-  float target_weight;  // 1 - s
-};
-
-// row: [cols] of T -> grad row [cols] of G, columns [valid, cols) padding; the row may be
-// the grad row itself, so the target's logit is read before anything is written.
-template <class T, class G, class Transform>
-void row_gradient(const T* row, G* grad, int64_t cols, int64_t valid, int64_t target_col,
-                  const RowGradient& r, Transform f) {
-  if (r.upstream == 0.0f) {
-    for (int64_t v = 0; v < cols; ++v) grad[v] = from_float<G>(0.0f);
-    return;
+// Runs item(r, b) for every row r and block b: over rows, or over (row, block) pairs when
+// rows are fewer than threads. `item` must not depend on which.
+template <class Item>
+void for_each_block(int64_t rows, int64_t blocks, int num_threads, const Item& item) {
+  if (split_blocks(rows, blocks, resolved_threads(num_threads))) {
+    parallel_rows(rows * blocks, num_threads, [&](int64_t k) { item(k / blocks, k % blocks); });
+  } else {
+    parallel_rows(rows, num_threads, [&](int64_t r) {
+      for (int64_t b = 0; b < blocks; ++b) item(r, b);
+    });
   }
-  const bool owns_target = target_col >= 0 && target_col < valid;
-  const float target_x = owns_target ? to_float(row[target_col]) : 0.0f;
-  auto element = [&](float x, float target_term) {
-    const float z = f(x);
-    const float p = std::exp(z - r.lse);
-    float d = r.upstream * ((p * r.coefficient - r.uniform) - target_term);
-    if constexpr (Transform::kHasSlope) d *= f.slope(z);
-    return d;
-  };
-  for (int64_t v = 0; v < valid; ++v) grad[v] = from_float<G>(element(to_float(row[v]), 0.0f));
-  for (int64_t v = valid; v < cols; ++v) grad[v] = from_float<G>(0.0f);
-  if (owns_target) grad[target_col] = from_float<G>(element(target_x, r.target_weight));
 }
 
 float weight_at(const TokenVector& weights, int64_t i) {
   return present(weights) ? weights.at<float>(i) : 1.0f;
+}
+
+// One logit, widened to fp32.
+float load_float(const RowMatrix& m, int64_t i, int64_t col) {
+  const char* p = m.base + (i * m.row_stride + col) * m.dtype.bytes();
+  if (m.dtype == kFloat32) return *reinterpret_cast<const float*>(p);
+  if (m.dtype == kBFloat16) return to_float(*reinterpret_cast<const BFloat16*>(p));
+  return to_float(*reinterpret_cast<const Float16*>(p));
+}
+
+// One gradient element of a row, rounded once to its storage type.
+void store_float(char* row, StorageType type, int64_t col, float value) {
+  switch (type) {
+    case StorageType::kFloat32: reinterpret_cast<float*>(row)[col] = value; return;
+    case StorageType::kBFloat16: reinterpret_cast<BFloat16*>(row)[col] = from_float<BFloat16>(value); return;
+    case StorageType::kFloat16: reinterpret_cast<Float16*>(row)[col] = from_float<Float16>(value); return;
+  }
 }
 
 }  // namespace
@@ -201,15 +140,44 @@ int64_t target_at(const TokenVector& targets, int64_t i) {
 void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets, int64_t vocab_begin,
                         const LossParams& params, int num_threads, const RowMatrix& stats) {
   const int64_t valid = valid_columns(vocab_begin, logits.cols, params);
+  const int64_t blocks = block_count(valid);
   const bool with_extras = stats.cols == kStatsWidthWithExtras;
-  with_storage(logits.dtype, [&](auto storage) {
-    using T = decltype(storage);
-    with_transform(params, [&](auto transform) {
-      parallel_rows(logits.rows, num_threads, [&](int64_t i) {
-        row_stats(logits.row<const T>(i), valid, target_at(targets, i) - vocab_begin, vocab_begin,
-                  params.with_sum_logits(), with_extras, transform, stats.row<float>(i));
-      });
-    });
+  const StorageType type = storage_of(logits.dtype);
+  const TransformParams transform = transform_of(params);
+  const int element = logits.dtype.bytes();
+  auto block = [&](int64_t i, int64_t b) {
+    const int64_t begin = b * kBlockColumns;
+    return block_stats(logits.base + (i * logits.row_stride + begin) * element, type,
+                       std::min(kBlockColumns, valid - begin), transform, params.with_sum_logits(), with_extras);
+  };
+  // Writes the row's TokenStats (and extras) from its blocks folded in column order.
+  auto finish = [&](int64_t i, const BlockStats& row) {
+    const int64_t target_col = target_at(targets, i) - vocab_begin;
+    const bool owns_target = target_col >= 0 && target_col < valid;
+    float* out = stats.row<float>(i);
+    out[0] = row.max;
+    out[1] = static_cast<float>(row.sum_exp);
+    out[2] = owns_target ? transform_one(load_float(logits, i, target_col), transform) : kNegInf;
+    out[3] = params.with_sum_logits() ? static_cast<float>(row.sum_logits) : 0.0f;
+    if (with_extras) {
+      out[4] = std::bit_cast<float>(row.argmax < 0 ? int32_t{-1} : static_cast<int32_t>(row.argmax + vocab_begin));
+      out[5] = static_cast<float>(row.weighted);
+    }
+  };
+  if (split_blocks(logits.rows, blocks, resolved_threads(num_threads))) {
+    BlockStats parts[kMaxSplitItems];
+    for_each_block(logits.rows, blocks, num_threads, [&](int64_t i, int64_t b) { parts[i * blocks + b] = block(i, b); });
+    for (int64_t i = 0; i < logits.rows; ++i) {
+      BlockStats row;
+      for (int64_t b = 0; b < blocks; ++b) fold_block(row, parts[i * blocks + b], b * kBlockColumns);
+      finish(i, row);
+    }
+    return;
+  }
+  parallel_rows(logits.rows, num_threads, [&](int64_t i) {
+    BlockStats row;
+    for (int64_t b = 0; b < blocks; ++b) fold_block(row, block(i, b), b * kBlockColumns);
+    finish(i, row);
   });
 }
 
@@ -322,26 +290,73 @@ void gradient_kernel(const RowMatrix& logits, const TokenVector& targets,
   }
   const auto uniform = static_cast<float>(params.smoothing / static_cast<double>(params.valid_vocab));
   const auto target_weight = static_cast<float>(1.0 - params.smoothing);
-  with_storage(logits.dtype, [&](auto storage) {
-    using T = decltype(storage);
-    with_storage(grad.dtype, [&](auto grad_storage) {
-      using G = decltype(grad_storage);
-      with_transform(params, [&](auto transform) {
-        parallel_rows(logits.rows, num_threads, [&](int64_t i) {
-          const int64_t y = target_at(targets, i);
-          const double upstream = params.reduction == Reduction::kNone
-                                      ? static_cast<double>(grad_loss.at<float>(i))
-                                      : shared_upstream;
-          const float token_lse = lse.at<float>(i);
-          const RowGradient r{
-              params.ignored(y) ? 0.0f : static_cast<float>(upstream * static_cast<double>(weight_at(weights, i))),
-              token_lse, static_cast<float>(1.0 + 2.0 * params.z_loss * static_cast<double>(token_lse)),
-              uniform, target_weight};
-          row_gradient(logits.row<const T>(i), grad.row<G>(i), logits.cols, valid, y - vocab_begin, r,
-                       transform);
-        });
-      });
+  const int64_t blocks = block_count(valid);
+  const StorageType in = storage_of(logits.dtype), out = storage_of(grad.dtype);
+  const TransformParams transform = transform_of(params);
+  const int in_bytes = logits.dtype.bytes(), out_bytes = grad.dtype.bytes();
+  auto constants = [&](int64_t i) {
+    const int64_t y = target_at(targets, i);
+    const double upstream = params.reduction == Reduction::kNone ? static_cast<double>(grad_loss.at<float>(i)) : shared_upstream;
+    const float token_lse = lse.at<float>(i);
+    return GradientConstants{
+        params.ignored(y) ? 0.0f : static_cast<float>(upstream * static_cast<double>(weight_at(weights, i))), token_lse,
+        static_cast<float>(1.0 + 2.0 * params.z_loss * static_cast<double>(token_lse)), uniform};
+  };
+  // The target's gradient, from its logit read before the row is overwritten (in place).
+  auto target_gradient = [&](float x, const GradientConstants& c) {
+    const float z = transform_one(x, transform);
+    float g = c.upstream * ((exp_one(z - c.lse) * c.coefficient - c.uniform) - target_weight);
+    if (!transform.identity()) g *= slope_one(z, transform);
+    return g;
+  };
+  auto zero = [&](int64_t i, int64_t begin, int64_t end) {
+    char* row = grad.base + i * grad.row_stride * out_bytes;
+    for (int64_t v = begin; v < end; ++v) store_float(row, out, v, 0.0f);
+  };
+  auto block = [&](int64_t i, int64_t b, const GradientConstants& c) {
+    const int64_t begin = b * kBlockColumns;
+    block_gradient(logits.base + (i * logits.row_stride + begin) * in_bytes, in,
+                   grad.base + (i * grad.row_stride + begin) * out_bytes, out, std::min(kBlockColumns, valid - begin),
+                   transform, c);
+  };
+  // Row i once its blocks are written: the padding, and the target column.
+  auto finish = [&](int64_t i, float target_x, const GradientConstants& c) {
+    zero(i, valid, logits.cols);
+    const int64_t target_col = target_at(targets, i) - vocab_begin;
+    if (target_col >= 0 && target_col < valid) {
+      store_float(grad.base + i * grad.row_stride * out_bytes, out, target_col, target_gradient(target_x, c));
+    }
+  };
+  auto target_x = [&](int64_t i) {
+    const int64_t target_col = target_at(targets, i) - vocab_begin;
+    return target_col >= 0 && target_col < valid ? load_float(logits, i, target_col) : 0.0f;
+  };
+  if (split_blocks(logits.rows, blocks, resolved_threads(num_threads))) {
+    float targets_x[kMaxSplitItems];
+    for (int64_t i = 0; i < logits.rows; ++i) targets_x[i] = target_x(i);
+    for_each_block(logits.rows, blocks, num_threads, [&](int64_t i, int64_t b) {
+      const GradientConstants c = constants(i);
+      if (c.upstream != 0.0f) block(i, b, c);
     });
+    for (int64_t i = 0; i < logits.rows; ++i) {
+      const GradientConstants c = constants(i);
+      if (c.upstream == 0.0f) {
+        zero(i, 0, logits.cols);
+      } else {
+        finish(i, targets_x[i], c);
+      }
+    }
+    return;
+  }
+  parallel_rows(logits.rows, num_threads, [&](int64_t i) {
+    const GradientConstants c = constants(i);
+    if (c.upstream == 0.0f) {  // ignored, or weight 0: a row of zeros
+      zero(i, 0, logits.cols);
+      return;
+    }
+    const float x = target_x(i);
+    for (int64_t b = 0; b < blocks; ++b) block(i, b, c);
+    finish(i, x, c);
   });
 }
 

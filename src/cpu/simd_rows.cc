@@ -1,0 +1,330 @@
+// cpu/simd_rows.cc: the per-block SIMD work of the kernels (see simd_rows.h), written once
+// with Google Highway and compiled for every x86 target it attains (AVX-512, AVX2, SSE4,
+// SSSE3) plus scalar; the best one the CPU supports is chosen at run time.
+//
+// Statistics of a block take two passes while the block is in cache: the max, then the
+// sums of exp(z - max) (and of z, and of exp(z - max)(z - max), when asked), accumulated
+// in fp32 lanes over chunks of 64 vectors and in fp64 across chunks. The gradient reads
+// each logit once and writes each gradient element once. Loads widen bf16 and fp16 to
+// fp32; stores round fp32 to bf16 to nearest even in SIMD, and to fp16 through the exact
+// scalar conversion.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/simd_rows.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
+#include <hwy/contrib/math/math-inl.h>
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "cpu/dtype.h"
+#include "cpu/simd_rows.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace vpce::detail {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+constexpr int kIdentity = 0;
+constexpr int kScaled = 1;
+constexpr int kSoftCapped = 2;
+constexpr size_t kMaxLanes = 64;  // more than any target's fp32 lanes
+
+// ---- loads and stores of one vector of `count` (<= lanes) elements --------------------
+
+HWY_INLINE VF LoadFull(DF d, const float* p) { return hn::LoadU(d, p); }
+HWY_INLINE VF LoadFull(DF d, const BFloat16* p) {
+  const hn::Rebind<hwy::bfloat16_t, DF> dbf;
+  return hn::PromoteTo(d, hn::LoadU(dbf, reinterpret_cast<const hwy::bfloat16_t*>(p)));
+}
+HWY_INLINE VF LoadFull(DF d, const Float16* p) {
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p)));
+}
+
+// The first `count` elements; the other lanes are 0.
+template <class T>
+HWY_INLINE VF LoadPartial(DF d, const T* p, size_t count) {
+  T buffer[kMaxLanes] = {};
+  std::memcpy(buffer, p, count * sizeof(T));
+  return LoadFull(d, buffer);
+}
+
+HWY_INLINE void StoreFull(DF d, VF v, float* p) { hn::StoreU(v, d, p); }
+
+// fp32 -> bf16, rounding to nearest even; NaN stays a (quiet) NaN.
+HWY_INLINE void StoreFull(DF d, VF v, BFloat16* p) {
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint16_t, DF> du16;
+  const auto bits = hn::BitCast(du, v);
+  const auto odd = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
+  const auto rounded = hn::ShiftRight<16>(hn::Add(bits, hn::Add(hn::Set(du, 0x7fffu), odd)));
+  const auto quiet = hn::Or(hn::ShiftRight<16>(bits), hn::Set(du, 0x40u));
+  const auto nan = hn::RebindMask(du, hn::Ne(v, v));
+  const auto half = hn::DemoteTo(du16, hn::BitCast(di, hn::IfThenElse(nan, quiet, rounded)));
+  hn::StoreU(half, du16, reinterpret_cast<uint16_t*>(p));
+}
+
+HWY_INLINE void StoreFull(DF d, VF v, Float16* p) {
+  float values[kMaxLanes];
+  hn::StoreU(v, d, values);
+  const size_t lanes = hn::Lanes(d);
+  for (size_t i = 0; i < lanes; ++i) p[i] = from_float<Float16>(values[i]);
+}
+
+template <class G>
+HWY_INLINE void StorePartial(DF d, VF v, G* p, size_t count) {
+  G buffer[kMaxLanes];
+  StoreFull(d, v, buffer);
+  std::memcpy(p, buffer, count * sizeof(G));
+}
+
+// ---- the logit transform ----------------------------------------------------------------
+
+template <int kKind>
+HWY_INLINE VF Transform(DF d, VF x, const TransformParams& t) {
+  if constexpr (kKind == kIdentity) {
+    return x;
+  } else if constexpr (kKind == kScaled) {
+    return hn::Mul(x, hn::Set(d, t.scale));
+  } else {
+    const VF z = hn::Mul(x, hn::Set(d, t.scale));
+    return hn::Mul(hn::Set(d, t.cap), hn::Tanh(d, hn::Mul(z, hn::Set(d, t.inverse_cap))));
+  }
+}
+
+// dz/dx at z.
+template <int kKind>
+HWY_INLINE VF Slope(DF d, VF z, const TransformParams& t) {
+  if constexpr (kKind == kSoftCapped) {
+    const VF u = hn::Mul(z, hn::Set(d, t.inverse_cap));
+    return hn::Mul(hn::Set(d, t.scale), hn::NegMulAdd(u, u, hn::Set(d, 1.0f)));
+  } else {
+    return hn::Set(d, t.scale);
+  }
+}
+
+// ---- block statistics ---------------------------------------------------------------------
+
+// row: [cols] of T -> BlockStats.
+template <class T, int kKind>
+void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_logits,
+           bool with_weighted, BlockStats* out) {
+  const DF d;
+  const auto lanes = static_cast<int64_t>(hn::Lanes(d));
+  const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+  const int64_t full = cols - cols % lanes;
+  const auto tail = static_cast<size_t>(cols - full);
+
+  VF vmax = neg_inf;
+  for (int64_t v = 0; v < full; v += lanes) vmax = hn::Max(vmax, Transform<kKind>(d, LoadFull(d, row + v), t));
+  if (tail != 0) {
+    const VF z = Transform<kKind>(d, LoadPartial(d, row + full, tail), t);
+    vmax = hn::Max(vmax, hn::IfThenElse(hn::FirstN(d, tail), z, neg_inf));
+  }
+  BlockStats s;
+  s.max = hn::GetLane(hn::MaxOfLanes(d, vmax));
+  if (s.max == -std::numeric_limits<float>::infinity()) {
+    s.sum_logits = cols > 0 && with_sum_logits ? -std::numeric_limits<double>::infinity() : 0.0;
+    *out = s;
+    return;
+  }
+  const VF vm = hn::Set(d, s.max);
+  if (with_weighted) {  // the first column holding the max
+    for (int64_t v = 0; v < cols && s.argmax < 0; v += lanes) {
+      const bool partial = v >= full;
+      const VF z = Transform<kKind>(d, partial ? LoadPartial(d, row + v, tail) : LoadFull(d, row + v), t);
+      auto hit = hn::Eq(z, vm);
+      if (partial) hit = hn::And(hit, hn::FirstN(d, tail));
+      const intptr_t lane = hn::FindFirstTrue(d, hit);
+      if (lane >= 0) s.argmax = v + lane;
+    }
+  }
+  const int64_t chunk = 64 * lanes;
+  for (int64_t begin = 0; begin < cols; begin += chunk) {
+    const int64_t end = std::min(cols, begin + chunk);
+    VF sum_exp = hn::Zero(d), sum_z = hn::Zero(d), weighted = hn::Zero(d);
+    for (int64_t v = begin; v < end; v += lanes) {
+      const bool partial = v >= full;
+      const VF z = Transform<kKind>(d, partial ? LoadPartial(d, row + v, tail) : LoadFull(d, row + v), t);
+      const VF offset = hn::Sub(z, vm);
+      VF e = hn::Exp(d, offset);
+      VF zz = z;
+      if (partial) {
+        const auto keep = hn::FirstN(d, tail);
+        e = hn::IfThenElseZero(keep, e);
+        zz = hn::IfThenElseZero(keep, z);
+      }
+      sum_exp = hn::Add(sum_exp, e);
+      if (with_sum_logits) sum_z = hn::Add(sum_z, zz);
+      if (with_weighted) {
+        weighted = hn::Add(weighted, hn::IfThenElseZero(hn::Gt(e, hn::Zero(d)), hn::Mul(e, offset)));
+      }
+    }
+    s.sum_exp += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, sum_exp)));
+    if (with_sum_logits) s.sum_logits += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, sum_z)));
+    if (with_weighted) s.weighted += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, weighted)));
+  }
+  *out = s;
+}
+
+template <class T>
+void StatsForType(const void* row, int64_t cols, const TransformParams& t, bool with_sum_logits,
+                  bool with_weighted, BlockStats* out) {
+  const T* r = static_cast<const T*>(row);
+  if (t.cap > 0.0f) {
+    Stats<T, kSoftCapped>(r, cols, t, with_sum_logits, with_weighted, out);
+  } else if (t.scale != 1.0f) {
+    Stats<T, kScaled>(r, cols, t, with_sum_logits, with_weighted, out);
+  } else {
+    Stats<T, kIdentity>(r, cols, t, with_sum_logits, with_weighted, out);
+  }
+}
+
+void BlockStatsImpl(const void* row, int32_t type, int64_t cols, const TransformParams& t,
+                    bool with_sum_logits, bool with_weighted, BlockStats* out) {
+  switch (static_cast<StorageType>(type)) {
+    case StorageType::kFloat32: return StatsForType<float>(row, cols, t, with_sum_logits, with_weighted, out);
+    case StorageType::kBFloat16: return StatsForType<BFloat16>(row, cols, t, with_sum_logits, with_weighted, out);
+    case StorageType::kFloat16: return StatsForType<Float16>(row, cols, t, with_sum_logits, with_weighted, out);
+  }
+}
+
+// ---- block gradient -----------------------------------------------------------------------
+
+// row: [cols] of T -> grad: [cols] of G.
+template <class T, class G, int kKind>
+void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
+  const DF d;
+  const auto lanes = static_cast<int64_t>(hn::Lanes(d));
+  const VF lse = hn::Set(d, c.lse), upstream = hn::Set(d, c.upstream);
+  const VF coefficient = hn::Set(d, c.coefficient), uniform = hn::Set(d, c.uniform);
+  auto element = [&](VF x) {
+    const VF z = Transform<kKind>(d, x, t);
+    const VF p = hn::Exp(d, hn::Sub(z, lse));
+    VF g = hn::Mul(upstream, hn::MulSub(p, coefficient, uniform));
+    if constexpr (kKind != kIdentity) g = hn::Mul(g, Slope<kKind>(d, z, t));
+    return g;
+  };
+  const int64_t full = cols - cols % lanes;
+  for (int64_t v = 0; v < full; v += lanes) StoreFull(d, element(LoadFull(d, row + v)), grad + v);
+  if (full < cols) {
+    const auto tail = static_cast<size_t>(cols - full);
+    StorePartial(d, element(LoadPartial(d, row + full, tail)), grad + full, tail);
+  }
+}
+
+template <class T, class G>
+void GradientForTypes(const void* row, void* grad, int64_t cols, const TransformParams& t,
+                      const GradientConstants& c) {
+  const T* r = static_cast<const T*>(row);
+  G* g = static_cast<G*>(grad);
+  if (t.cap > 0.0f) {
+    Gradient<T, G, kSoftCapped>(r, g, cols, t, c);
+  } else if (t.scale != 1.0f) {
+    Gradient<T, G, kScaled>(r, g, cols, t, c);
+  } else {
+    Gradient<T, G, kIdentity>(r, g, cols, t, c);
+  }
+}
+
+template <class T>
+void GradientForInput(const void* row, int32_t out, void* grad, int64_t cols, const TransformParams& t,
+                      const GradientConstants& c) {
+  switch (static_cast<StorageType>(out)) {
+    case StorageType::kFloat32: return GradientForTypes<T, float>(row, grad, cols, t, c);
+    case StorageType::kBFloat16: return GradientForTypes<T, BFloat16>(row, grad, cols, t, c);
+    case StorageType::kFloat16: return GradientForTypes<T, Float16>(row, grad, cols, t, c);
+  }
+}
+
+void BlockGradientImpl(const void* row, int32_t in, void* grad, int32_t out, int64_t cols,
+                       const TransformParams& t, const GradientConstants& c) {
+  switch (static_cast<StorageType>(in)) {
+    case StorageType::kFloat32: return GradientForInput<float>(row, out, grad, cols, t, c);
+    case StorageType::kBFloat16: return GradientForInput<BFloat16>(row, out, grad, cols, t, c);
+    case StorageType::kFloat16: return GradientForInput<Float16>(row, out, grad, cols, t, c);
+  }
+}
+
+// ---- single values, with the blocks' arithmetic ---------------------------------------------
+
+float TransformOneImpl(float x, const TransformParams& t) {
+  const DF d;
+  const VF v = hn::Set(d, x);
+  if (t.cap > 0.0f) return hn::GetLane(Transform<kSoftCapped>(d, v, t));
+  if (t.scale != 1.0f) return hn::GetLane(Transform<kScaled>(d, v, t));
+  return x;
+}
+
+float SlopeOneImpl(float z, const TransformParams& t) {
+  const DF d;
+  if (t.cap > 0.0f) return hn::GetLane(Slope<kSoftCapped>(d, hn::Set(d, z), t));
+  return t.scale;
+}
+
+float ExpOneImpl(float x) {
+  const DF d;
+  return hn::GetLane(hn::Exp(d, hn::Set(d, x)));
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace vpce::detail
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace vpce::detail {
+
+HWY_EXPORT(BlockStatsImpl);
+HWY_EXPORT(BlockGradientImpl);
+HWY_EXPORT(TransformOneImpl);
+HWY_EXPORT(SlopeOneImpl);
+HWY_EXPORT(ExpOneImpl);
+
+void fold_block(BlockStats& a, const BlockStats& b, int64_t offset) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  a.sum_logits += b.sum_logits;
+  if (b.max == kNegInf) return;  // adds no mass (and -inf - -inf would be NaN)
+  if (a.max == kNegInf) {
+    const double sum_logits = a.sum_logits;
+    a = b;
+    a.sum_logits = sum_logits;
+    if (a.argmax >= 0) a.argmax += offset;
+    return;
+  }
+  const float max = std::max(a.max, b.max);
+  const double shift_a = static_cast<double>(a.max) - static_cast<double>(max);
+  const double shift_b = static_cast<double>(b.max) - static_cast<double>(max);
+  const double scale_a = std::exp(shift_a), scale_b = std::exp(shift_b);
+  // sum exp(z - M)(z - M) = e^shift (sum exp(z - m)(z - m) + shift sum exp(z - m))
+  a.weighted = scale_a * (a.weighted + shift_a * a.sum_exp) + scale_b * (b.weighted + shift_b * b.sum_exp);
+  a.sum_exp = a.sum_exp * scale_a + b.sum_exp * scale_b;
+  if (b.max > a.max && b.argmax >= 0) a.argmax = b.argmax + offset;  // ties keep the earlier column
+  a.max = max;
+}
+
+BlockStats block_stats(const void* row, StorageType type, int64_t cols, const TransformParams& t,
+                       bool with_sum_logits, bool with_weighted) {
+  BlockStats out;
+  HWY_DYNAMIC_DISPATCH(BlockStatsImpl)(row, static_cast<int32_t>(type), cols, t, with_sum_logits, with_weighted, &out);
+  return out;
+}
+
+void block_gradient(const void* row, StorageType in, void* grad, StorageType out, int64_t cols,
+                    const TransformParams& t, const GradientConstants& c) {
+  HWY_DYNAMIC_DISPATCH(BlockGradientImpl)(row, static_cast<int32_t>(in), grad, static_cast<int32_t>(out), cols, t, c);
+}
+
+float transform_one(float x, const TransformParams& t) { return HWY_DYNAMIC_DISPATCH(TransformOneImpl)(x, t); }
+float slope_one(float z, const TransformParams& t) { return HWY_DYNAMIC_DISPATCH(SlopeOneImpl)(z, t); }
+float exp_one(float x) { return HWY_DYNAMIC_DISPATCH(ExpOneImpl)(x); }
+
+}  // namespace vpce::detail
+#endif  // HWY_ONCE

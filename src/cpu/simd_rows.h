@@ -1,0 +1,59 @@
+// cpu/simd_rows.h: the per-block SIMD work of the kernels (Google Highway, dispatched at run
+// time to the best of AVX-512, AVX2, SSE4, SSSE3 or scalar that the CPU supports).
+//
+// A block is up to kBlockColumns consecutive logits of one row. kernels.cc splits rows into
+// blocks at fixed column offsets (never by thread count) and folds the blocks' statistics
+// in column order, so the results do not depend on the number of threads.
+#pragma once
+
+#include <cstdint>
+
+namespace vpce::detail {
+
+inline constexpr int64_t kBlockColumns = 16384;
+
+enum class StorageType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// z = x * scale, then cap * tanh(z / cap) when cap > 0.
+struct TransformParams {
+  float scale = 1.0f;
+  float cap = 0.0f;
+  float inverse_cap = 0.0f;
+  bool identity() const { return scale == 1.0f && cap == 0.0f; }
+};
+
+// Statistics of one block, relative to its own max.
+struct BlockStats {
+  float max = -__builtin_inff();
+  int64_t argmax = -1;         // first column (in the block) holding max; -1 if none
+  double sum_exp = 0.0;        // sum exp(z - max)
+  double sum_logits = 0.0;     // sum z (when asked)
+  double weighted = 0.0;       // sum exp(z - max) (z - max) (when asked)
+};
+
+// Folds block b (whose columns start `offset` after block a's) into a, in column order.
+void fold_block(BlockStats& a, const BlockStats& b, int64_t offset);
+
+// row: [cols] of `type` -> the block's statistics.
+BlockStats block_stats(const void* row, StorageType type, int64_t cols, const TransformParams& t,
+                       bool with_sum_logits, bool with_weighted);
+
+struct GradientConstants {
+  float upstream;     // g_i w_i
+  float lse;
+  float coefficient;  // 1 + 2 zl lse
+  float uniform;      // s / Vv
+};
+
+// row: [cols] of `in` -> grad: [cols] of `out`,
+// grad_v = upstream (exp(z_v - lse) coefficient - uniform) dz/dx_v. grad may be row.
+void block_gradient(const void* row, StorageType in, void* grad, StorageType out, int64_t cols,
+                    const TransformParams& t, const GradientConstants& c);
+
+// z and dz/dx of one logit, with the same arithmetic as the blocks.
+float transform_one(float x, const TransformParams& t);
+float slope_one(float z, const TransformParams& t);
+// exp(x) with the same arithmetic as the blocks.
+float exp_one(float x);
+
+}  // namespace vpce::detail

@@ -1,0 +1,100 @@
+// tests/simd_targets_test.cc: every SIMD target that Highway compiled and this CPU runs
+// (AVX-512, AVX2, SSE4, SSSE3, scalar on x86), forced one at a time, against the fp64
+// oracle: all dtypes, in place and not, every transform, extras, rows longer than a block
+// (so blocks are folded), and a single long row (so blocks are split across threads).
+#include <gtest/gtest.h>
+#include <hwy/targets.h>
+
+#include <string>
+
+#include "support.h"
+
+namespace vpce::test {
+namespace {
+
+double unit_roundoff(DataType d) { return d == kFloat32 ? 0x1p-24 : d == kBFloat16 ? 0x1p-8 : 0x1p-11; }
+
+struct TargetCase {
+  DataType dtype;
+  int64_t tokens, vocab;
+  int ranks;
+  bool in_place;
+  float softcap, scale, smoothing;
+  bool extras;
+};
+
+void check_case(const TargetCase& c, const std::string& target) {
+  Problem problem = random_problem(c.tokens, c.vocab, c.dtype, static_cast<uint64_t>(c.vocab + c.tokens));
+  RunOptions options;
+  options.loss.softcap = c.softcap;
+  options.loss.logit_scale = c.scale;
+  options.loss.label_smoothing = c.smoothing;
+  options.loss.num_threads = 2;
+  options.in_place = c.in_place;
+  options.extras = c.extras;
+  const Problem before = problem;
+  const RunResult result = run_ranks(problem, shards_from_sizes(even_splits(c.vocab, c.ranks)), options);
+  for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
+  const reference::Result want = oracle(before, options);
+  const std::string where = target + " " + to_string(c.dtype) + " N" + std::to_string(c.tokens) + " V" +
+                            std::to_string(c.vocab) + (c.in_place ? " in place" : "");
+  EXPECT_LE(relative_error(widen(result.per_rank[0].loss), want.loss), 1e-6) << where;
+  EXPECT_LE(relative_error(widen(result.per_rank[0].lse), want.lse), 1e-6) << where;
+  // An in-place low-precision gradient is rounded once more to its dtype.
+  const double grad_tolerance = c.in_place ? unit_roundoff(c.dtype) + 1e-6 : 1e-6;
+  EXPECT_LE(relative_error(result.grad, want.grad), grad_tolerance) << where;
+  if (c.extras) EXPECT_LE(relative_error(widen(result.per_rank[0].entropy), want.entropy), 1e-6) << where;
+}
+
+TEST(SimdTargets, EveryTargetMatchesTheOracle) {
+  std::vector<std::string> ran;
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    const std::string name = hwy::TargetName(target);
+    ran.push_back(name);
+    for (DataType dtype : {kFloat32, kBFloat16, kFloat16}) {
+      for (bool in_place : {false, true}) {
+        check_case({dtype, 7, 1003, 3, in_place, 0.0f, 1.0f, 0.1f, true}, name);
+        check_case({dtype, 5, 40000, 2, in_place, 0.0f, 1.0f, 0.0f, false}, name);   // 2 blocks per rank
+        check_case({dtype, 1, 70001, 1, in_place, 6.0f, 0.8f, 0.1f, true}, name);    // one row, split
+        check_case({dtype, 3, 77, 4, in_place, 3.0f, 1.5f, 0.0f, true}, name);       // tails only
+      }
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  const std::string list = [&] {
+    std::string s;
+    for (const std::string& n : ran) s += n + " ";
+    return s;
+  }();
+  RecordProperty("targets", list);
+  std::printf("SIMD targets tested: %s\n", list.c_str());
+  EXPECT_NE(std::find(ran.begin(), ran.end(), "SCALAR"), ran.end()) << list;
+#if defined(__x86_64__)
+  if (hwy::SupportedTargets() & HWY_AVX2) EXPECT_NE(std::find(ran.begin(), ran.end(), "AVX2"), ran.end()) << list;
+  if (hwy::SupportedTargets() & HWY_AVX3) EXPECT_NE(std::find(ran.begin(), ran.end(), "AVX3"), ran.end()) << list;
+#endif
+}
+
+// A long row with few tokens is split over threads by blocks: the same bits as one thread.
+TEST(SimdTargets, SplitRowsMatchOneThreadBitwise) {
+  for (int64_t tokens : {1, 2}) {
+    std::vector<RunResult> results;
+    for (int threads : {1, 2, 5}) {
+      Problem problem = random_problem(tokens, 100000, kBFloat16, 8);
+      RunOptions options;
+      options.loss.num_threads = threads;
+      options.loss.label_smoothing = 0.1f;
+      options.extras = true;
+      results.push_back(run_ranks(problem, shards_from_sizes({100000}), options));
+    }
+    for (const RunResult& r : results) {
+      EXPECT_EQ(r.per_rank[0].loss, results[0].per_rank[0].loss);
+      EXPECT_EQ(r.per_rank[0].entropy, results[0].per_rank[0].entropy);
+      EXPECT_EQ(r.grad, results[0].grad);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace vpce::test
