@@ -41,4 +41,21 @@ struct GenConfig {
 // Writes DIR/logits.npy ([tokens, vocab], normal logits) and DIR/targets.npy (int64).
 Status gen_command(const GenConfig& config);
 
+struct PerfConfig {
+  int64_t min_tokens = 1024;        // -b
+  int64_t max_tokens = 4096;        // -e
+  double factor = 2.0;              // -f
+  std::vector<int64_t> vocab = {32000};  // -V (global vocabulary sizes)
+  int ranks = 1;                    // -t
+  std::string dtype = "fp32";       // -d: fp32, bf16, fp16 or all
+  int iterations = 10;              // -n
+  int warmup = 2;                   // -w
+  int check = 1;                    // -c
+  int threads = 0;                  // --threads per rank (0: cores / R)
+  float label_smoothing = 0.0f;
+};
+
+// Prints the nccl-tests-style table; fails if any checked element is wrong.
+Status perf_command(const PerfConfig& config);
+
 }  // namespace vpce::tools

@@ -65,6 +65,27 @@ int main(int argc, char** argv) {
   gen_cmd->add_option("--dtype", gen.dtype, "float32 or float16")->check(CLI::IsMember({"float32", "float16"}));
   gen_cmd->add_option("--out", gen.out_dir, "output directory")->required();
 
+  vpce::tools::PerfConfig perf;
+  CLI::App* perf_cmd = app.add_subcommand(
+      "perf", "Benchmark forward and backward (nccl-tests style): time, bandwidth, % of the machine's bound, #wrong");
+  perf_cmd->add_option("-b,--min-tokens", perf.min_tokens, "smallest number of tokens (default 1024)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  perf_cmd->add_option("-e,--max-tokens", perf.max_tokens, "largest number of tokens (default 4096)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  perf_cmd->add_option("-f,--factor", perf.factor, "multiply the tokens by this between rows (default 2)");
+  perf_cmd->add_option("-V,--vocab", perf.vocab, "global vocabulary sizes, comma-separated (default 32000)")
+      ->delimiter(',')
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  perf_cmd->add_option("-t,--ranks", perf.ranks, "in-process ranks R (default 1)")->check(CLI::Range(1, 256));
+  perf_cmd->add_option("-d,--dtype", perf.dtype, "fp32, bf16, fp16 or all (default fp32)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16", "all"}));
+  perf_cmd->add_option("-n,--iters", perf.iterations, "timed iterations per row (default 10)")->check(CLI::Range(1, 100000));
+  perf_cmd->add_option("-w,--warmup", perf.warmup, "warm-up iterations per row (default 2)")->check(CLI::Range(0, 100000));
+  perf_cmd->add_option("-c,--check", perf.check, "1: count wrong elements against the fp64 oracle (default 1)")
+      ->check(CLI::Range(0, 1));
+  perf_cmd->add_option("--threads", perf.threads, "threads per rank (default: cores / R)")->check(CLI::Range(0, 1024));
+  perf_cmd->add_option("--label-smoothing", perf.label_smoothing, "Megatron label smoothing (default 0)");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -76,6 +97,8 @@ int main(int argc, char** argv) {
   vpce::Status status;
   if (run_cmd->parsed()) {
     status = vpce::tools::run_command(run);
+  } else if (perf_cmd->parsed()) {
+    status = vpce::tools::perf_command(perf);
   } else {
     status = vpce::tools::gen_command(gen);
   }

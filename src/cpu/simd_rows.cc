@@ -12,6 +12,7 @@
 #define HWY_TARGET_INCLUDE "cpu/simd_rows.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 
+#include <hwy/cache_control.h>
 #include <hwy/contrib/math/math-inl.h>
 #include <hwy/highway.h>
 
@@ -59,7 +60,7 @@ HWY_INLINE VF LoadPartial(DF d, const T* p, size_t count) {
 HWY_INLINE void StoreFull(DF d, VF v, float* p) { hn::StoreU(v, d, p); }
 
 // fp32 -> bf16, rounding to nearest even; NaN stays a (quiet) NaN.
-HWY_INLINE void StoreFull(DF d, VF v, BFloat16* p) {
+HWY_INLINE void StoreFull(DF /* d */, VF v, BFloat16* p) {
   const hn::RebindToUnsigned<DF> du;
   const hn::RebindToSigned<DF> di;
   const hn::Rebind<uint16_t, DF> du16;
@@ -72,11 +73,18 @@ HWY_INLINE void StoreFull(DF d, VF v, BFloat16* p) {
   hn::StoreU(half, du16, reinterpret_cast<uint16_t*>(p));
 }
 
+// fp32 -> fp16, rounding to nearest even: F16C where the target has it (AVX2, AVX-512),
+// else the exact scalar conversion (Highway's emulation truncates).
 HWY_INLINE void StoreFull(DF d, VF v, Float16* p) {
+#if HWY_TARGET <= HWY_AVX2
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  hn::StoreU(hn::DemoteTo(dh, v), dh, reinterpret_cast<hwy::float16_t*>(p));
+#else
   float values[kMaxLanes];
   hn::StoreU(v, d, values);
   const size_t lanes = hn::Lanes(d);
   for (size_t i = 0; i < lanes; ++i) p[i] = from_float<Float16>(values[i]);
+#endif
 }
 
 template <class G>
@@ -152,6 +160,9 @@ void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_l
     const int64_t end = std::min(cols, begin + chunk);
     VF sum_exp = hn::Zero(d), sum_z = hn::Zero(d), weighted = hn::Zero(d);
     for (int64_t v = begin; v < end; v += lanes) {
+      // While this block is in cache, bring in the next one (the rest of the row, or the
+      // next row): its first pass then overlaps this pass's exponentials.
+      hwy::Prefetch(row + v + kBlockColumns);
       const bool partial = v >= full;
       const VF z = Transform<kKind>(d, partial ? LoadPartial(d, row + v, tail) : LoadFull(d, row + v), t);
       const VF offset = hn::Sub(z, vm);
@@ -204,17 +215,23 @@ template <class T, class G, int kKind>
 void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
-  const VF lse = hn::Set(d, c.lse), upstream = hn::Set(d, c.upstream);
-  const VF coefficient = hn::Set(d, c.coefficient), uniform = hn::Set(d, c.uniform);
+  // upstream (p coefficient - uniform) as one fused multiply-subtract.
+  const VF lse = hn::Set(d, c.lse);
+  const VF scaled_coefficient = hn::Set(d, c.upstream * c.coefficient);
+  const VF scaled_uniform = hn::Set(d, c.upstream * c.uniform);
   auto element = [&](VF x) {
     const VF z = Transform<kKind>(d, x, t);
     const VF p = hn::Exp(d, hn::Sub(z, lse));
-    VF g = hn::Mul(upstream, hn::MulSub(p, coefficient, uniform));
+    VF g = hn::MulSub(p, scaled_coefficient, scaled_uniform);
     if constexpr (kKind != kIdentity) g = hn::Mul(g, Slope<kKind>(d, z, t));
     return g;
   };
   const int64_t full = cols - cols % lanes;
-  for (int64_t v = 0; v < full; v += lanes) StoreFull(d, element(LoadFull(d, row + v)), grad + v);
+  constexpr int64_t kAhead = 1024;  // elements prefetched ahead of the loads
+  for (int64_t v = 0; v < full; v += lanes) {
+    hwy::Prefetch(row + v + kAhead);
+    StoreFull(d, element(LoadFull(d, row + v)), grad + v);
+  }
   if (full < cols) {
     const auto tail = static_cast<size_t>(cols - full);
     StorePartial(d, element(LoadPartial(d, row + full, tail)), grad + full, tail);
@@ -275,6 +292,16 @@ float ExpOneImpl(float x) {
   return hn::GetLane(hn::Exp(d, hn::Set(d, x)));
 }
 
+void ExpInPlaceImpl(float* data, int64_t n) {
+  const DF d;
+  const auto lanes = static_cast<int64_t>(hn::Lanes(d));
+  int64_t v = 0;
+  for (; v + lanes <= n; v += lanes) hn::StoreU(hn::Exp(d, hn::LoadU(d, data + v)), d, data + v);
+  for (; v < n; ++v) data[v] = ExpOneImpl(data[v]);
+}
+
+const char* TargetNameImpl() { return hwy::TargetName(HWY_TARGET); }
+
 }  // namespace HWY_NAMESPACE
 }  // namespace vpce::detail
 HWY_AFTER_NAMESPACE();
@@ -287,6 +314,8 @@ HWY_EXPORT(BlockGradientImpl);
 HWY_EXPORT(TransformOneImpl);
 HWY_EXPORT(SlopeOneImpl);
 HWY_EXPORT(ExpOneImpl);
+HWY_EXPORT(ExpInPlaceImpl);
+HWY_EXPORT(TargetNameImpl);
 
 void fold_block(BlockStats& a, const BlockStats& b, int64_t offset) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -325,6 +354,8 @@ void block_gradient(const void* row, StorageType in, void* grad, StorageType out
 float transform_one(float x, const TransformParams& t) { return HWY_DYNAMIC_DISPATCH(TransformOneImpl)(x, t); }
 float slope_one(float z, const TransformParams& t) { return HWY_DYNAMIC_DISPATCH(SlopeOneImpl)(z, t); }
 float exp_one(float x) { return HWY_DYNAMIC_DISPATCH(ExpOneImpl)(x); }
+void exp_in_place(float* data, int64_t n) { HWY_DYNAMIC_DISPATCH(ExpInPlaceImpl)(data, n); }
+const char* simd_target_name() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }
 
 }  // namespace vpce::detail
 #endif  // HWY_ONCE

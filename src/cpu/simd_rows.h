@@ -55,5 +55,9 @@ float transform_one(float x, const TransformParams& t);
 float slope_one(float z, const TransformParams& t);
 // exp(x) with the same arithmetic as the blocks.
 float exp_one(float x);
+// data[v] = exp(data[v]) for v in [0, n): the vectorised exp alone, for `vpce perf`'s bound.
+void exp_in_place(float* data, int64_t n);
+// The name of the SIMD target the kernels run on ("AVX3", "AVX2", ...).
+const char* simd_target_name();
 
 }  // namespace vpce::detail

@@ -1,0 +1,305 @@
+// tools/perf_command.cc: `vpce perf`, a benchmark in the style of nccl-tests: sweeps tokens
+// (-b, -e, -f), vocabularies (-V), ranks (-t) and dtypes (-d); times the forward and the
+// backward on R in-process ranks, out of place and in place; prints each row's effective
+// bandwidth and its percentage of the machine's bound, and #wrong against the fp64 oracle.
+//
+// The bound of a row is the larger of two times measured in the same run: its bytes (logits
+// read by the forward and by the backward, gradient written) over the bandwidth of a
+// parallel copy of a buffer larger than the caches, and its exponentials (one per logit in
+// the forward and one in the backward) over the throughput of the vectorised exp on data
+// in cache, on all threads.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "commands.h"
+#include "cpu/dtype.h"
+#include "cpu/simd_rows.h"
+#include "reference/reference.h"
+#include "vpce/vpce.h"
+
+namespace vpce::tools {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+struct MachineBound {
+  double copy_bytes_per_second = 0.0;
+  double exps_per_second = 0.0;
+};
+
+// Best of five parallel copies of a 512 MiB buffer into another (1 GiB of traffic each):
+// the machine's peak, since other tenants of a shared machine only ever slow it down.
+double measure_copy_bandwidth(int threads) {
+  const std::size_t bytes = std::size_t{512} << 20;
+  std::unique_ptr<char[]> src(new char[bytes]), dst(new char[bytes]);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t chunk = 0; chunk < 512; ++chunk) {
+    std::memset(src.get() + chunk * (bytes / 512), static_cast<int>(chunk), bytes / 512);
+    std::memset(dst.get() + chunk * (bytes / 512), 0, bytes / 512);
+  }
+  double best = 1e30;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto start = Clock::now();
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t chunk = 0; chunk < 512; ++chunk) {
+      std::memcpy(dst.get() + chunk * (bytes / 512), src.get() + chunk * (bytes / 512), bytes / 512);
+    }
+    best = std::min(best, seconds_since(start));
+  }
+  return 2.0 * static_cast<double>(bytes) / best;
+}
+
+// The vectorised exp over 4096 floats in cache, repeatedly, on every thread: best of ten.
+double measure_exp_throughput(int threads) {
+  constexpr int64_t kCount = 4096;
+  constexpr int kReps = 2000;
+  double best = 1e30;
+  for (int rep = 0; rep < 10; ++rep) {
+    const auto start = Clock::now();
+#pragma omp parallel num_threads(threads)
+    {
+      std::vector<float> data(kCount, -0.5f);
+      for (int r = 0; r < kReps; ++r) detail::exp_in_place(data.data(), kCount);
+      if (data[0] == 42.0f) std::printf(" ");  // keeps the work observable
+    }
+    best = std::min(best, seconds_since(start));
+  }
+  return static_cast<double>(threads) * kCount * kReps / best;
+}
+
+struct Row {
+  int64_t tokens;
+  int64_t vocab;
+  DataType dtype;
+};
+
+struct Timing {
+  double forward_ms = 0.0, backward_ms = 0.0;
+  int64_t wrong = 0;
+  bool ok = true;
+  std::string error;
+};
+
+// The median: robust to the spikes other tenants of a shared machine cause.
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const std::size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+std::string dtype_label(DataType d) { return d == kFloat32 ? "fp32" : d == kBFloat16 ? "bf16" : "fp16"; }
+
+// Fast, reproducible pseudo-normal logits (sum of uniforms), in parallel.
+void fill_logits(std::byte* data, DataType dtype, int64_t count) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < count; ++i) {
+    uint64_t h = static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ULL;
+    float sum = 0.0f;
+    for (int k = 0; k < 4; ++k) {
+      h ^= h >> 29;
+      h *= 0xbf58476d1ce4e5b9ULL;
+      h ^= h >> 32;
+      sum += static_cast<float>(h & 0xffffff) / 16777216.0f;
+    }
+    const float x = (sum - 2.0f) * 3.4f;  // mean 0, standard deviation about 2
+    if (dtype == kFloat32) {
+      reinterpret_cast<float*>(data)[i] = x;
+    } else if (dtype == kBFloat16) {
+      reinterpret_cast<detail::BFloat16*>(data)[i] = detail::from_float<detail::BFloat16>(x);
+    } else {
+      reinterpret_cast<detail::Float16*>(data)[i] = detail::from_float<detail::Float16>(x);
+    }
+  }
+}
+
+double element(const std::byte* data, DataType dtype, int64_t i) {
+  if (dtype == kFloat32) return reinterpret_cast<const float*>(data)[i];
+  if (dtype == kBFloat16) return detail::to_float(reinterpret_cast<const detail::BFloat16*>(data)[i]);
+  return detail::to_float(reinterpret_cast<const detail::Float16*>(data)[i]);
+}
+
+// Counts the loss and gradient elements of up to 32 sampled tokens outside tolerance.
+int64_t count_wrong(const Row& row, const std::byte* pristine, const std::vector<int64_t>& targets,
+                    const std::vector<float>& loss, const std::byte* grad, DataType grad_dtype,
+                    float label_smoothing) {
+  const int64_t samples = std::min<int64_t>(32, row.tokens);
+  std::vector<int64_t> picked, picked_targets;
+  for (int64_t k = 0; k < samples; ++k) picked.push_back(k * row.tokens / samples);
+  std::vector<double> x(static_cast<std::size_t>(samples * row.vocab));
+  for (int64_t k = 0; k < samples; ++k) {
+    for (int64_t v = 0; v < row.vocab; ++v) {
+      x[static_cast<std::size_t>(k * row.vocab + v)] = element(pristine, row.dtype, picked[k] * row.vocab + v);
+    }
+    picked_targets.push_back(targets[static_cast<std::size_t>(picked[k])]);
+  }
+  const auto want = reference::cross_entropy(x, samples, row.vocab, picked_targets, label_smoothing, {});
+  const double roundoff = grad_dtype == kFloat32 ? 0.0 : grad_dtype == kBFloat16 ? 0x1p-8 : 0x1p-11;
+  double loss_scale = 0.0, grad_scale = 0.0;
+  for (double l : want.loss) loss_scale = std::max(loss_scale, std::fabs(l));
+  for (double g : want.grad) grad_scale = std::max(grad_scale, std::fabs(g));
+  int64_t wrong = 0;
+  for (int64_t k = 0; k < samples; ++k) {
+    const double got_loss = loss[static_cast<std::size_t>(picked[k])];
+    if (!(std::fabs(got_loss - want.loss[static_cast<std::size_t>(k)]) <= 1e-6 * loss_scale)) ++wrong;
+    for (int64_t v = 0; v < row.vocab; ++v) {
+      const double w = want.grad[static_cast<std::size_t>(k * row.vocab + v)];
+      const double got = element(grad, grad_dtype, picked[k] * row.vocab + v);
+      if (!(std::fabs(got - w) <= 1e-6 * grad_scale + roundoff * std::fabs(w))) ++wrong;
+    }
+  }
+  return wrong;
+}
+
+// Times one row, out of place (fp32 gradient) or in place.
+Timing time_row(const Row& row, const PerfConfig& config, bool in_place, std::byte* logits, const std::byte* pristine,
+                std::byte* grad_buffer, const std::vector<int64_t>& targets, const std::vector<float>& ones) {
+  const int ranks = config.ranks;
+  std::vector<VocabShard> shards;
+  for (int r = 0; r < ranks; ++r) {
+    const int64_t begin = row.vocab * r / ranks, end = row.vocab * (r + 1) / ranks;
+    shards.push_back({begin, end, row.vocab});
+  }
+  const int hardware = std::max(1u, std::thread::hardware_concurrency());
+  LossOptions options;
+  options.label_smoothing = config.label_smoothing;
+  options.num_threads = config.threads > 0 ? config.threads : std::max(1, hardware / ranks);
+  const DataType grad_dtype = in_place ? row.dtype : kFloat32;
+  const std::size_t logits_bytes = static_cast<std::size_t>(row.tokens * row.vocab * row.dtype.bytes());
+  std::vector<std::vector<float>> loss(static_cast<std::size_t>(ranks), std::vector<float>(static_cast<std::size_t>(row.tokens)));
+  std::vector<std::vector<float>> lse = loss;
+  std::unique_ptr<ThreadGroup> group;
+  Timing timing;
+  if (Status s = ThreadGroup::create(ranks, &group); !s.ok()) return {0, 0, 0, false, s.to_string()};
+  std::vector<double> forward_seconds, backward_seconds;
+  const auto results = group->run([&](Communicator& comm) -> Status {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    const VocabShard& shard = shards[r];
+    const int64_t cols = shard.vocab_end - shard.vocab_begin;
+    const TensorView x = TensorView::matrix(logits + shard.vocab_begin * row.dtype.bytes(), row.dtype, row.tokens, cols, row.vocab);
+    const TensorView y = TensorView::contiguous(targets.data(), kInt64, {row.tokens});
+    const TensorView l = TensorView::contiguous(loss[r].data(), kFloat32, {row.tokens});
+    const TensorView e = TensorView::contiguous(lse[r].data(), kFloat32, {row.tokens});
+    const TensorView g = TensorView::contiguous(ones.data(), kFloat32, {row.tokens});
+    const TensorView grad = in_place ? x
+                                     : TensorView::matrix(grad_buffer + shard.vocab_begin * 4, kFloat32, row.tokens, cols, row.vocab);
+    Workspace workspace;
+    char token = 0;
+    std::vector<char> gathered(static_cast<std::size_t>(ranks));
+    auto barrier = [&] { return comm.all_gather(&token, gathered.data(), 1); };
+    for (int iteration = 0; iteration < config.warmup + config.iterations; ++iteration) {
+      if (in_place) {
+        if (Status s = barrier(); !s.ok()) return s;
+        if (r == 0) std::memcpy(logits, pristine, logits_bytes);
+      }
+      if (Status s = barrier(); !s.ok()) return s;
+      const auto start = Clock::now();
+      if (Status s = forward(comm, x, y, shard, options, l, e, {}, &workspace); !s.ok()) return s;
+      if (Status s = barrier(); !s.ok()) return s;
+      const auto middle = Clock::now();
+      if (Status s = backward(x, y, e, g, shard, options, grad); !s.ok()) return s;
+      if (Status s = barrier(); !s.ok()) return s;
+      if (r == 0 && iteration >= config.warmup) {
+        forward_seconds.push_back(std::chrono::duration<double>(middle - start).count());
+        backward_seconds.push_back(seconds_since(middle));
+      }
+    }
+    return {};
+  });
+  for (const Status& s : results) {
+    if (!s.ok()) return {0, 0, 0, false, s.to_string()};
+  }
+  timing.forward_ms = 1e3 * median(forward_seconds);
+  timing.backward_ms = 1e3 * median(backward_seconds);
+  if (config.check) {
+    timing.wrong = count_wrong(row, pristine, targets, loss[0], in_place ? logits : grad_buffer, grad_dtype,
+                               config.label_smoothing);
+  }
+  return timing;
+}
+
+}  // namespace
+
+Status perf_command(const PerfConfig& config) {
+  if (config.min_tokens < 1 || config.max_tokens < config.min_tokens || config.factor <= 1.0) {
+    return {Code::kInvalidArgument, "-b, -e, -f: expected 1 <= b <= e and f > 1, got b " + std::to_string(config.min_tokens) +
+                                        ", e " + std::to_string(config.max_tokens) + ", f " + std::to_string(config.factor)};
+  }
+  if (config.iterations < 1 || config.warmup < 0) {
+    return {Code::kInvalidArgument, "-n, -w: expected n >= 1 and w >= 0"};
+  }
+  std::vector<DataType> dtypes;
+  if (config.dtype == "fp32" || config.dtype == "all") dtypes.push_back(kFloat32);
+  if (config.dtype == "bf16" || config.dtype == "all") dtypes.push_back(kBFloat16);
+  if (config.dtype == "fp16" || config.dtype == "all") dtypes.push_back(kFloat16);
+  const int hardware = std::max(1u, std::thread::hardware_concurrency());
+  MachineBound bound;
+  bound.copy_bytes_per_second = measure_copy_bandwidth(hardware);
+  bound.exps_per_second = measure_exp_throughput(hardware);
+  std::printf("# vpce perf: R %d, threads per rank %d, SIMD %s, %d hardware threads, label smoothing %g\n", config.ranks,
+              config.threads > 0 ? config.threads : std::max(1, hardware / config.ranks), detail::simd_target_name(),
+              hardware, static_cast<double>(config.label_smoothing));
+  std::printf("# bound: copy %.2f GB/s (2 x 512 MiB, %d threads), exp %.3f Gexp/s (in cache, %d threads)\n",
+              bound.copy_bytes_per_second / 1e9, hardware, bound.exps_per_second / 1e9, hardware);
+  std::printf("# times: median of %d iterations after %d warm-up; check %s\n", config.iterations, config.warmup,
+              config.check ? "on (32 sampled tokens vs the fp64 oracle)" : "off");
+  std::printf("#%62s%s\n", "", "out-of-place (fp32 gradient)                       in-place");
+  std::printf("# %8s %8s %8s %5s  %8s %8s %7s %6s %6s  %8s %8s %7s %6s %6s\n", "tokens", "V", "V/rank", "dtype", "fwd(ms)",
+              "bwd(ms)", "GB/s", "%bound", "#wrong", "fwd(ms)", "bwd(ms)", "GB/s", "%bound", "#wrong");
+  double bound_sum = 0.0;
+  int bound_count = 0;
+  int64_t wrong_total = 0;
+  for (int64_t vocab : config.vocab) {
+    for (DataType dtype : dtypes) {
+      for (double t = static_cast<double>(config.min_tokens); t <= static_cast<double>(config.max_tokens) * 1.0000001; t *= config.factor) {
+        const Row row{static_cast<int64_t>(t), vocab, dtype};
+        const auto count = static_cast<std::size_t>(row.tokens * row.vocab);
+        std::unique_ptr<std::byte[]> logits(new std::byte[count * static_cast<std::size_t>(dtype.bytes())]);
+        std::unique_ptr<std::byte[]> pristine(new std::byte[count * static_cast<std::size_t>(dtype.bytes())]);
+        std::unique_ptr<std::byte[]> grad(new std::byte[count * 4]);
+        fill_logits(pristine.get(), dtype, static_cast<int64_t>(count));
+        std::memcpy(logits.get(), pristine.get(), count * static_cast<std::size_t>(dtype.bytes()));
+        std::memset(grad.get(), 0, count * 4);  // touch the pages before timing
+        std::vector<int64_t> targets(static_cast<std::size_t>(row.tokens));
+        for (int64_t i = 0; i < row.tokens; ++i) targets[static_cast<std::size_t>(i)] = (i * 7919) % vocab;
+        const std::vector<float> ones(static_cast<std::size_t>(row.tokens), 1.0f);
+        std::printf("  %8lld %8lld %8lld %5s", static_cast<long long>(row.tokens), static_cast<long long>(vocab),
+                    static_cast<long long>(vocab / config.ranks), dtype_label(dtype).c_str());
+        for (bool in_place : {false, true}) {
+          const Timing timing = time_row(row, config, in_place, logits.get(), pristine.get(), grad.get(), targets, ones);
+          if (!timing.ok) return {Code::kInternalError, timing.error};
+          const double elements = static_cast<double>(count);
+          const double bytes = elements * (2.0 * dtype.bytes() + (in_place ? dtype.bytes() : 4.0));
+          const double seconds = (timing.forward_ms + timing.backward_ms) / 1e3;
+          const double bound_seconds =
+              std::max(bytes / bound.copy_bytes_per_second, 2.0 * elements / bound.exps_per_second);
+          const double percent = 100.0 * bound_seconds / seconds;
+          bound_sum += percent;
+          ++bound_count;
+          wrong_total += timing.wrong;
+          std::printf("  %8.3f %8.3f %7.2f %6.1f %6lld", timing.forward_ms, timing.backward_ms, bytes / seconds / 1e9, percent,
+                      static_cast<long long>(timing.wrong));
+          std::fflush(stdout);
+        }
+        std::printf("\n");
+      }
+    }
+  }
+  std::printf("# average %%bound: %.1f   total #wrong: %lld\n", bound_count ? bound_sum / bound_count : 0.0,
+              static_cast<long long>(wrong_total));
+  if (wrong_total > 0) return {Code::kInternalError, "perf: " + std::to_string(wrong_total) + " wrong elements"};
+  return {};
+}
+
+}  // namespace vpce::tools
