@@ -247,11 +247,13 @@ Status perf_command(const PerfConfig& config) {
   MachineBound bound;
   bound.copy_bytes_per_second = measure_copy_bandwidth(hardware);
   bound.exps_per_second = measure_exp_throughput(hardware);
+  const MachineBound first_bound = bound;
   std::printf("# vpce perf: R %d, threads per rank %d, SIMD %s, %d hardware threads, label smoothing %g\n", config.ranks,
               config.threads > 0 ? config.threads : std::max(1, hardware / config.ranks), detail::simd_target_name(),
               hardware, static_cast<double>(config.label_smoothing));
-  std::printf("# bound: copy %.2f GB/s (2 x 512 MiB, %d threads), exp %.3f Gexp/s (in cache, %d threads)\n",
-              bound.copy_bytes_per_second / 1e9, hardware, bound.exps_per_second / 1e9, hardware);
+  std::printf("# bound: copy %.2f GB/s (best of 5 copies of 512 MiB, %d threads), exp %.3f Gexp/s (best of 10, in cache, %d "
+              "threads); measured again before each row (shown at its end)\n",
+              first_bound.copy_bytes_per_second / 1e9, hardware, first_bound.exps_per_second / 1e9, hardware);
   std::printf("# times: median of %d iterations after %d warm-up; check %s\n", config.iterations, config.warmup,
               config.check ? "on (32 sampled tokens vs the fp64 oracle)" : "off");
   std::printf("#%62s%s\n", "", "out-of-place (fp32 gradient)                       in-place");
@@ -274,6 +276,9 @@ Status perf_command(const PerfConfig& config) {
         std::vector<int64_t> targets(static_cast<std::size_t>(row.tokens));
         for (int64_t i = 0; i < row.tokens; ++i) targets[static_cast<std::size_t>(i)] = (i * 7919) % vocab;
         const std::vector<float> ones(static_cast<std::size_t>(row.tokens), 1.0f);
+        // The bound again, just before the row: a shared machine's speed drifts.
+        bound.copy_bytes_per_second = measure_copy_bandwidth(hardware);
+        bound.exps_per_second = measure_exp_throughput(hardware);
         std::printf("  %8lld %8lld %8lld %5s", static_cast<long long>(row.tokens), static_cast<long long>(vocab),
                     static_cast<long long>(vocab / config.ranks), dtype_label(dtype).c_str());
         for (bool in_place : {false, true}) {
@@ -292,7 +297,7 @@ Status perf_command(const PerfConfig& config) {
                       static_cast<long long>(timing.wrong));
           std::fflush(stdout);
         }
-        std::printf("\n");
+        std::printf("   [bound: %.1f GB/s, %.2f Gexp/s]\n", bound.copy_bytes_per_second / 1e9, bound.exps_per_second / 1e9);
       }
     }
   }

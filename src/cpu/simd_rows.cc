@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "cpu/dtype.h"
 #include "cpu/simd_rows.h"
@@ -121,7 +122,8 @@ HWY_INLINE VF Slope(DF d, VF z, const TransformParams& t) {
 
 // ---- block statistics ---------------------------------------------------------------------
 
-// row: [cols] of T -> BlockStats.
+// row: [cols] of T -> BlockStats. The first pass keeps the transformed logits z in a
+// stack buffer (64 KiB, in L1/L2), so the later passes neither widen nor transform again.
 template <class T, int kKind>
 void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_logits,
            bool with_weighted, BlockStats* out) {
@@ -130,13 +132,20 @@ void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_l
   const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
   const int64_t full = cols - cols % lanes;
   const auto tail = static_cast<size_t>(cols - full);
+  HWY_ALIGN float z_block[kBlockColumns + kMaxLanes];
 
   VF vmax = neg_inf;
-  for (int64_t v = 0; v < full; v += lanes) vmax = hn::Max(vmax, Transform<kKind>(d, LoadFull(d, row + v), t));
-  if (tail != 0) {
-    const VF z = Transform<kKind>(d, LoadPartial(d, row + full, tail), t);
-    vmax = hn::Max(vmax, hn::IfThenElse(hn::FirstN(d, tail), z, neg_inf));
+  for (int64_t v = 0; v < full; v += lanes) {
+    const VF z = Transform<kKind>(d, LoadFull(d, row + v), t);
+    hn::Store(z, d, z_block + v);
+    vmax = hn::Max(vmax, z);
   }
+  if (tail != 0) {  // lanes past the end hold -inf: they add nothing below
+    const VF z = hn::IfThenElse(hn::FirstN(d, tail), Transform<kKind>(d, LoadPartial(d, row + full, tail), t), neg_inf);
+    hn::Store(z, d, z_block + full);
+    vmax = hn::Max(vmax, z);
+  }
+  const int64_t padded = full + (tail != 0 ? lanes : 0);
   BlockStats s;
   s.max = hn::GetLane(hn::MaxOfLanes(d, vmax));
   if (s.max == -std::numeric_limits<float>::infinity()) {
@@ -146,35 +155,24 @@ void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_l
   }
   const VF vm = hn::Set(d, s.max);
   if (with_weighted) {  // the first column holding the max
-    for (int64_t v = 0; v < cols && s.argmax < 0; v += lanes) {
-      const bool partial = v >= full;
-      const VF z = Transform<kKind>(d, partial ? LoadPartial(d, row + v, tail) : LoadFull(d, row + v), t);
-      auto hit = hn::Eq(z, vm);
-      if (partial) hit = hn::And(hit, hn::FirstN(d, tail));
-      const intptr_t lane = hn::FindFirstTrue(d, hit);
+    for (int64_t v = 0; v < padded && s.argmax < 0; v += lanes) {
+      const intptr_t lane = hn::FindFirstTrue(d, hn::Eq(hn::Load(d, z_block + v), vm));
       if (lane >= 0) s.argmax = v + lane;
     }
   }
   const int64_t chunk = 64 * lanes;
-  for (int64_t begin = 0; begin < cols; begin += chunk) {
-    const int64_t end = std::min(cols, begin + chunk);
+  for (int64_t begin = 0; begin < padded; begin += chunk) {
+    const int64_t end = std::min(padded, begin + chunk);
     VF sum_exp = hn::Zero(d), sum_z = hn::Zero(d), weighted = hn::Zero(d);
     for (int64_t v = begin; v < end; v += lanes) {
       // While this block is in cache, bring in the next one (the rest of the row, or the
       // next row): its first pass then overlaps this pass's exponentials.
       hwy::Prefetch(row + v + kBlockColumns);
-      const bool partial = v >= full;
-      const VF z = Transform<kKind>(d, partial ? LoadPartial(d, row + v, tail) : LoadFull(d, row + v), t);
+      const VF z = hn::Load(d, z_block + v);
       const VF offset = hn::Sub(z, vm);
-      VF e = hn::Exp(d, offset);
-      VF zz = z;
-      if (partial) {
-        const auto keep = hn::FirstN(d, tail);
-        e = hn::IfThenElseZero(keep, e);
-        zz = hn::IfThenElseZero(keep, z);
-      }
+      const VF e = hn::Exp(d, offset);
       sum_exp = hn::Add(sum_exp, e);
-      if (with_sum_logits) sum_z = hn::Add(sum_z, zz);
+      if (with_sum_logits) sum_z = hn::Add(sum_z, v < full ? z : hn::IfThenElseZero(hn::FirstN(d, tail), z));
       if (with_weighted) {
         weighted = hn::Add(weighted, hn::IfThenElseZero(hn::Gt(e, hn::Zero(d)), hn::Mul(e, offset)));
       }
@@ -226,15 +224,33 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
     if constexpr (kKind != kIdentity) g = hn::Mul(g, Slope<kKind>(d, z, t));
     return g;
   };
-  const int64_t full = cols - cols % lanes;
   constexpr int64_t kAhead = 1024;  // elements prefetched ahead of the loads
-  for (int64_t v = 0; v < full; v += lanes) {
-    hwy::Prefetch(row + v + kAhead);
-    StoreFull(d, element(LoadFull(d, row + v)), grad + v);
+  int64_t v = 0;
+  // An fp32 gradient in its own buffer is written with non-temporal stores, which skip
+  // reading each line before writing it; they need aligned addresses, so the first
+  // elements up to an aligned one are stored normally. (In place, the lines are in cache.)
+  const bool stream = std::is_same_v<G, float> && static_cast<const void*>(grad) != static_cast<const void*>(row);
+  if (stream) {
+    const auto misalignment = reinterpret_cast<uintptr_t>(grad) % (lanes * sizeof(float));
+    int64_t peel = misalignment == 0 ? 0 : (static_cast<int64_t>(lanes * sizeof(float) - misalignment) / 4);
+    peel = std::min(peel, cols);
+    if (reinterpret_cast<uintptr_t>(grad) % sizeof(float) != 0) peel = cols;  // never aligned: no streaming
+    if (peel > 0) StorePartial(d, element(LoadPartial(d, row, static_cast<size_t>(peel))), grad, static_cast<size_t>(peel));
+    v = peel;
+    for (; v + lanes <= cols; v += lanes) {
+      hwy::Prefetch(row + v + kAhead);
+      if constexpr (std::is_same_v<G, float>) hn::Stream(element(LoadFull(d, row + v)), d, grad + v);
+    }
+    hwy::FlushStream();
+  } else {
+    for (; v + lanes <= cols; v += lanes) {
+      hwy::Prefetch(row + v + kAhead);
+      StoreFull(d, element(LoadFull(d, row + v)), grad + v);
+    }
   }
-  if (full < cols) {
-    const auto tail = static_cast<size_t>(cols - full);
-    StorePartial(d, element(LoadPartial(d, row + full, tail)), grad + full, tail);
+  if (v < cols) {
+    const auto tail = static_cast<size_t>(cols - v);
+    StorePartial(d, element(LoadPartial(d, row + v, tail)), grad + v, tail);
   }
 }
 
