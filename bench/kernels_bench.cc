@@ -42,18 +42,25 @@ void BM_BlockStats(benchmark::State& state) {
 }
 BENCHMARK(BM_BlockStats)->Arg(0)->Arg(1);
 
+// Args: input and output storage (0 fp32, 1 bf16, 2 fp16); output == input runs in place.
 void BM_BlockGradient(benchmark::State& state) {
-  const std::vector<float> row = random_floats(kBlockColumns);
-  std::vector<float> grad(kBlockColumns);
+  const auto in = static_cast<StorageType>(state.range(0)), out = static_cast<StorageType>(state.range(1));
+  const std::vector<float> values = random_floats(kBlockColumns);
+  std::vector<std::byte> row(kBlockColumns * 4), grad(kBlockColumns * 4);
+  for (int64_t v = 0; v < kBlockColumns; ++v) {
+    if (in == StorageType::kFloat32) reinterpret_cast<float*>(row.data())[v] = values[static_cast<size_t>(v)];
+    if (in == StorageType::kBFloat16) reinterpret_cast<BFloat16*>(row.data())[v] = from_float<BFloat16>(values[static_cast<size_t>(v)]);
+    if (in == StorageType::kFloat16) reinterpret_cast<Float16*>(row.data())[v] = from_float<Float16>(values[static_cast<size_t>(v)]);
+  }
+  void* target = in == out ? static_cast<void*>(row.data()) : static_cast<void*>(grad.data());
   const GradientConstants c{1.0f, 12.0f, 1.0f, 0.0f};
   for (auto _ : state) {
-    block_gradient(row.data(), StorageType::kFloat32, grad.data(), StorageType::kFloat32, kBlockColumns,
-                   TransformParams{}, c);
-    benchmark::DoNotOptimize(grad.data());
+    block_gradient(row.data(), in, target, out, kBlockColumns, TransformParams{}, c);
+    benchmark::DoNotOptimize(target);
   }
   state.SetItemsProcessed(state.iterations() * kBlockColumns);
 }
-BENCHMARK(BM_BlockGradient);
+BENCHMARK(BM_BlockGradient)->Args({0, 0})->Args({0, 1})->Args({1, 0})->Args({1, 1})->Args({2, 2});
 
 // Whole problems from memory: [tokens, V] fp32, one thread.
 void BM_LocalStats(benchmark::State& state) {

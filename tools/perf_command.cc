@@ -8,8 +8,6 @@
 // parallel copy of a buffer larger than the caches, and its exponentials (one per logit in
 // the forward and one in the backward) over the throughput of the vectorised exp on data
 // in cache, on all threads.
-#include <omp.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>

@@ -60,6 +60,25 @@ HWY_INLINE VF LoadPartial(DF d, const T* p, size_t count) {
 
 HWY_INLINE void StoreFull(DF d, VF v, float* p) { hn::StoreU(v, d, p); }
 
+#if HWY_TARGET == HWY_AVX3
+// fp32 -> bf16 with AVX512-BF16's VCVTNEPS2BF16 (round to nearest even in hardware), for
+// CPUs that have it. Its own function: it needs that extension, which the AVX3 target lacks.
+__attribute__((target(HWY_TARGET_STR ",avx512bf16"), noinline)) void ConvertToBf16Hardware(const float* in, BFloat16* out,
+                                                                                      int64_t count) {
+  int64_t v = 0;
+  for (; v + 16 <= count; v += 16) {
+    const __m256bh half = _mm512_cvtneps_pbh(_mm512_loadu_ps(in + v));
+    std::memcpy(out + v, &half, sizeof(half));
+  }
+  for (; v < count; ++v) out[v] = from_float<BFloat16>(in[v]);
+}
+
+bool HasAvx512Bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+#endif
+
 // fp32 -> bf16, rounding to nearest even; NaN stays a (quiet) NaN.
 HWY_INLINE void StoreFull(DF /* d */, VF v, BFloat16* p) {
   const hn::RebindToUnsigned<DF> du;
@@ -210,7 +229,8 @@ void BlockStatsImpl(const void* row, int32_t type, int64_t cols, const Transform
 
 // row: [cols] of T -> grad: [cols] of G.
 template <class T, class G, int kKind>
-void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
+void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c,
+              bool allow_stream) {
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
   // upstream (p coefficient - uniform) as one fused multiply-subtract.
@@ -229,7 +249,8 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
   // An fp32 gradient in its own buffer is written with non-temporal stores, which skip
   // reading each line before writing it; they need aligned addresses, so the first
   // elements up to an aligned one are stored normally. (In place, the lines are in cache.)
-  const bool stream = std::is_same_v<G, float> && static_cast<const void*>(grad) != static_cast<const void*>(row);
+  const bool stream =
+      allow_stream && std::is_same_v<G, float> && static_cast<const void*>(grad) != static_cast<const void*>(row);
   if (stream) {
     const auto misalignment = reinterpret_cast<uintptr_t>(grad) % (lanes * sizeof(float));
     int64_t peel = misalignment == 0 ? 0 : (static_cast<int64_t>(lanes * sizeof(float) - misalignment) / 4);
@@ -254,17 +275,33 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
   }
 }
 
+// allow_stream: an fp32 gradient goes to memory (not to a buffer in cache) and may be
+// written with non-temporal stores.
 template <class T, class G>
 void GradientForTypes(const void* row, void* grad, int64_t cols, const TransformParams& t,
-                      const GradientConstants& c) {
+                      const GradientConstants& c, bool allow_stream = true) {
   const T* r = static_cast<const T*>(row);
   G* g = static_cast<G*>(grad);
+#if HWY_TARGET == HWY_AVX3
+  if constexpr (std::is_same_v<G, BFloat16>) {
+    if (HasAvx512Bf16()) {  // fp32 chunks in L1, then rounded by the hardware
+      constexpr int64_t kChunk = 1024;
+      HWY_ALIGN float chunk[kChunk];
+      for (int64_t begin = 0; begin < cols; begin += kChunk) {
+        const int64_t count = std::min(kChunk, cols - begin);
+        GradientForTypes<T, float>(r + begin, chunk, count, t, c, false);
+        ConvertToBf16Hardware(chunk, g + begin, count);
+      }
+      return;
+    }
+  }
+#endif
   if (t.cap > 0.0f) {
-    Gradient<T, G, kSoftCapped>(r, g, cols, t, c);
+    Gradient<T, G, kSoftCapped>(r, g, cols, t, c, allow_stream);
   } else if (t.scale != 1.0f) {
-    Gradient<T, G, kScaled>(r, g, cols, t, c);
+    Gradient<T, G, kScaled>(r, g, cols, t, c, allow_stream);
   } else {
-    Gradient<T, G, kIdentity>(r, g, cols, t, c);
+    Gradient<T, G, kIdentity>(r, g, cols, t, c, allow_stream);
   }
 }
 
