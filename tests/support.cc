@@ -8,8 +8,6 @@
 
 namespace vpce::test {
 
-using detail::BFloat16;
-using detail::Float16;
 
 std::vector<int64_t> even_splits(int64_t vocab, int ranks) {
   std::vector<int64_t> sizes;
@@ -30,28 +28,11 @@ std::vector<VocabShard> shards_from_sizes(const std::vector<int64_t>& sizes) {
 }
 
 double Problem::at(int64_t i, int64_t v) const {
-  const std::byte* p = storage.data() + offset_bytes + (i * ld + v) * dtype.bytes();
-  if (dtype == kFloat32) {
-    float x;
-    std::memcpy(&x, p, 4);
-    return x;
-  }
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return dtype == kBFloat16 ? detail::to_float(BFloat16{bits}) : detail::to_float(Float16{bits});
+  return detail::widen(storage.data() + offset_bytes + (i * ld + v) * dtype.bytes(), dtype);
 }
 
 void Problem::set(int64_t i, int64_t v, float value) {
-  std::byte* p = storage.data() + offset_bytes + (i * ld + v) * dtype.bytes();
-  if (dtype == kFloat32) {
-    std::memcpy(p, &value, 4);
-  } else if (dtype == kBFloat16) {
-    const BFloat16 b = detail::from_float<BFloat16>(value);
-    std::memcpy(p, &b, 2);
-  } else {
-    const Float16 h = detail::from_float<Float16>(value);
-    std::memcpy(p, &h, 2);
-  }
+  detail::narrow(value, storage.data() + offset_bytes + (i * ld + v) * dtype.bytes(), dtype);
 }
 
 std::vector<double> Problem::as_double() const {
@@ -90,15 +71,7 @@ Problem random_problem(int64_t tokens, int64_t vocab, DataType dtype, uint64_t s
 namespace {
 
 double grad_element(const std::vector<std::byte>& buffer, DataType dtype, std::size_t index) {
-  const std::byte* p = buffer.data() + index * static_cast<std::size_t>(dtype.bytes());
-  if (dtype == kFloat32) {
-    float x;
-    std::memcpy(&x, p, 4);
-    return x;
-  }
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return dtype == kBFloat16 ? detail::to_float(BFloat16{bits}) : detail::to_float(Float16{bits});
+  return detail::widen(buffer.data() + index * static_cast<std::size_t>(dtype.bytes()), dtype);
 }
 
 Status staged_forward(Communicator& comm, const TensorView& x, const TensorView& y, const VocabShard& shard,

@@ -112,20 +112,12 @@ void fill_logits(std::byte* data, DataType dtype, int64_t count) {
       sum += static_cast<float>(h & 0xffffff) / 16777216.0f;
     }
     const float x = (sum - 2.0f) * 3.4f;  // mean 0, standard deviation about 2
-    if (dtype == kFloat32) {
-      reinterpret_cast<float*>(data)[i] = x;
-    } else if (dtype == kBFloat16) {
-      reinterpret_cast<detail::BFloat16*>(data)[i] = detail::from_float<detail::BFloat16>(x);
-    } else {
-      reinterpret_cast<detail::Float16*>(data)[i] = detail::from_float<detail::Float16>(x);
-    }
+    detail::narrow(x, data + i * dtype.bytes(), dtype);
   }
 }
 
 double element(const std::byte* data, DataType dtype, int64_t i) {
-  if (dtype == kFloat32) return reinterpret_cast<const float*>(data)[i];
-  if (dtype == kBFloat16) return detail::to_float(reinterpret_cast<const detail::BFloat16*>(data)[i]);
-  return detail::to_float(reinterpret_cast<const detail::Float16*>(data)[i]);
+  return detail::widen(data + i * dtype.bytes(), dtype);
 }
 
 // Counts the loss and gradient elements of up to 32 sampled tokens outside tolerance.

@@ -65,14 +65,6 @@ Status make_compute_buffer(const npy::Array& logits, const std::string& dtype, C
   return {};
 }
 
-float element_as_float(const ComputeBuffer& buffer, std::size_t i) {
-  if (buffer.dtype == kFloat32) return reinterpret_cast<const float*>(buffer.bytes.data())[i];
-  if (buffer.dtype == kBFloat16) {
-    return detail::to_float(reinterpret_cast<const BFloat16*>(buffer.bytes.data())[i]);
-  }
-  return detail::to_float(reinterpret_cast<const Float16*>(buffer.bytes.data())[i]);
-}
-
 Status vocab_ranges(const RunConfig& config, int64_t vocab, std::vector<VocabShard>* out) {
   std::vector<int64_t> sizes = config.vocab_splits;
   if (sizes.empty()) {
@@ -229,7 +221,10 @@ Status run_command(const RunConfig& config) {
   const float* grad_data = grad_out_of_place.data();
   if (config.in_place) {
     grad_full.resize(static_cast<std::size_t>(tokens * vocab));
-    for (std::size_t i = 0; i < grad_full.size(); ++i) grad_full[i] = element_as_float(logits, i);
+    const int element_bytes = logits.dtype.bytes();
+    for (std::size_t i = 0; i < grad_full.size(); ++i) {
+      grad_full[i] = detail::widen(logits.data() + i * static_cast<std::size_t>(element_bytes), logits.dtype);
+    }
     grad_data = grad_full.data();
   }
   std::error_code error;

@@ -5,6 +5,9 @@
 
 #include <bit>
 #include <cstdint>
+#include <cstring>
+
+#include "vpce/tensor.h"
 
 namespace vpce::detail {
 
@@ -72,6 +75,31 @@ inline Float16 from_float<Float16>(float x) {
     out = static_cast<uint16_t>(bits >> 13);
   }
   return Float16{static_cast<uint16_t>(out | (sign >> 16))};
+}
+
+// The element at `p` of a float32, bfloat16 or float16 tensor, widened to fp32.
+inline float widen(const void* p, DataType dtype) {
+  if (dtype == kFloat32) {
+    float x;
+    std::memcpy(&x, p, sizeof(x));
+    return x;
+  }
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return dtype == kBFloat16 ? to_float(BFloat16{bits}) : to_float(Float16{bits});
+}
+
+// Stores `value` at `p`, rounded once to float32, bfloat16 or float16.
+inline void narrow(float value, void* p, DataType dtype) {
+  if (dtype == kFloat32) {
+    std::memcpy(p, &value, sizeof(value));
+  } else if (dtype == kBFloat16) {
+    const BFloat16 b = from_float<BFloat16>(value);
+    std::memcpy(p, &b, sizeof(b));
+  } else {
+    const Float16 h = from_float<Float16>(value);
+    std::memcpy(p, &h, sizeof(h));
+  }
 }
 
 }  // namespace vpce::detail

@@ -99,19 +99,7 @@ float weight_at(const TokenVector& weights, int64_t i) {
 
 // One logit, widened to fp32.
 float load_float(const RowMatrix& m, int64_t i, int64_t col) {
-  const char* p = m.base + (i * m.row_stride + col) * m.dtype.bytes();
-  if (m.dtype == kFloat32) return *reinterpret_cast<const float*>(p);
-  if (m.dtype == kBFloat16) return to_float(*reinterpret_cast<const BFloat16*>(p));
-  return to_float(*reinterpret_cast<const Float16*>(p));
-}
-
-// One gradient element of a row, rounded once to its storage type.
-void store_float(char* row, StorageType type, int64_t col, float value) {
-  switch (type) {
-    case StorageType::kFloat32: reinterpret_cast<float*>(row)[col] = value; return;
-    case StorageType::kBFloat16: reinterpret_cast<BFloat16*>(row)[col] = from_float<BFloat16>(value); return;
-    case StorageType::kFloat16: reinterpret_cast<Float16*>(row)[col] = from_float<Float16>(value); return;
-  }
+  return widen(m.base + (i * m.row_stride + col) * m.dtype.bytes(), m.dtype);
 }
 
 }  // namespace
@@ -311,7 +299,7 @@ void gradient_kernel(const RowMatrix& logits, const TokenVector& targets,
   };
   auto zero = [&](int64_t i, int64_t begin, int64_t end) {
     char* row = grad.base + i * grad.row_stride * out_bytes;
-    for (int64_t v = begin; v < end; ++v) store_float(row, out, v, 0.0f);
+    for (int64_t v = begin; v < end; ++v) narrow(0.0f, row + v * out_bytes, grad.dtype);
   };
   auto block = [&](int64_t i, int64_t b, const GradientConstants& c) {
     const int64_t begin = b * kBlockColumns;
@@ -324,7 +312,7 @@ void gradient_kernel(const RowMatrix& logits, const TokenVector& targets,
     zero(i, valid, logits.cols);
     const int64_t target_col = target_at(targets, i) - vocab_begin;
     if (target_col >= 0 && target_col < valid) {
-      store_float(grad.base + i * grad.row_stride * out_bytes, out, target_col, target_gradient(target_x, c));
+      narrow(target_gradient(target_x, c), grad.base + (i * grad.row_stride + target_col) * out_bytes, grad.dtype);
     }
   };
   auto target_x = [&](int64_t i) {
