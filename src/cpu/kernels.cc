@@ -223,7 +223,7 @@ void loss_kernel(const RowMatrix& stats, const TokenVector& targets, const Token
     const double lse = max + log_sum;
     out.lse.at<float>(i) = static_cast<float>(lse);
     const int64_t y = target_at(targets, i);
-    const double weight = weight_at(weights, i);
+    const auto weight = static_cast<double>(weight_at(weights, i));
     const bool counted = !params.ignored(y) && weight != 0.0;
     if (present(out.entropy)) {
       out.entropy.at<float>(i) = static_cast<float>(log_sum - static_cast<double>(st[5]) / sum_exp);
