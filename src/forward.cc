@@ -39,8 +39,11 @@ using detail::TokenVector;
 
 // The number of tokens a rank announces even when its own arguments are bad, so that the
 // payload sizes still agree and the other ranks learn its error: the targets' element
-// count when the targets view itself is valid (so the caller holds that many targets and
-// the statistics buffer stays proportional to them), else 0.
+// count when the targets view itself is valid and the count is plausible (so the buffer
+// for it stays proportional to what the caller holds), else 0 (then the sizes disagree and
+// every rank gets that error instead).
+constexpr int64_t kMaxAnnouncedTokens = int64_t{1} << 26;
+
 int64_t announced_tokens(const TensorView& targets) {
   if (targets.ndim < 0 || targets.ndim > TensorView::kMaxDims) return 0;
   int64_t n = 1;
@@ -50,7 +53,7 @@ int64_t announced_tokens(const TensorView& targets) {
   TokenVector valid;
   if (!detail::as_token_vector(targets, "targets", n, &valid).ok()) return 0;
   if (targets.dtype != kInt32 && targets.dtype != kInt64) return 0;
-  return n;
+  return n <= kMaxAnnouncedTokens ? n : 0;
 }
 
 // The forward's outputs: float32, one per token (the loss: one element for a reduction),
@@ -114,21 +117,32 @@ Status forward(Communicator& comm, const TensorView& logits, const TensorView& t
   detail::LossOutputs out;
   Status local = detail::check_loss_inputs(logits, targets, extras.weights, shard, options, &in);
   if (local.ok()) local = check_outputs(in, options, loss, lse, extras, &out);
-  const int64_t n = local.ok() ? in.logits.rows : announced_tokens(targets);
+  int64_t n = local.ok() ? in.logits.rows : announced_tokens(targets);
   const bool with_extras = extras.target_is_argmax != nullptr || extras.entropy != nullptr;
   const int64_t width = with_extras ? kStatsWidthWithExtras : kStatsWidth;
 
   Workspace own;
   Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
-  const std::size_t payload = detail::payload_bytes(n, width);
+  std::size_t payload = detail::payload_bytes(n, width);
   try {
     buffers->send.resize(payload);
     buffers->recv.resize(payload * static_cast<std::size_t>(ranks));
     buffers->merged.resize(static_cast<std::size_t>(n * width) * sizeof(float));
-  } catch (const std::bad_alloc&) {
-    return {Code::kSystemError, "forward: could not allocate " +
-                                    std::to_string(payload * static_cast<std::size_t>(ranks + 1)) +
-                                    " bytes of workspace"};
+  } catch (const std::exception&) {
+    // Still join the collective, with the header alone, so that no rank waits for this one.
+    if (local.ok()) {
+      local = {Code::kSystemError, "forward: could not allocate " +
+                                       std::to_string(payload * static_cast<std::size_t>(ranks + 1)) +
+                                       " bytes of workspace"};
+    }
+    n = 0;
+    payload = detail::payload_bytes(0, width);
+    try {
+      buffers->send.resize(payload);
+      buffers->recv.resize(payload * static_cast<std::size_t>(ranks));
+    } catch (const std::exception&) {
+      return local;  // not even the headers fit: the other ranks will time out
+    }
   }
 
   const detail::RankHeader header =

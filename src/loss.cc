@@ -90,8 +90,14 @@ Status merge_stats(const TensorView& gathered, const LossOptions& options,
   }
   RowMatrix out;
   if (Status s = detail::as_stats_matrix(stats, "stats", first.rows, first.cols, &out); !s.ok()) return s;
-  const char* gathered_end =
-      first.begin_byte() + ((ranks - 1) * rank_stride) * 4 + (first.end_byte() - first.begin_byte());
+  int64_t last_block_offset = 0;  // bytes from the first rank's block to the last one's
+  if (__builtin_mul_overflow(ranks - 1, rank_stride, &last_block_offset) ||
+      __builtin_mul_overflow(last_block_offset, int64_t{4}, &last_block_offset) ||
+      last_block_offset > (int64_t{1} << 56)) {
+    return {Code::kInvalidArgument, detail::expected_got("gathered.strides[0]", "an extent that fits in memory",
+                                                         std::to_string(rank_stride))};
+  }
+  const char* gathered_end = first.begin_byte() + last_block_offset + (first.end_byte() - first.begin_byte());
   if (detail::overlaps(out.begin_byte(), out.end_byte(), first.begin_byte(), gathered_end)) {
     return overlap_error("stats", "gathered");
   }

@@ -46,7 +46,9 @@ RankHeader read_header(const char* gathered, std::size_t stride, int r) {
 // The vocabulary ranges, sorted by start, must tile [0, V) with no gap or overlap.
 Status check_partition(const std::vector<RankHeader>& headers) {
   std::vector<const RankHeader*> sorted;
-  for (const RankHeader& h : headers) sorted.push_back(&h);
+  for (const RankHeader& h : headers) {
+    if (h.vocab_begin != h.vocab_end) sorted.push_back(&h);  // an empty range owns nothing
+  }
   std::stable_sort(sorted.begin(), sorted.end(), [](const RankHeader* a, const RankHeader* b) {
     return a->vocab_begin != b->vocab_begin ? a->vocab_begin < b->vocab_begin
                                             : a->vocab_end < b->vocab_end;

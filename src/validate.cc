@@ -39,15 +39,17 @@ Status check_view_basics(const TensorView& t, const char* name, int min_ndim, in
       return {Code::kInvalidArgument,
               expected_got(dim_name(name, "shape", d).c_str(), ">= 0", std::to_string(t.shape[d]))};
     }
-    if (t.shape[d] > 1 && t.strides[d] <= 0) {
-      return {Code::kInvalidArgument,
-              expected_got(dim_name(name, "strides", d).c_str(), "a positive stride",
-                           std::to_string(t.strides[d]))};
-    }
     if (__builtin_mul_overflow(count, t.shape[d], &count)) {
       return {Code::kInvalidArgument,
               expected_got((std::string(name) + ".shape").c_str(),
                            "an element count that fits in 64 bits", "an overflowing product")};
+    }
+  }
+  for (int d = 0; d < t.ndim && count > 0; ++d) {  // an empty tensor's strides do not matter
+    if (t.shape[d] > 1 && t.strides[d] <= 0) {
+      return {Code::kInvalidArgument,
+              expected_got(dim_name(name, "strides", d).c_str(), "a positive stride",
+                           std::to_string(t.strides[d]))};
     }
   }
   *numel = count;
@@ -130,7 +132,7 @@ Status as_row_matrix(const TensorView& t, const char* name, RowMatrix* out) {
   if (Status s = check_view_basics(t, name, 1, &numel); !s.ok()) return s;
   const int last = t.ndim - 1;
   const int64_t cols = t.shape[last];
-  if (cols > 1 && t.strides[last] != 1) {
+  if (numel > 0 && cols > 1 && t.strides[last] != 1) {
     return {Code::kInvalidArgument,
             expected_got(dim_name(name, "strides", last).c_str(),
                          "1 (the vocabulary dimension must be contiguous)",
@@ -139,7 +141,9 @@ Status as_row_matrix(const TensorView& t, const char* name, RowMatrix* out) {
   int64_t rows = 1;
   for (int d = 0; d < last; ++d) rows *= t.shape[d];  // cannot overflow: numel did not
   int64_t row_stride = cols;
-  if (Status s = collapse(t, name, last, cols, &row_stride); !s.ok()) return s;
+  if (numel > 0) {
+    if (Status s = collapse(t, name, last, cols, &row_stride); !s.ok()) return s;
+  }
   if (rows > 1 && row_stride < cols) {
     return {Code::kInvalidArgument,
             expected_got((std::string(name) + " row stride").c_str(),
@@ -166,7 +170,9 @@ Status as_token_vector(const TensorView& t, const char* name, int64_t n, TokenVe
                          std::to_string(numel) + " elements")};
   }
   int64_t stride = 1;
-  if (Status s = collapse(t, name, t.ndim, 1, &stride); !s.ok()) return s;
+  if (numel > 0) {
+    if (Status s = collapse(t, name, t.ndim, 1, &stride); !s.ok()) return s;
+  }
   int64_t extent = 0;
   if (!extent_bytes(n, stride, 1, t.dtype.bytes(), &extent)) {
     return {Code::kInvalidArgument,

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cmath>
 #include <functional>
 
 #include "support.h"
@@ -206,6 +207,48 @@ TEST(Group, ExceptionInRankFunctionBecomesAnError) {
   const auto results = group->run([](Communicator&) -> Status { throw std::runtime_error("boom"); });
   EXPECT_EQ(results[0].code(), Code::kInternalError);
   EXPECT_NE(results[0].message().find("boom"), std::string::npos);
+}
+
+TEST(Group, EmptyRangeInsideAnotherRankRangeIsFine) {
+  std::unique_ptr<ThreadGroup> group;
+  ASSERT_TRUE(ThreadGroup::create(2, &group).ok());
+  std::vector<float> logits(3 * 8, 0.0f), loss0(3), lse0(3), loss1(3), lse1(3);
+  std::vector<int64_t> targets = {0, 4, 7};
+  const auto results = group->run([&](Communicator& comm) {
+    const bool first = comm.rank() == 0;
+    const VocabShard shard = first ? VocabShard{0, 8, 8} : VocabShard{4, 4, 8};
+    return forward(comm, TensorView::contiguous(logits.data(), kFloat32, {3, first ? 8 : 0}),
+                   TensorView::contiguous(targets.data(), kInt64, {3}), shard, LossOptions{},
+                   TensorView::contiguous(first ? loss0.data() : loss1.data(), kFloat32, {3}),
+                   TensorView::contiguous(first ? lse0.data() : lse1.data(), kFloat32, {3}));
+  });
+  for (const Status& s : results) ASSERT_TRUE(s.ok()) << s.to_string();
+  for (float l : loss1) EXPECT_NEAR(l, std::log(8.0f), 1e-6f);
+  EXPECT_EQ(loss0, loss1);
+}
+
+// A rank whose targets view claims 2^40 tokens neither allocates for them nor leaves the
+// other rank waiting: both return an error long before the group's timeout.
+TEST(Group, AbsurdTargetsViewFailsFastOnEveryRank) {
+  std::unique_ptr<ThreadGroup> group;
+  ASSERT_TRUE(ThreadGroup::create(2, &group, std::chrono::seconds(30)).ok());
+  std::vector<float> logits(4 * 5, 0.0f), loss(8), lse(8);
+  std::vector<int64_t> targets = {0, 1, 2, 3};
+  const auto start = std::chrono::steady_clock::now();
+  const auto results = group->run([&](Communicator& comm) {
+    const int r = comm.rank();
+    const TensorView y = r == 1 ? TensorView::contiguous(targets.data(), kInt64, {int64_t{1} << 40})
+                                : TensorView::contiguous(targets.data(), kInt64, {4});
+    return forward(comm, TensorView::matrix(logits.data() + 2 * r, kFloat32, 4, r == 0 ? 2 : 3, 5), y,
+                   r == 0 ? VocabShard{0, 2, 5} : VocabShard{2, 5, 5}, LossOptions{},
+                   TensorView::contiguous(loss.data() + 4 * r, kFloat32, {4}),
+                   TensorView::contiguous(lse.data() + 4 * r, kFloat32, {4}));
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 10.0);
+  EXPECT_EQ(results[1].code(), Code::kInvalidArgument) << results[1].to_string();
+  EXPECT_NE(results[1].message().find("targets.shape"), std::string::npos) << results[1].message();
+  EXPECT_FALSE(results[0].ok());
 }
 
 }  // namespace

@@ -168,7 +168,7 @@ Status run_command(const RunConfig& config) {
   ComputeBuffer logits;
   if (Status s = make_compute_buffer(in.logits, config.dtype, &logits); !s.ok()) return s;
   std::vector<float> grad_out_of_place(config.in_place ? 0 : static_cast<std::size_t>(tokens * vocab));
-  std::vector<float> ones(static_cast<std::size_t>(tokens), 1.0f);
+  std::vector<float> ones(static_cast<std::size_t>(std::max<int64_t>(tokens, 1)), 1.0f);  // >= 1: a reduction's
   const float* upstream = config.grad_output_path.empty() ? ones.data() : in.grad_output.as<float>();
   const TensorView weights = TensorView::contiguous(in.weights.data.data(), kFloat32, {tokens});
   std::vector<RankOutputs> outputs(static_cast<std::size_t>(ranks));

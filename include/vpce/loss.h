@@ -95,8 +95,8 @@ inline constexpr int64_t kStatsWidthWithExtras = 6;
 // Optional per-token tensors of the forward, each float32 with one element per token.
 // Inputs: `weights` (a loss weight or a 0/1 mask; finite). Outputs, computed in the same
 // pass with no further collective: `target_is_argmax` (1 where the target holds the largest
-// logit, ties going to the smallest column index, the same on every rank; 0 for ignored
-// tokens) and `entropy` (of softmax(z), in nats).
+// logit, ties going to the smallest column index, the same on every rank; 0 for tokens
+// not counted: ignored, or of weight 0) and `entropy` (of softmax(z), in nats).
 struct ForwardExtras {
   const TensorView* weights = nullptr;
   const TensorView* target_is_argmax = nullptr;

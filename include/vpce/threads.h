@@ -6,7 +6,9 @@
 //
 // Failure model: a rank that does not arrive at a collective within the group's timeout
 // makes the waiting ranks return kTimeout, and the group is then broken: every later
-// collective on it returns kInvalidUsage at once, so nothing ever waits forever.
+// collective on it returns kInvalidUsage at once, so nothing ever waits forever. (Once all
+// ranks have arrived, the copy itself is not timed: no rank leaves while another still
+// reads its buffer.)
 #pragma once
 
 #include <chrono>

@@ -24,9 +24,10 @@ struct ThreadGroup::Shared {
 
   Shared(int n, std::chrono::milliseconds t) : size(n), timeout(t), slots(static_cast<size_t>(n)) {}
 
-  // Waits until every rank has arrived in this phase, or the timeout passes, or the group
-  // breaks. Called with `lock` held.
-  Status arrive_and_wait(std::unique_lock<std::mutex>& lock, const char* phase) {
+  // Waits until every rank has arrived in this phase, or (when `timed`) the timeout passes
+  // or the group breaks; every rank waiting when it breaks returns kTimeout. Called with
+  // `lock` held.
+  Status arrive_and_wait(std::unique_lock<std::mutex>& lock, const char* phase, bool timed) {
     if (broken) return broken_status();
     const uint64_t my_generation = generation;
     if (++arrived == size) {
@@ -35,18 +36,19 @@ struct ThreadGroup::Shared {
       changed.notify_all();
       return {};
     }
-    const bool done = changed.wait_for(lock, timeout, [&] {
-      return broken || generation != my_generation;
-    });
+    if (!timed) {
+      changed.wait(lock, [&] { return generation != my_generation; });
+      return {};
+    }
+    const bool done = changed.wait_for(lock, timeout, [&] { return broken || generation != my_generation; });
     if (generation != my_generation) return {};
     if (!done) {
       broken = true;
       broken_reason = "expected every rank at all_gather (" + std::string(phase) + ") within " +
                       std::to_string(timeout.count()) + " ms, got a rank that did not arrive";
       changed.notify_all();
-      return {Code::kTimeout, "threads backend: " + broken_reason};
     }
-    return broken_status();
+    return {Code::kTimeout, "threads backend: " + broken_reason};
   }
 
   Status broken_status() const {
@@ -81,7 +83,7 @@ class ThreadGroup::RankCommunicator final : public Communicator {
     }
     std::unique_lock<std::mutex> lock(shared_->mutex);
     shared_->slots[static_cast<size_t>(rank_)] = Shared::Slot{send, bytes};
-    if (Status s = shared_->arrive_and_wait(lock, "posting"); !s.ok()) return s;
+    if (Status s = shared_->arrive_and_wait(lock, "posting", true); !s.ok()) return s;
     // No rank writes its slot again before every rank has passed the second phase, so the
     // slots can be read without the lock until then.
     const std::vector<Shared::Slot>& slots = shared_->slots;
@@ -105,8 +107,10 @@ class ThreadGroup::RankCommunicator final : public Communicator {
         if (bytes > 0) std::memcpy(out + static_cast<size_t>(r) * bytes, slots[static_cast<size_t>(r)].data, bytes);
       }
     }
+    // Every rank is here and only copies memory: wait without a timeout, so that no send
+    // buffer is released while another rank still reads it.
     lock.lock();
-    if (Status s = shared_->arrive_and_wait(lock, "copying"); !s.ok()) return s;
+    if (Status s = shared_->arrive_and_wait(lock, "copying", false); !s.ok()) return s;
     return result;
   }
 
