@@ -44,8 +44,12 @@ Status calculate_local_stats(const TensorView& logits, const TensorView& targets
     return s;
   }
   RowMatrix out;
-  const int64_t width = stats.ndim == 2 && stats.shape[1] == kStatsWidthWithExtras ? kStatsWidthWithExtras : kStatsWidth;
-  if (Status s = detail::as_stats_matrix(stats, "stats", in.logits.rows, width, &out); !s.ok()) return s;
+  if (Status s = as_any_stats(stats, "stats", &out); !s.ok()) return s;
+  if (out.rows != in.logits.rows) {
+    return {Code::kInvalidArgument,
+            detail::expected_got("stats.shape[0]", std::to_string(in.logits.rows) + " (one stats row per token)",
+                                 std::to_string(out.rows))};
+  }
   if (detail::overlaps(out.begin_byte(), out.end_byte(), in.logits.begin_byte(), in.logits.end_byte())) {
     return overlap_error("stats", "the logits");
   }
