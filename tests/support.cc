@@ -99,10 +99,7 @@ Status staged_forward(Communicator& comm, const TensorView& x, const TensorView&
 
 }  // namespace
 
-RunResult run_ranks(Problem& problem, const std::vector<VocabShard>& shards, const RunOptions& options) {
-  const int ranks = static_cast<int>(shards.size());
-  const int64_t n = problem.tokens;
-  const bool reduced = options.loss.reduction != Reduction::kNone;
+RunResult empty_result(int ranks, int64_t n, bool reduced) {
   RunResult result;
   result.per_rank.resize(static_cast<std::size_t>(ranks));
   for (RankOutputs& o : result.per_rank) {
@@ -111,53 +108,75 @@ RunResult run_ranks(Problem& problem, const std::vector<VocabShard>& shards, con
     o.target_is_argmax.assign(static_cast<std::size_t>(n), std::nanf(""));
     o.entropy.assign(static_cast<std::size_t>(n), std::nanf(""));
   }
+  return result;
+}
+
+Status run_rank(Communicator& comm, Problem& problem, const VocabShard& shard, const RunOptions& options,
+                RankOutputs* mine, std::byte* grad) {
+  const int64_t n = problem.tokens;
+  const bool reduced = options.loss.reduction != Reduction::kNone;
   const DataType grad_dtype = options.in_place ? problem.dtype : options.grad_dtype;
-  std::vector<std::byte> grad(static_cast<std::size_t>(n * problem.vocab * grad_dtype.bytes()) + 8);
+  const TensorView weights = TensorView::contiguous(const_cast<float*>(options.weights.data()), kFloat32, {n});
+  const TensorView* weights_view = options.weights.empty() ? nullptr : &weights;
+  const TensorView x = problem.shard_view(shard);
+  const TensorView y = TensorView::contiguous(problem.targets.data(), kInt64, {n});
+  const TensorView loss = TensorView::contiguous(mine->loss.data(), kFloat32, {static_cast<int64_t>(mine->loss.size())});
+  const TensorView lse = TensorView::contiguous(mine->lse.data(), kFloat32, {n});
+  const TensorView argmax = TensorView::contiguous(mine->target_is_argmax.data(), kFloat32, {n});
+  const TensorView entropy = TensorView::contiguous(mine->entropy.data(), kFloat32, {n});
+  ForwardExtras extras;
+  extras.weights = weights_view;
+  if (options.extras) {
+    extras.target_is_argmax = &argmax;
+    extras.entropy = &entropy;
+  }
+  Workspace workspace;
+  const Status forwarded = options.staged ? staged_forward(comm, x, y, shard, options.loss, extras, loss, lse)
+                                          : forward(comm, x, y, shard, options.loss, loss, lse, extras, &workspace);
+  if (!forwarded.ok()) return forwarded;
+  const TensorView g = reduced ? TensorView::contiguous(const_cast<float*>(&options.grad_scalar), kFloat32, {1})
+                               : TensorView::contiguous(problem.grad_loss.data(), kFloat32, {n});
+  const int64_t cols = shard.vocab_end - shard.vocab_begin;
+  const TensorView out =
+      options.in_place
+          ? x
+          : TensorView::matrix(grad + shard.vocab_begin * grad_dtype.bytes(), grad_dtype, n, cols, problem.vocab);
+  return options.staged ? calculate_gradients(x, y, lse, g, shard, options.loss, out, weights_view)
+                        : backward(x, y, lse, g, shard, options.loss, out, weights_view);
+}
+
+std::vector<std::byte> grad_buffer(const Problem& problem, const RunOptions& options) {
+  const DataType grad_dtype = options.in_place ? problem.dtype : options.grad_dtype;
+  return std::vector<std::byte>(static_cast<std::size_t>(problem.tokens * problem.vocab * grad_dtype.bytes()) + 8);
+}
+
+std::vector<double> gathered_grad(const Problem& problem, const RunOptions& options,
+                                  const std::vector<std::byte>& grad) {
+  const DataType grad_dtype = options.in_place ? problem.dtype : options.grad_dtype;
+  std::vector<double> out(static_cast<std::size_t>(problem.tokens * problem.vocab));
+  for (int64_t i = 0; i < problem.tokens; ++i) {
+    for (int64_t v = 0; v < problem.vocab; ++v) {
+      const auto index = static_cast<std::size_t>(i * problem.vocab + v);
+      out[index] = options.in_place ? problem.at(i, v) : grad_element(grad, grad_dtype, index);
+    }
+  }
+  return out;
+}
+
+RunResult run_ranks(Problem& problem, const std::vector<VocabShard>& shards, const RunOptions& options) {
+  const int ranks = static_cast<int>(shards.size());
+  RunResult result = empty_result(ranks, problem.tokens, options.loss.reduction != Reduction::kNone);
+  std::vector<std::byte> grad = grad_buffer(problem, options);
   std::unique_ptr<ThreadGroup> group;
   if (Status s = ThreadGroup::create(ranks, &group); !s.ok()) {
     result.status.assign(static_cast<std::size_t>(ranks), s);
     return result;
   }
-  const TensorView weights = TensorView::contiguous(options.weights.data(), kFloat32, {n});
-  const TensorView* weights_view = options.weights.empty() ? nullptr : &weights;
   result.status = group->run([&](Communicator& comm) -> Status {
     const auto r = static_cast<std::size_t>(comm.rank());
-    RankOutputs& mine = result.per_rank[r];
-    const VocabShard& shard = shards[r];
-    const TensorView x = problem.shard_view(shard);
-    const TensorView y = TensorView::contiguous(problem.targets.data(), kInt64, {n});
-    const TensorView loss = TensorView::contiguous(mine.loss.data(), kFloat32, {static_cast<int64_t>(mine.loss.size())});
-    const TensorView lse = TensorView::contiguous(mine.lse.data(), kFloat32, {n});
-    const TensorView argmax = TensorView::contiguous(mine.target_is_argmax.data(), kFloat32, {n});
-    const TensorView entropy = TensorView::contiguous(mine.entropy.data(), kFloat32, {n});
-    ForwardExtras extras;
-    extras.weights = weights_view;
-    if (options.extras) {
-      extras.target_is_argmax = &argmax;
-      extras.entropy = &entropy;
-    }
-    Workspace workspace;
-    const Status forwarded = options.staged ? staged_forward(comm, x, y, shard, options.loss, extras, loss, lse)
-                                            : forward(comm, x, y, shard, options.loss, loss, lse, extras, &workspace);
-    if (!forwarded.ok()) return forwarded;
-    const TensorView g = reduced ? TensorView::contiguous(&options.grad_scalar, kFloat32, {1})
-                                 : TensorView::contiguous(problem.grad_loss.data(), kFloat32, {n});
-    const int64_t cols = shard.vocab_end - shard.vocab_begin;
-    const TensorView out =
-        options.in_place ? x
-                         : TensorView::matrix(grad.data() + shard.vocab_begin * grad_dtype.bytes(), grad_dtype, n,
-                                              cols, problem.vocab);
-    return options.staged ? calculate_gradients(x, y, lse, g, shard, options.loss, out, weights_view)
-                          : backward(x, y, lse, g, shard, options.loss, out, weights_view);
+    return run_rank(comm, problem, shards[r], options, &result.per_rank[r], grad.data());
   });
-  result.grad.resize(static_cast<std::size_t>(n * problem.vocab));
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t v = 0; v < problem.vocab; ++v) {
-      result.grad[static_cast<std::size_t>(i * problem.vocab + v)] =
-          options.in_place ? problem.at(i, v)
-                           : grad_element(grad, grad_dtype, static_cast<std::size_t>(i * problem.vocab + v));
-    }
-  }
+  result.grad = gathered_grad(problem, options, grad);
   return result;
 }
 

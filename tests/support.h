@@ -66,6 +66,17 @@ struct RunOptions {
 // Runs forward and backward on one ThreadGroup of shards.size() ranks.
 RunResult run_ranks(Problem& problem, const std::vector<VocabShard>& shards, const RunOptions& options);
 
+// The pieces of run_ranks, for other backends: outputs filled with NaN for `ranks` ranks;
+// one rank's forward and backward on `comm` (the gradient goes into `grad`, a buffer from
+// grad_buffer(), or into the problem's own logits in place); and the [N, V] gradient as
+// doubles, read from wherever run_rank wrote it.
+RunResult empty_result(int ranks, int64_t n, bool reduced);
+Status run_rank(Communicator& comm, Problem& problem, const VocabShard& shard, const RunOptions& options,
+                RankOutputs* mine, std::byte* grad);
+std::vector<std::byte> grad_buffer(const Problem& problem, const RunOptions& options);
+std::vector<double> gathered_grad(const Problem& problem, const RunOptions& options,
+                                  const std::vector<std::byte>& grad);
+
 // The oracle on the same problem and options, as the test runner uses them.
 reference::Result oracle(const Problem& problem, const RunOptions& options);
 
