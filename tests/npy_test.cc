@@ -2,6 +2,7 @@
 // the format's specification (not by vpce's own writer), and malformed files.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -115,6 +116,46 @@ TEST(Npy, MissingFileIsAnError) {
   const Status s = read("/nonexistent/dir/file.npy", &a);
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("/nonexistent/dir/file.npy"), std::string::npos);
+}
+
+void write_image(const std::string& path, const std::vector<std::byte>& bytes) {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  ASSERT_NE(f, nullptr);
+  ASSERT_EQ(std::fwrite(bytes.data(), 1, bytes.size(), f), bytes.size());
+  std::fclose(f);
+}
+
+TEST(Npy, ReadsOnlyTheRequestedColumns) {
+  // A [2, 3, 5] float32 array written by hand; element (a, b, c) = 100a + 10b + c.
+  float values[30];
+  for (int i = 0; i < 30; ++i) values[i] = static_cast<float>(100 * (i / 15) + 10 * (i / 5 % 3) + i % 5);
+  const std::string path = testing::TempDir() + "npy_columns.npy";
+  write_image(path, image("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3, 5), }\n", values, sizeof(values)));
+  Info info;
+  ASSERT_TRUE(read_info(path, &info).ok());
+  EXPECT_EQ(info.shape, (std::vector<int64_t>{2, 3, 5}));
+  EXPECT_EQ(info.data_bytes, sizeof(values));
+  Array a;
+  ASSERT_TRUE(read_columns(path, 1, 4, &a).ok());
+  ASSERT_EQ(a.shape, (std::vector<int64_t>{2, 3, 3}));
+  for (int row = 0; row < 6; ++row) {
+    for (int c = 0; c < 3; ++c) {
+      EXPECT_EQ(a.as<float>()[row * 3 + c], static_cast<float>(100 * (row / 3) + 10 * (row % 3) + c + 1));
+    }
+  }
+  ASSERT_TRUE(read_columns(path, 5, 5, &a).ok());  // an empty shard
+  EXPECT_EQ(a.shape, (std::vector<int64_t>{2, 3, 0}));
+  EXPECT_TRUE(a.data.empty());
+  const Status bad_range = read_columns(path, 3, 6, &a);
+  EXPECT_EQ(bad_range.code(), Code::kInvalidArgument);
+  EXPECT_NE(bad_range.message().find("got [3, 6)"), std::string::npos) << bad_range.to_string();
+  // A truncated body is caught from the header and the file size, without reading it all.
+  std::vector<std::byte> cut = image("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3, 5), }\n", values, 100);
+  write_image(path, cut);
+  const Status truncated = read_columns(path, 0, 1, &a);
+  EXPECT_FALSE(truncated.ok());
+  EXPECT_NE(truncated.message().find("expected 120 bytes"), std::string::npos) << truncated.to_string();
+  std::remove(path.c_str());
 }
 
 }  // namespace

@@ -23,11 +23,17 @@ struct RunConfig {
   bool extras = false;                // also write target_is_argmax.npy and entropy.npy
   bool in_place = false;
   std::string dtype;  // "fp32", "bf16", "fp16", or empty for the file's own
+  std::string backend = "threads";  // "threads" (in-process) or "mpi" (one process per rank)
 };
 
 // Splits the vocabulary, runs the ranks, writes DIR/loss.npy, lse.npy, grad_logits.npy
 // (and target_is_argmax.npy, entropy.npy with extras) and prints one summary line.
 Status run_command(const RunConfig& config);
+
+// `vpce run --backend mpi`: the same, one rank per MPI process (under mpirun); each rank
+// reads only its columns of the logits and rank 0 writes the outputs. Every rank returns
+// the same Status; *reports is set on the one rank that should print it.
+Status run_mpi_command(const RunConfig& config, bool* reports);
 
 struct GenConfig {
   int64_t tokens = 4096;

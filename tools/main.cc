@@ -55,6 +55,10 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--threads", run.loss.num_threads, "threads per rank (default: cores / R)")
       ->check(CLI::Range(0, 1024));
   run_cmd->add_option("--out", run.out_dir, "output directory")->required();
+  run_cmd
+      ->add_option("--backend", run.backend,
+                   "threads: R in-process ranks (default); mpi: one rank per process under mpirun -np R")
+      ->check(CLI::IsMember({"threads", "mpi"}));
 
   vpce::tools::GenConfig gen;
   CLI::App* gen_cmd = app.add_subcommand("gen", "Write a random example: logits.npy and targets.npy");
@@ -95,7 +99,15 @@ int main(int argc, char** argv) {
   }
 
   vpce::Status status;
-  if (run_cmd->parsed()) {
+  bool reports = true;
+  if (run_cmd->parsed() && run.backend == "mpi") {
+#ifdef VPCE_CLI_HAVE_MPI
+    status = vpce::tools::run_mpi_command(run, &reports);
+#else
+    status = {vpce::Code::kUnsupported,
+              "--backend: expected threads (this vpce was built without MPI; configure with -DVPCE_WITH_MPI=ON), got mpi"};
+#endif
+  } else if (run_cmd->parsed()) {
     status = vpce::tools::run_command(run);
   } else if (perf_cmd->parsed()) {
     status = vpce::tools::perf_command(perf);
@@ -103,6 +115,7 @@ int main(int argc, char** argv) {
     status = vpce::tools::gen_command(gen);
   }
   if (!status.ok()) {
+    if (!reports) return 2;
     std::fprintf(stderr, "vpce: error: %s\n", status.to_string().c_str());
     return 2;
   }

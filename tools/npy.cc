@@ -2,6 +2,7 @@
 // literal; this parser accepts exactly the three keys NumPy writes, in any order.
 #include "npy.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <cstring>
@@ -178,7 +179,12 @@ int64_t Array::numel() const {
   return n;
 }
 
-Status parse(const std::byte* bytes, std::size_t size, const std::string& name, Array* out) {
+namespace {
+
+// The magic and the header dictionary at the start of `bytes`; `header_end` is where the
+// data begins. Needs only the first bytes of a file (up to the end of the header).
+Status parse_prefix(const std::byte* bytes, std::size_t size, const std::string& name, Info* info,
+                    std::size_t* header_end) {
   if (size < kMagicBytes + 4 || std::memcmp(bytes, kMagic, kMagicBytes) != 0) {
     return bad(name, "expected a .npy file (magic \\x93NUMPY), got something else");
   }
@@ -198,22 +204,56 @@ Status parse(const std::byte* bytes, std::size_t size, const std::string& name, 
   }
   if (header_len > size - header_start) return bad(name, "truncated header");
   const std::string header(reinterpret_cast<const char*>(bytes) + header_start, header_len);
-
-  Array array;
-  if (Status s = parse_header(header, name, &array.dtype, &array.shape); !s.ok()) return s;
-  uint64_t body = static_cast<uint64_t>(item_bytes(array.dtype));
-  for (int64_t d : array.shape) {
+  if (Status s = parse_header(header, name, &info->dtype, &info->shape); !s.ok()) return s;
+  uint64_t body = static_cast<uint64_t>(item_bytes(info->dtype));
+  for (int64_t d : info->shape) {
     if (__builtin_mul_overflow(body, static_cast<uint64_t>(d), &body)) {
       return bad(name, "shape: the element count overflows");
     }
   }
-  const std::size_t available = size - header_start - header_len;
-  if (body != available) {
-    return bad(name, "data: expected " + std::to_string(body) + " bytes for the shape and dtype, got " +
+  info->data_bytes = body;
+  *header_end = header_start + header_len;
+  return {};
+}
+
+// Opens `path` and parses its header; `file` is left open, `data_offset` where the data starts.
+Status open_npy(const std::string& path, std::ifstream* file, Info* info, std::size_t* data_offset) {
+  file->open(path, std::ios::binary);
+  if (!*file) return {Code::kInvalidArgument, path + ": cannot open for reading"};
+  file->seekg(0, std::ios::end);
+  const auto size = static_cast<std::size_t>(file->tellg());
+  file->seekg(0);
+  // A header is at most 12 bytes of prefix plus a length of at most 2^32; real ones are short.
+  std::vector<char> prefix(std::min<std::size_t>(size, std::size_t{1} << 20));
+  file->read(prefix.data(), static_cast<std::streamsize>(prefix.size()));
+  if (!*file) return {Code::kSystemError, path + ": read error"};
+  if (Status s = parse_prefix(reinterpret_cast<const std::byte*>(prefix.data()), prefix.size(), path, info, data_offset);
+      !s.ok()) {
+    return s;
+  }
+  if (info->data_bytes != size - *data_offset) {
+    return bad(path, "data: expected " + std::to_string(info->data_bytes) + " bytes for the shape and dtype, got " +
+                         std::to_string(size - *data_offset));
+  }
+  return {};
+}
+
+}  // namespace
+
+Status parse(const std::byte* bytes, std::size_t size, const std::string& name, Array* out) {
+  Info info;
+  std::size_t header_end = 0;
+  if (Status s = parse_prefix(bytes, size, name, &info, &header_end); !s.ok()) return s;
+  const std::size_t available = size - header_end;
+  if (info.data_bytes != available) {
+    return bad(name, "data: expected " + std::to_string(info.data_bytes) + " bytes for the shape and dtype, got " +
                          std::to_string(available));
   }
-  const std::byte* data = bytes + header_start + header_len;
-  array.data.assign(data, data + body);
+  Array array;
+  array.dtype = info.dtype;
+  array.shape = std::move(info.shape);
+  const std::byte* data = bytes + header_end;
+  array.data.assign(data, data + available);
   *out = std::move(array);
   return {};
 }
@@ -224,6 +264,42 @@ Status read(const std::string& path, Array* out) {
   std::vector<char> contents((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
   if (file.bad()) return {Code::kSystemError, path + ": read error"};
   return parse(reinterpret_cast<const std::byte*>(contents.data()), contents.size(), path, out);
+}
+
+Status read_info(const std::string& path, Info* out) {
+  std::ifstream file;
+  std::size_t data_offset = 0;
+  return open_npy(path, &file, out, &data_offset);
+}
+
+Status read_columns(const std::string& path, int64_t begin, int64_t end, Array* out) {
+  std::ifstream file;
+  Info info;
+  std::size_t data_offset = 0;
+  if (Status s = open_npy(path, &file, &info, &data_offset); !s.ok()) return s;
+  if (info.shape.empty()) return bad(path, "shape: expected at least one dimension to take columns of, got ()");
+  const int64_t columns = info.shape.back();
+  if (begin < 0 || begin > end || end > columns) {
+    return {Code::kInvalidArgument, path + ": columns: expected 0 <= begin <= end <= " + std::to_string(columns) +
+                                        ", got [" + std::to_string(begin) + ", " + std::to_string(end) + ")"};
+  }
+  Array array;
+  array.dtype = info.dtype;
+  array.shape = info.shape;
+  array.shape.back() = end - begin;
+  const int64_t rows = columns == 0 ? 0 : static_cast<int64_t>(info.data_bytes / item_bytes(info.dtype)) / columns;
+  const auto item = static_cast<std::size_t>(item_bytes(info.dtype));
+  const std::size_t row_bytes = static_cast<std::size_t>(end - begin) * item;
+  array.data.resize(static_cast<std::size_t>(rows) * row_bytes);
+  for (int64_t i = 0; i < rows && row_bytes > 0; ++i) {
+    const std::size_t offset = data_offset + (static_cast<std::size_t>(i * columns + begin)) * item;
+    file.seekg(static_cast<std::streamoff>(offset));
+    file.read(reinterpret_cast<char*>(array.data.data() + static_cast<std::size_t>(i) * row_bytes),
+              static_cast<std::streamsize>(row_bytes));
+    if (!file) return {Code::kSystemError, path + ": read error at row " + std::to_string(i)};
+  }
+  *out = std::move(array);
+  return {};
 }
 
 std::vector<std::byte> serialize(Dtype dtype, const std::vector<int64_t>& shape, const void* data) {

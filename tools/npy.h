@@ -33,9 +33,22 @@ struct Array {
   }
 };
 
+// What a file's header says: dtype, shape and the number of data bytes.
+struct Info {
+  Dtype dtype = Dtype::kFloat32;
+  std::vector<int64_t> shape;
+  uint64_t data_bytes = 0;
+};
+
 // Parses a whole .npy file held in memory. `name` is used in messages.
 Status parse(const std::byte* bytes, std::size_t size, const std::string& name, Array* out);
 Status read(const std::string& path, Array* out);
+
+// Reads only the header.
+Status read_info(const std::string& path, Info* out);
+// Reads columns [begin, end) of the last dimension and nothing else, as a rank of a
+// tensor-parallel group reads its own vocabulary shard: shape [..., end - begin].
+Status read_columns(const std::string& path, int64_t begin, int64_t end, Array* out);
 
 // The complete file image (header and data) of an array.
 std::vector<std::byte> serialize(Dtype dtype, const std::vector<int64_t>& shape, const void* data);

@@ -1,0 +1,33 @@
+# tests/mpi/run_matches_threads.cmake: `vpce run --backend mpi` under mpirun -np RANKS must
+# write outputs byte-identical to `vpce run` on RANKS in-process ranks, same inputs and
+# options. Arguments: VPCE (the program), MPIRUN (launcher and its flags, ;-separated),
+# RANKS, WORK_DIR, GEN (arguments of vpce gen), ARGS (options of vpce run, ;-separated).
+file(REMOVE_RECURSE ${WORK_DIR})
+function(step)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 240)
+  message(STATUS "${out}")
+  if(NOT result EQUAL 0)
+    message(FATAL_ERROR "failed (${result}): ${ARGN}\n${out}\n${err}")
+  endif()
+endfunction()
+step(${VPCE} gen ${GEN} --out ${WORK_DIR}/in)
+set(inputs --logits ${WORK_DIR}/in/logits.npy --targets ${WORK_DIR}/in/targets.npy)
+set(split --tp ${RANKS})
+if("--vocab-splits" IN_LIST ARGS)
+  set(split)
+endif()
+step(${VPCE} run ${inputs} ${ARGS} --out ${WORK_DIR}/threads ${split})
+step(${MPIRUN} ${RANKS} ${VPCE} run --backend mpi ${inputs} ${ARGS} --out ${WORK_DIR}/mpi)
+file(GLOB outputs RELATIVE ${WORK_DIR}/threads ${WORK_DIR}/threads/*.npy)
+list(LENGTH outputs count)
+if(count LESS 3)
+  message(FATAL_ERROR "expected at least loss, lse and grad_logits, got: ${outputs}")
+endif()
+foreach(name ${outputs})
+  execute_process(COMMAND ${CMAKE_COMMAND} -E compare_files ${WORK_DIR}/threads/${name} ${WORK_DIR}/mpi/${name}
+                  RESULT_VARIABLE differ)
+  if(NOT differ EQUAL 0)
+    message(FATAL_ERROR "${name}: the MPI run's file differs from the in-process run's")
+  endif()
+  message(STATUS "${name}: byte-identical")
+endforeach()

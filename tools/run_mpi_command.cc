@@ -1,0 +1,218 @@
+// tools/run_mpi_command.cc: `vpce run --backend mpi`, one process per rank under mpirun.
+//
+// Every rank reads the targets (and weights, upstream gradient) and only its own columns
+// of the logits, runs the forward (one MPI all-gather) and the backward on them, and sends
+// its gradient columns to rank 0, which writes every output. Any rank's failure (a file it
+// cannot read, a bad option) becomes the same error on every rank: the ranks agree on a
+// status before each step that could otherwise leave one waiting for another.
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+#include "cpu/dtype.h"
+#include "run_io.h"
+#include "vpce/mpi.h"
+
+namespace vpce::tools {
+namespace {
+
+// MPI_Init_thread on construction unless MPI is already up; MPI_Finalize on destruction if
+// this object started it.
+class MpiSession {
+ public:
+  MpiSession() {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized) {
+      int provided = 0;
+      started_ = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided) == MPI_SUCCESS;
+    }
+  }
+  ~MpiSession() {
+    if (started_) MPI_Finalize();
+  }
+  MpiSession(const MpiSession&) = delete;
+  MpiSession& operator=(const MpiSession&) = delete;
+
+ private:
+  bool started_ = false;
+};
+
+// The first failing rank's status, the same on every rank (a collective).
+Status agree(const Status& local, int rank, int ranks) {
+  int failed = local.ok() ? ranks : rank;  // the lowest failing rank wins
+  int first = ranks;
+  MPI_Allreduce(&failed, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (first == ranks) return {};
+  // That rank broadcasts its code and message.
+  int code = static_cast<int>(local.code());
+  char message[512] = {};
+  std::snprintf(message, sizeof(message), "rank %d: %s", rank, local.message().c_str());
+  MPI_Bcast(&code, 1, MPI_INT, first, MPI_COMM_WORLD);
+  MPI_Bcast(message, sizeof(message), MPI_CHAR, first, MPI_COMM_WORLD);
+  return {static_cast<Code>(code), message};
+}
+
+// Rank 0 receives every rank's [tokens, cols] float32 gradient block into the columns of
+// the [tokens, vocab] matrix `full`; the others send theirs. Rows travel in chunks that
+// keep each message's count within an int.
+void gather_gradient(const std::vector<float>& mine, const std::vector<VocabShard>& shards, int rank, int64_t tokens,
+                     int64_t vocab, std::vector<float>* full) {
+  constexpr int kTag = 7;
+  const auto chunk_rows = [](int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 28) / std::max<int64_t>(cols, 1)); };
+  if (rank != 0) {
+    const int64_t cols = shards[static_cast<std::size_t>(rank)].vocab_end - shards[static_cast<std::size_t>(rank)].vocab_begin;
+    for (int64_t row = 0; row < tokens && cols > 0; row += chunk_rows(cols)) {
+      const int64_t rows = std::min(chunk_rows(cols), tokens - row);
+      MPI_Send(mine.data() + row * cols, static_cast<int>(rows * cols), MPI_FLOAT, 0, kTag, MPI_COMM_WORLD);
+    }
+    return;
+  }
+  std::vector<float> block;
+  for (std::size_t r = 0; r < shards.size(); ++r) {
+    const int64_t begin = shards[r].vocab_begin;
+    const int64_t cols = shards[r].vocab_end - begin;
+    for (int64_t row = 0; row < tokens && cols > 0; row += chunk_rows(cols)) {
+      const int64_t rows = std::min(chunk_rows(cols), tokens - row);
+      const float* source = mine.data() + row * cols;
+      if (r != 0) {
+        block.resize(static_cast<std::size_t>(rows * cols));
+        MPI_Recv(block.data(), static_cast<int>(rows * cols), MPI_FLOAT, static_cast<int>(r), kTag, MPI_COMM_WORLD,
+                 MPI_STATUS_IGNORE);
+        source = block.data();
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        std::memcpy(full->data() + (row + i) * vocab + begin, source + i * cols, static_cast<std::size_t>(cols) * sizeof(float));
+      }
+    }
+  }
+}
+
+// This rank's part of the run: read, forward, backward. Fills `out` and `grad` ([tokens,
+// cols] float32).
+struct RankRun {
+  npy::Info info;
+  std::vector<VocabShard> shards;
+  RankOutputs out;
+  std::vector<float> grad;
+  DataType dtype = kFloat32;
+  double elapsed_ms = 0.0;
+};
+
+Status prepare(const RunConfig& config, int rank, int ranks, RankRun* run, TokenInputs* in, ComputeBuffer* logits) {
+  if (Status s = read_logits_info(config, &run->info); !s.ok()) return s;
+  const std::vector<int64_t> leading(run->info.shape.begin(), run->info.shape.end() - 1);
+  if (Status s = read_token_inputs(config, leading, in); !s.ok()) return s;
+  const int64_t vocab = run->info.shape.back();
+  if (config.vocab_splits.empty() && config.ranks != 1 && config.ranks != ranks) {
+    return {Code::kInvalidArgument, "--tp: expected the number of MPI ranks, " + std::to_string(ranks) + ", got " +
+                                        std::to_string(config.ranks)};
+  }
+  if (!config.vocab_splits.empty() && config.vocab_splits.size() != static_cast<std::size_t>(ranks)) {
+    return {Code::kInvalidArgument, "--vocab-splits: expected one size per MPI rank (" + std::to_string(ranks) +
+                                        "), got " + std::to_string(config.vocab_splits.size())};
+  }
+  if (Status s = vocab_ranges(config, ranks, vocab, &run->shards); !s.ok()) return s;
+  const VocabShard& shard = run->shards[static_cast<std::size_t>(rank)];
+  npy::Array columns;
+  if (Status s = npy::read_columns(config.logits_path, shard.vocab_begin, shard.vocab_end, &columns); !s.ok()) return s;
+  return make_compute_buffer(columns, config.dtype, logits);
+}
+
+Status compute(const RunConfig& config, MpiCommunicator& comm, const TokenInputs& in, ComputeBuffer& logits,
+               RankRun* run) {
+  const VocabShard& shard = run->shards[static_cast<std::size_t>(comm.rank())];
+  const int64_t tokens = static_cast<int64_t>(in.targets.numel());
+  const int64_t cols = shard.vocab_end - shard.vocab_begin;
+  const bool reduced = config.loss.reduction != Reduction::kNone;
+  run->dtype = logits.dtype;
+  run->out = make_rank_outputs(config, tokens);
+  run->grad.assign(static_cast<std::size_t>(tokens * cols), 0.0f);
+  std::vector<float> ones(static_cast<std::size_t>(std::max<int64_t>(tokens, 1)), 1.0f);
+  const float* upstream = config.grad_output_path.empty() ? ones.data() : in.grad_output.as<float>();
+  const TensorView weights = TensorView::contiguous(in.weights.data.data(), kFloat32, {tokens});
+  LossOptions options = config.loss;
+  if (options.num_threads == 0) {
+    // The cores of this host, shared among the ranks that run on it.
+    MPI_Comm host = MPI_COMM_NULL;
+    int on_host = 1;
+    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, comm.rank(), MPI_INFO_NULL, &host) == MPI_SUCCESS) {
+      MPI_Comm_size(host, &on_host);
+      MPI_Comm_free(&host);
+    }
+    options.num_threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / on_host);
+  }
+
+  RankOutputs& out = run->out;
+  const TensorView x = TensorView::contiguous(logits.data(), logits.dtype, {tokens, cols});
+  const TensorView y = TensorView::contiguous(in.targets.data.data(),
+                                              in.targets.dtype == npy::Dtype::kInt64 ? kInt64 : kInt32, {tokens});
+  const TensorView loss = TensorView::contiguous(out.loss.data(), kFloat32, {static_cast<int64_t>(out.loss.size())});
+  const TensorView lse = TensorView::contiguous(out.lse.data(), kFloat32, {tokens});
+  const TensorView argmax = TensorView::contiguous(out.target_is_argmax.data(), kFloat32, {tokens});
+  const TensorView entropy = TensorView::contiguous(out.entropy.data(), kFloat32, {tokens});
+  ForwardExtras extras;
+  extras.weights = config.weights_path.empty() ? nullptr : &weights;
+  if (config.extras) {
+    extras.target_is_argmax = &argmax;
+    extras.entropy = &entropy;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  if (Status s = forward(comm, x, y, shard, options, loss, lse, extras); !s.ok()) return s;
+  const TensorView g = TensorView::contiguous(upstream, kFloat32, {reduced ? 1 : tokens});
+  const TensorView grad = config.in_place ? x : TensorView::contiguous(run->grad.data(), kFloat32, {tokens, cols});
+  if (Status s = backward(x, y, lse, g, shard, options, grad, extras.weights); !s.ok()) return s;
+  run->elapsed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  if (config.in_place) {
+    for (std::size_t i = 0; i < run->grad.size(); ++i) {
+      run->grad[i] = detail::widen(logits.data() + i * static_cast<std::size_t>(logits.dtype.bytes()), logits.dtype);
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+Status run_mpi_command(const RunConfig& config, bool* reports) {
+  *reports = true;
+  MpiSession session;
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) return {Code::kSystemError, "--backend mpi: MPI_Init_thread failed"};
+  int rank = 0;
+  int ranks = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
+  *reports = rank == 0;  // every rank returns the same status; rank 0 reports it
+
+  RankRun run;
+  TokenInputs in;
+  ComputeBuffer logits;
+  if (Status s = agree(prepare(config, rank, ranks, &run, &in, &logits), rank, ranks); !s.ok()) return s;
+  std::unique_ptr<MpiCommunicator> comm;
+  if (Status s = agree(MpiCommunicator::create(MPI_COMM_WORLD, &comm), rank, ranks); !s.ok()) return s;
+  // The forward's errors are the same on every rank already; the backward's are local.
+  if (Status s = agree(compute(config, *comm, in, logits, &run), rank, ranks); !s.ok()) return s;
+  comm.reset();
+
+  const int64_t vocab = run.info.shape.back();
+  const int64_t tokens = static_cast<int64_t>(run.out.lse.size());
+  std::vector<float> full(rank == 0 ? static_cast<std::size_t>(tokens * vocab) : 0);
+  gather_gradient(run.grad, run.shards, rank, tokens, vocab, &full);
+  double slowest_ms = 0.0;
+  MPI_Reduce(&run.elapsed_ms, &slowest_ms, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+  Status written;
+  if (rank == 0) {
+    char tail[96];
+    std::snprintf(tail, sizeof(tail), "time %.3f ms (forward + backward, slowest rank)", slowest_ms);
+    written = write_outputs(config, run.info.shape, run.out, full.data(),
+                            "R " + std::to_string(ranks) + "  dtype " + to_string(run.dtype) + "  backend mpi", tail);
+  }
+  return agree(written, rank, ranks);
+}
+
+}  // namespace vpce::tools
