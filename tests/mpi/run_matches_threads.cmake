@@ -2,6 +2,7 @@
 # write outputs byte-identical to `vpce run` on RANKS in-process ranks, same inputs and
 # options. Arguments: VPCE (the program), MPIRUN (launcher and its flags, ;-separated),
 # RANKS, WORK_DIR, GEN (arguments of vpce gen), ARGS (options of vpce run, ;-separated).
+cmake_minimum_required(VERSION 3.22)
 file(REMOVE_RECURSE ${WORK_DIR})
 function(step)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 240)
