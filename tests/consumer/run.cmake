@@ -12,3 +12,16 @@ foreach(step
     message(FATAL_ERROR "step failed (${result}): ${step}\n${out}\n${err}")
   endif()
 endforeach()
+
+# With the MPI backend: the MPI example, built on its own against the installed vpce::mpi.
+if(EXAMPLE_DIR)
+  foreach(step
+      "${CMAKE_COMMAND};-S;${EXAMPLE_DIR};-B;${WORK_DIR}/example;-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix;-DCMAKE_BUILD_TYPE=Release"
+      "${CMAKE_COMMAND};--build;${WORK_DIR}/example")
+    execute_process(COMMAND ${step} RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE err)
+    message(STATUS "${out}")
+    if(NOT result EQUAL 0)
+      message(FATAL_ERROR "step failed (${result}): ${step}\n${out}\n${err}")
+    endif()
+  endforeach()
+endif()

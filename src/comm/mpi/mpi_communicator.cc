@@ -57,7 +57,7 @@ struct MpiCommunicator::State {
   std::size_t capacity = kMinCapacity;
   std::vector<std::byte> send_block;
   std::vector<std::byte> recv_blocks;
-  bool pending = false;  // a timed-out collective may still write into recv_blocks
+  MPI_Request pending = MPI_REQUEST_NULL;  // a timed-out collective that may still write into the blocks
   std::string broken;    // why the communicator is unusable; empty while it is fine
 
   // One collective: gathers `capacity` bytes of send_block from every rank into
@@ -81,7 +81,7 @@ Status MpiCommunicator::State::wait(MPI_Request* request, const char* call) {
     if (done) return {};
     if (spins < 1024) continue;  // the common case: the others are a few microseconds away
     if (std::chrono::steady_clock::now() > deadline) {
-      pending = true;
+      pending = *request;
       return fail(Code::kTimeout, std::string("mpi: ") + call + ": not every rank of the group arrived within " +
                                       std::to_string(options.timeout.count()) + " ms");
     }
@@ -107,14 +107,18 @@ MpiCommunicator::MpiCommunicator(std::unique_ptr<State> state) : state_(std::mov
 
 MpiCommunicator::~MpiCommunicator() {
   if (!state_) return;
-  if (state_->pending) {
-    // MPI may still write into the buffers, and the collective cannot be cancelled: leave
-    // the state (a few blocks of memory) alive rather than risk a write into freed memory.
-    static_cast<void>(state_.release());
-    return;
-  }
   int finalized = 0;
   MPI_Finalized(&finalized);
+  if (state_->pending != MPI_REQUEST_NULL) {
+    // A timed-out collective cannot be cancelled. If it has completed since (the late rank
+    // arrived), all is well; if not, MPI may still write into the blocks, so leave the
+    // state (a few blocks of memory) alive rather than risk a write into freed memory.
+    int done = 0;
+    if (finalized || MPI_Test(&state_->pending, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done) {
+      static_cast<void>(state_.release());
+      return;
+    }
+  }
   if (finalized) return;
   if (state_->unit != MPI_DATATYPE_NULL) MPI_Type_free(&state_->unit);
   if (state_->comm != MPI_COMM_NULL) MPI_Comm_free(&state_->comm);
@@ -233,10 +237,10 @@ Status MpiCommunicator::all_gather(const void* send, void* recv, std::size_t byt
 
   if (!fits) {
     s.capacity = wanted;
-    std::memcpy(s.send_block.data() + sizeof(header), send, bytes);
+    std::memcpy(s.send_block.data() + sizeof(header), send, bytes);  // bytes > 0: it did not fit
     if (Status st = s.gather(); !st.ok()) return st;
   }
-  for (std::size_t r = 0; r < ranks; ++r) {
+  for (std::size_t r = 0; r < ranks && bytes > 0; ++r) {
     std::memcpy(static_cast<std::byte*>(recv) + r * bytes, s.recv_blocks.data() + r * s.capacity + sizeof(header),
                 bytes);
   }
