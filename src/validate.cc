@@ -79,9 +79,11 @@ Status check_address(const TensorView& t, const char* name, int64_t numel) {
 // them, or `fallback` if none has more than one element.
 Status collapse(const TensorView& t, const char* name, int end, int64_t fallback,
                 int64_t* stride) {
-  int inner = -1;
+  int inner = -1;      // the next dimension inwards that is not of size 1
+  int innermost = -1;  // the innermost such dimension: its stride is the collapsed one
   for (int d = end - 1; d >= 0; --d) {
     if (t.shape[d] == 1) continue;
+    if (innermost < 0) innermost = d;
     if (inner >= 0) {
       int64_t expected = 0;
       if (__builtin_mul_overflow(t.strides[inner], t.shape[inner], &expected) ||
@@ -95,7 +97,7 @@ Status collapse(const TensorView& t, const char* name, int end, int64_t fallback
     }
     inner = d;
   }
-  *stride = inner >= 0 ? t.strides[inner] : fallback;
+  *stride = innermost >= 0 ? t.strides[innermost] : fallback;
   return {};
 }
 
