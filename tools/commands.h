@@ -18,6 +18,7 @@ struct RunConfig {
   std::string weights_path;      // empty: no per-token weights
   std::string out_dir;
   int ranks = 1;                      // --tp
+  bool ranks_given = false;           // whether --tp was on the command line
   std::vector<int64_t> vocab_splits;  // --vocab-splits; empty: even split over `ranks`
   LossOptions loss;                   // every loss option; num_threads from --threads
   bool extras = false;                // also write target_is_argmax.npy and entropy.npy

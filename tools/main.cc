@@ -98,6 +98,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  run.ranks_given = tp->count() > 0;
   vpce::Status status;
   bool reports = true;
   if (run_cmd->parsed() && run.backend == "mpi") {

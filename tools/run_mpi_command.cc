@@ -108,7 +108,7 @@ Status prepare(const RunConfig& config, int rank, int ranks, RankRun* run, Token
   const std::vector<int64_t> leading(run->info.shape.begin(), run->info.shape.end() - 1);
   if (Status s = read_token_inputs(config, leading, in); !s.ok()) return s;
   const int64_t vocab = run->info.shape.back();
-  if (config.vocab_splits.empty() && config.ranks != 1 && config.ranks != ranks) {
+  if (config.ranks_given && config.ranks != ranks) {
     return {Code::kInvalidArgument, "--tp: expected the number of MPI ranks, " + std::to_string(ranks) + ", got " +
                                         std::to_string(config.ranks)};
   }

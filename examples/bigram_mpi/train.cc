@@ -17,7 +17,9 @@
 // exactly the model that one rank would, and the loss curves agree for any R.
 #include <mpi.h>
 
+#include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -77,7 +79,7 @@ bool load_text(const std::string& path, int rank, std::vector<unsigned char>* te
   if (rank == 0) {
     std::ifstream file(path, std::ios::binary);
     if (file) text->assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
-    size = file ? static_cast<long long>(text->size()) : -1;
+    size = file && text->size() <= INT_MAX ? static_cast<long long>(text->size()) : -1;
   }
   MPI_Bcast(&size, 1, MPI_LONG_LONG, 0, MPI_COMM_WORLD);
   if (size < 0) return false;
@@ -86,10 +88,19 @@ bool load_text(const std::string& path, int rank, std::vector<unsigned char>* te
   return true;
 }
 
+// Before training: every rank fails alike (same arguments, same broadcast text).
 int fail(int rank, const std::string& message) {
   if (rank == 0) std::fprintf(stderr, "vpce_bigram_train: %s\n", message.c_str());
   MPI_Finalize();
   return 2;
+}
+
+// During training a failure may be one rank's alone (the backward is local): end the job
+// rather than leave the others waiting in the next collective.
+[[noreturn]] void abort_job(int rank, const vpce::Status& status) {
+  std::fprintf(stderr, "vpce_bigram_train: rank %d: %s\n", rank, status.to_string().c_str());
+  MPI_Abort(MPI_COMM_WORLD, 3);
+  std::abort();  // not reached: MPI_Abort does not return
 }
 
 }  // namespace
@@ -105,7 +116,7 @@ int main(int argc, char** argv) {
     return fail(rank, "usage: vpce_bigram_train --text FILE [--steps S] [--tokens N] [--dim D] [--lr LR]");
   }
   std::vector<unsigned char> text;
-  if (!load_text(args.text, rank, &text)) return fail(rank, args.text + ": cannot read");
+  if (!load_text(args.text, rank, &text)) return fail(rank, args.text + ": cannot read (or larger than 2 GiB)");
   const int64_t n = args.tokens;
   const int64_t d = args.dim;
   if (static_cast<int64_t>(text.size()) < n + 2) {
@@ -163,12 +174,12 @@ int main(int argc, char** argv) {
     if (vpce::Status s = vpce::forward(*comm, x, y, shard, options, vpce::TensorView::contiguous(&loss, vpce::kFloat32, {1}),
                                        lse_view, {}, &workspace);
         !s.ok()) {
-      return fail(rank, s.to_string());
+      abort_job(rank, s);
     }
     const auto upstream = vpce::TensorView::contiguous(&one, vpce::kFloat32, {1});
     if (vpce::Status s = vpce::backward(x, y, lse_view, upstream, shard, options, x); !s.ok()) {
-      return fail(rank, s.to_string());  // the gradient is now in `logits`
-    }
+      abort_job(rank, s);
+    }  // the gradient is now in `logits`
     if (rank == 0) std::printf("step %3d  loss %.6f\n", step, loss);
 
     // dW_r = H^T G, db_r = column sums of G, dH_r = G W_r^T (summed over ranks in double).

@@ -14,11 +14,12 @@
 //
 // Size agreement. MPI requires every rank of a collective to pass the same count, so a
 // rank that disagreed on the number of tokens would be undefined behaviour. This backend
-// therefore gathers fixed-size blocks of an agreed capacity, each starting with the
-// sender's true size: a call whose payload fits the capacity is one collective; the first
-// call, and any call whose payload outgrows the high-water mark, is one small collective
-// that agrees the new size and then the gather itself. If the sizes differ, every rank
-// returns the same kInvalidUsage error.
+// therefore gathers fixed-size blocks of an agreed capacity (4 KiB at first: 240 tokens),
+// each starting with the sender's true size: a call whose payload fits the capacity is one
+// collective; a call whose payload does not fit is one small collective that agrees the
+// new size, then the gather itself. The capacity shrinks again only when a payload uses
+// less than a quarter of it. If the sizes differ, every rank returns the same
+// kInvalidUsage error.
 //
 // Failure. A rank that dies ends the job: Open MPI's and MPICH's launchers kill the
 // remaining ranks. A rank that is alive but never arrives makes the others return
@@ -40,15 +41,15 @@
 namespace vpce {
 
 struct MpiOptions {
-  // How long a rank waits for the others at the collective. Zero: wait forever, with a
-  // blocking MPI_Allgather (then only the launcher ends a job whose rank hangs).
+  // How long a rank waits for the others at the collective, at most 30 days. Zero: wait
+  // forever (then only the launcher ends a job whose rank hangs). Ranks may differ in it.
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
 };
 
 class MpiCommunicator final : public Communicator {
  public:
-  // Collective over `comm` (it duplicates it). MPI must be initialised; `comm` must not be
-  // MPI_COMM_NULL; options.timeout >= 0.
+  // Collective over `comm` (it duplicates it); every rank succeeds or every rank fails. MPI
+  // must be initialised; `comm` must not be MPI_COMM_NULL; 0 <= options.timeout <= 30 days.
   static Status create(MPI_Comm comm, std::unique_ptr<MpiCommunicator>* out, const MpiOptions& options = {});
 
   // Frees the duplicate communicator (destroy it before MPI_Finalize).

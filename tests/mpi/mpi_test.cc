@@ -363,6 +363,53 @@ TEST(MpiAgreement, BadArgumentOnOneRank) {
       Code::kInvalidArgument, "rank 1 of", /*remote_elsewhere=*/1);
 }
 
+// all_gather called directly with rank-specific sizes or buffers: every rank gets `words`
+// in the same message, and the group still works afterwards.
+void expect_gather_fails_alike(const std::function<std::size_t(int)>& bytes_of, int null_rank, Code code,
+                               const std::string& words) {
+  if (size_of(MPI_COMM_WORLD) < 2) GTEST_SKIP() << "needs two ranks or more to disagree";
+  std::unique_ptr<MpiCommunicator> comm = make_communicator(MPI_COMM_WORLD);
+  ASSERT_NE(comm, nullptr);
+  const int r = comm->rank();
+  const std::size_t bytes = bytes_of(r);
+  std::vector<std::byte> send(bytes), recv(bytes * static_cast<std::size_t>(comm->size()));
+  const Status s = comm->all_gather(send.data(), r == null_rank ? nullptr : recv.data(), bytes);
+  EXPECT_EQ(s.code(), code) << s.to_string();
+  EXPECT_NE(s.message().find(words), std::string::npos) << s.to_string();
+  EXPECT_TRUE(same_on_every_rank(MPI_COMM_WORLD, s.to_string())) << "rank " << r << ": " << s.to_string();
+  std::vector<int32_t> one(1, r), all(static_cast<std::size_t>(comm->size()), -1);
+  ASSERT_TRUE(comm->all_gather(one.data(), all.data(), sizeof(int32_t)).ok());
+  for (int k = 0; k < comm->size(); ++k) EXPECT_EQ(all[static_cast<std::size_t>(k)], k);
+}
+
+TEST(MpiAgreement, SizeMismatchWhereOneRankMustGrow) {
+  // Rank 0's payload outgrows the blocks, the others' fit: the header round catches it.
+  expect_gather_fails_alike([](int r) { return r == 0 ? std::size_t{20000} : std::size_t{100}; }, -1,
+                            Code::kInvalidUsage, "got 20000 from rank 0 and 100 from rank 1");
+  // And the other way round: only the last rank outgrows them.
+  const int last = size_of(MPI_COMM_WORLD) - 1;
+  expect_gather_fails_alike([last](int r) { return r == last ? std::size_t{20000} : std::size_t{100}; }, -1,
+                            Code::kInvalidUsage, "got 100 from rank 0 and 20000 from rank " + std::to_string(last));
+}
+
+TEST(MpiAgreement, NullBufferOnOneRank) {
+  expect_gather_fails_alike([](int) { return std::size_t{64}; }, 1, Code::kInvalidArgument,
+                            "got a null one on rank 1");
+}
+
+TEST(MpiCreate, RanksWithDifferentTimeouts) {
+  // Rank 0 waits forever, the others 20 s: the collectives still match (always non-blocking).
+  const int r = rank_of(MPI_COMM_WORLD);
+  std::unique_ptr<MpiCommunicator> comm =
+      make_communicator(MPI_COMM_WORLD, r == 0 ? std::chrono::milliseconds(0) : std::chrono::milliseconds(20000));
+  ASSERT_NE(comm, nullptr);
+  std::vector<int32_t> one(1, r), all(static_cast<std::size_t>(comm->size()), -1);
+  for (int call = 0; call < 3; ++call) {
+    ASSERT_TRUE(comm->all_gather(one.data(), all.data(), sizeof(int32_t)).ok());
+    for (int k = 0; k < comm->size(); ++k) EXPECT_EQ(all[static_cast<std::size_t>(k)], k);
+  }
+}
+
 TEST(MpiFailure, RankThatNeverArrivesGivesTimeoutNotHang) {
   const int ranks = size_of(MPI_COMM_WORLD);
   if (ranks < 2) GTEST_SKIP() << "needs two ranks or more";
@@ -400,13 +447,16 @@ TEST(MpiCreate, RejectsBadArguments) {
   s = MpiCommunicator::create(MPI_COMM_WORLD, &comm, MpiOptions{std::chrono::milliseconds(-1)});
   EXPECT_EQ(s.code(), Code::kInvalidArgument);
   EXPECT_NE(s.message().find("options.timeout"), std::string::npos) << s.to_string();
+  s = MpiCommunicator::create(MPI_COMM_WORLD, &comm, MpiOptions{std::chrono::hours(24 * 365)});
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_NE(s.message().find("options.timeout: expected 0 (none) to"), std::string::npos) << s.to_string();
   s = MpiCommunicator::create(MPI_COMM_WORLD, nullptr);
   EXPECT_EQ(s.code(), Code::kInvalidArgument);
   EXPECT_EQ(comm, nullptr);
 }
 
-TEST(MpiCreate, BlockingModeWithoutTimeout) {
-  // timeout 0 selects the blocking MPI_Allgather; results are the same.
+TEST(MpiCreate, NoTimeout) {
+  // timeout 0 waits with MPI_Wait; results are the same.
   const int ranks = size_of(MPI_COMM_WORLD);
   std::unique_ptr<MpiCommunicator> comm = make_communicator(MPI_COMM_WORLD, std::chrono::milliseconds(0));
   ASSERT_NE(comm, nullptr);

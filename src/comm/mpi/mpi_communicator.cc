@@ -34,6 +34,7 @@ static_assert(sizeof(BlockHeader) == 16);
 constexpr std::size_t kUnit = 16;              // bytes per element of the MPI datatype
 constexpr std::size_t kMinCapacity = 4096;     // the first block size
 constexpr std::size_t kMaxCapacity = kUnit * static_cast<std::size_t>(INT_MAX);
+constexpr std::chrono::milliseconds kMaxTimeout{std::chrono::hours(24 * 30)};
 
 std::size_t block_bytes(std::size_t payload) {
   return (sizeof(BlockHeader) + payload + kUnit - 1) / kUnit * kUnit;
@@ -72,14 +73,25 @@ struct MpiCommunicator::State {
 };
 
 Status MpiCommunicator::State::wait(MPI_Request* request, const char* call) {
+  if (options.timeout.count() == 0) {
+    if (const int rc = MPI_Wait(request, MPI_STATUS_IGNORE); rc != MPI_SUCCESS) {
+      pending = *request;
+      return fail(Code::kRemoteError, mpi_error("MPI_Wait", rc));
+    }
+    return {};
+  }
   const auto deadline = std::chrono::steady_clock::now() + options.timeout;
-  for (int spins = 0;; ++spins) {
+  for (int spins = 0;;) {
     int done = 0;
     if (const int rc = MPI_Test(request, &done, MPI_STATUS_IGNORE); rc != MPI_SUCCESS) {
+      pending = *request;
       return fail(Code::kRemoteError, mpi_error("MPI_Test", rc));
     }
     if (done) return {};
-    if (spins < 1024) continue;  // the common case: the others are a few microseconds away
+    if (spins < 1024) {  // the common case: the others are a few microseconds away
+      ++spins;
+      continue;
+    }
     if (std::chrono::steady_clock::now() > deadline) {
       pending = *request;
       return fail(Code::kTimeout, std::string("mpi: ") + call + ": not every rank of the group arrived within " +
@@ -90,11 +102,9 @@ Status MpiCommunicator::State::wait(MPI_Request* request, const char* call) {
 }
 
 Status MpiCommunicator::State::gather() {
+  // Always MPI_Iallgather, also without a timeout: MPI does not match a blocking collective
+  // on one rank with a non-blocking one on another, and ranks may differ in their timeouts.
   const int count = static_cast<int>(capacity / kUnit);
-  if (options.timeout.count() == 0) {
-    const int rc = MPI_Allgather(send_block.data(), count, unit, recv_blocks.data(), count, unit, comm);
-    return rc == MPI_SUCCESS ? Status{} : fail(Code::kRemoteError, mpi_error("MPI_Allgather", rc));
-  }
   MPI_Request request = MPI_REQUEST_NULL;
   if (const int rc = MPI_Iallgather(send_block.data(), count, unit, recv_blocks.data(), count, unit, comm, &request);
       rc != MPI_SUCCESS) {
@@ -136,9 +146,9 @@ Status MpiCommunicator::create(MPI_Comm comm, std::unique_ptr<MpiCommunicator>* 
                                      (finalized ? "finalised" : "not initialised (call MPI_Init first)")};
   }
   if (comm == MPI_COMM_NULL) return {Code::kInvalidArgument, "comm: expected a communicator, got MPI_COMM_NULL"};
-  if (options.timeout.count() < 0) {
-    return {Code::kInvalidArgument,
-            "options.timeout: expected >= 0 ms, got " + std::to_string(options.timeout.count()) + " ms"};
+  if (options.timeout.count() < 0 || options.timeout > kMaxTimeout) {
+    return {Code::kInvalidArgument, "options.timeout: expected 0 (none) to " + std::to_string(kMaxTimeout.count()) +
+                                        " ms, got " + std::to_string(options.timeout.count()) + " ms"};
   }
   int inter = 0;
   if (const int rc = MPI_Comm_test_inter(comm, &inter); rc != MPI_SUCCESS) {
@@ -152,28 +162,37 @@ Status MpiCommunicator::create(MPI_Comm comm, std::unique_ptr<MpiCommunicator>* 
   if (const int rc = MPI_Comm_idup(comm, &state->comm, &request); rc != MPI_SUCCESS) {
     return {Code::kRemoteError, mpi_error("MPI_Comm_idup", rc)};
   }
-  if (options.timeout.count() == 0) {
-    if (const int rc = MPI_Wait(&request, MPI_STATUS_IGNORE); rc != MPI_SUCCESS) {
-      return {Code::kRemoteError, mpi_error("MPI_Wait", rc)};
-    }
-  } else if (Status s = state->wait(&request, "create"); !s.ok()) {
+  if (Status s = state->wait(&request, "create"); !s.ok()) {
     static_cast<void>(state.release());  // the duplication may complete later, into this state
     return s;
   }
-  MPI_Comm_set_errhandler(state->comm, MPI_ERRORS_RETURN);
-  MPI_Comm_rank(state->comm, &state->rank);
-  MPI_Comm_size(state->comm, &state->size);
-  if (const int rc = MPI_Type_contiguous(static_cast<int>(kUnit), MPI_BYTE, &state->unit); rc != MPI_SUCCESS) {
-    return {Code::kSystemError, mpi_error("MPI_Type_contiguous", rc)};
-  }
-  MPI_Type_commit(&state->unit);
+  // From here the state owns a communicator: the destructor of `owner` frees it on failure.
+  MpiCommunicator owner(std::move(state));
+  State& st = *owner.state_;
+  MPI_Comm_set_errhandler(st.comm, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(st.comm, &st.rank);
+  MPI_Comm_size(st.comm, &st.size);
+  bool ready = MPI_Type_contiguous(static_cast<int>(kUnit), MPI_BYTE, &st.unit) == MPI_SUCCESS &&
+               MPI_Type_commit(&st.unit) == MPI_SUCCESS;
   try {
-    state->send_block.resize(kMinCapacity);
-    state->recv_blocks.resize(kMinCapacity * static_cast<std::size_t>(state->size));
+    st.send_block.resize(kMinCapacity);
+    st.recv_blocks.resize(kMinCapacity * static_cast<std::size_t>(st.size));
   } catch (const std::exception&) {
-    return {Code::kSystemError, "mpi: could not allocate the first blocks"};
+    ready = false;
   }
-  out->reset(new MpiCommunicator(std::move(state)));
+  // Every rank learns whether every rank is ready, so that all succeed or all fail.
+  int first_failed = ready ? st.size : st.rank;
+  MPI_Request agreement = MPI_REQUEST_NULL;
+  if (const int rc = MPI_Iallreduce(MPI_IN_PLACE, &first_failed, 1, MPI_INT, MPI_MIN, st.comm, &agreement);
+      rc != MPI_SUCCESS) {
+    return {Code::kRemoteError, mpi_error("MPI_Iallreduce", rc)};
+  }
+  if (Status s = st.wait(&agreement, "create"); !s.ok()) return s;
+  if (first_failed < st.size) {
+    return {Code::kSystemError, "mpi: rank " + std::to_string(first_failed) +
+                                    " could not allocate its first blocks or its MPI datatype"};
+  }
+  out->reset(new MpiCommunicator(std::move(owner.state_)));
   return {};
 }
 
@@ -209,8 +228,11 @@ Status MpiCommunicator::all_gather(const void* send, void* recv, std::size_t byt
   if (fits && !null_buffer && bytes > 0) std::memcpy(s.send_block.data() + sizeof(header), send, bytes);
   if (Status st = s.gather(); !st.ok()) return st;
 
-  // Every rank decides from the same gathered headers, so every rank decides the same.
+  // Every rank decides from the same gathered headers, so every rank decides the same and
+  // builds the same message (from rank 0's size, never from its own).
   uint64_t agreed = 0;
+  uint32_t flags = 0;
+  int flagged = -1;  // the first rank with a flag
   for (std::size_t r = 0; r < ranks; ++r) {
     BlockHeader other;
     std::memcpy(&other, s.recv_blocks.data() + r * s.capacity, sizeof(other));
@@ -225,14 +247,19 @@ Status MpiCommunicator::all_gather(const void* send, void* recv, std::size_t byt
                                        std::to_string(agreed) + " from rank 0 and " + std::to_string(other.bytes) +
                                        " from rank " + std::to_string(r)};
     }
-    if (other.flags & BlockHeader::kNullBuffer) {
-      return {Code::kInvalidArgument, "all_gather: expected non-null send and recv buffers for " +
-                                          std::to_string(bytes) + " bytes, got a null one on rank " + std::to_string(r)};
+    if (other.flags != 0 && flagged < 0) {
+      flags = other.flags;
+      flagged = static_cast<int>(r);
     }
-    if (other.flags & BlockHeader::kCannotAllocate) {
-      return {Code::kSystemError, "mpi: rank " + std::to_string(r) + " cannot allocate " +
-                                      std::to_string(wanted * (ranks + 1)) + " bytes for the all_gather blocks"};
-    }
+  }
+  if (flags & BlockHeader::kNullBuffer) {
+    return {Code::kInvalidArgument, "all_gather: expected non-null send and recv buffers for " +
+                                        std::to_string(agreed) + " bytes, got a null one on rank " +
+                                        std::to_string(flagged)};
+  }
+  if (flags & BlockHeader::kCannotAllocate) {
+    return {Code::kSystemError, "mpi: rank " + std::to_string(flagged) + " cannot allocate the all_gather blocks for " +
+                                    std::to_string(agreed) + " bytes per rank"};
   }
 
   if (!fits) {
