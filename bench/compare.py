@@ -127,17 +127,37 @@ def run_vpce(logits, targets, shim, threads, in_place, buffer=None):
     return loss, (x if in_place else grad)
 
 
+def run_vpce_torch(logits, targets, in_place, scratch=None):
+    """vpce's Python package (vpce.torch), as a Megatron user would call it: an autograd
+    function; in place, the gradient overwrites the logits (`scratch`, refilled by the
+    caller outside the timing), as Megatron's does."""
+    import vpce.torch as vt  # noqa: PLC0415 (only in the workers that need it)
+    x = (scratch if in_place else logits).detach().requires_grad_(True)
+    loss = vt.vocab_parallel_cross_entropy(x, targets, inplace_backward=in_place)
+    loss.backward(torch.ones_like(loss))
+    return loss.detach(), x.grad
+
+
+def have_vpce_package():
+    try:
+        import vpce.torch  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
 def worker(args):
     torch.set_num_threads(args.threads)
     logits, targets = load_inputs(args.input, args.dtype)
-    scratch = logits.clone() if args.worker == "vpce-in-place" else None  # refilled before each timed call
+    in_place = args.worker.endswith("in-place")
+    scratch = logits.clone() if in_place else None  # refilled before each timed call
     reused = torch.empty(logits.shape, dtype=torch.float32) if args.worker == "vpce-reused" else None
     if reused is not None:
         reused.zero_()  # a buffer kept from call to call, as a framework's allocator would
     reset_peak()
     baseline = status_mb("VmRSS")
     shim = None
-    if args.worker.startswith("vpce"):
+    if args.worker.startswith("vpce-") or args.worker == "vpce":
         shim = ctypes.CDLL(args.shim)
         shim.vpce_bench_forward_backward.argtypes = [
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
@@ -148,6 +168,8 @@ def worker(args):
         "vpce": lambda: run_vpce(logits, targets, shim, args.threads, False),
         "vpce-reused": lambda: run_vpce(logits, targets, shim, args.threads, False, reused),
         "vpce-in-place": lambda: run_vpce(logits, targets, shim, args.threads, True, scratch),
+        "vpce.torch": lambda: run_vpce_torch(logits, targets, False),
+        "vpce.torch-in-place": lambda: run_vpce_torch(logits, targets, True, scratch),
     }
     run = runs[args.worker]
     times = []
@@ -194,7 +216,10 @@ def main():
         np.save(os.path.join(directory, "reference_loss.npy"), reference.numpy())
         del logits, x
         results = {}
-        for name in ("pytorch", "megatron", "vpce", "vpce-reused", "vpce-in-place"):
+        names = ["pytorch", "megatron", "vpce", "vpce-reused", "vpce-in-place"]
+        if have_vpce_package():
+            names += ["vpce.torch", "vpce.torch-in-place"]
+        for name in names:
             out = subprocess.run([sys.executable, __file__, "--worker", name, "--input", directory, "--shim", args.shim,
                                   "--dtype", args.dtype, "--threads", str(args.threads), "--repeat", str(args.repeat),
                                   "--warmup", str(args.warmup)], check=True, capture_output=True, text=True)
@@ -203,10 +228,11 @@ def main():
     print(f"# {args.tokens} tokens, V {args.vocab}, {args.dtype} logits ({logits_mb:.0f} MiB), {args.threads} threads, "
           f"torch {torch.__version__}; median of {args.repeat} forward+backward after {args.warmup} warm-up")
     print("# vpce: a new fp32 gradient each call; vpce-reused: into a kept fp32 buffer; vpce-in-place: over the logits")
-    print(f"# {'implementation':<16} {'fwd+bwd ms':>11} {'pytorch/x':>10} {'megatron/x':>11} {'extra peak MiB':>15} "
+    print("# vpce.torch: the Python package's autograd function (gradient in the logits' dtype; -in-place: over them)")
+    print(f"# {'implementation':<20} {'fwd+bwd ms':>11} {'pytorch/x':>10} {'megatron/x':>11} {'extra peak MiB':>15} "
           f"{'x logits':>9} {'max |loss err|':>15}")
     for name, r in results.items():
-        print(f"  {name:<16} {r['ms']:11.1f} {results['pytorch']['ms'] / r['ms']:10.2f} "
+        print(f"  {name:<20} {r['ms']:11.1f} {results['pytorch']['ms'] / r['ms']:10.2f} "
               f"{results['megatron']['ms'] / r['ms']:11.2f} {r['extra_peak_mb']:15.0f} "
               f"{r['extra_peak_mb'] / logits_mb:9.2f} {r['loss_error']:15.2e}")
 

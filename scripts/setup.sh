@@ -3,7 +3,7 @@
 # Does nothing when everything is already there.
 set -euo pipefail
 packages=(g++ cmake make libgtest-dev libbenchmark-dev libcli11-dev libdlpack-dev libhwy-dev python3-torch clang libclang-rt-14-dev
-  libopenmpi-dev openmpi-bin libmpich-dev mpich)
+  libopenmpi-dev openmpi-bin libmpich-dev mpich python3-venv python3-pip python3-pytest)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

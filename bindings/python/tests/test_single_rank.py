@@ -1,6 +1,5 @@
 """vpce's Python package on one rank: vpce.torch against PyTorch's float64 F.cross_entropy,
-gradcheck, bf16, in place, the loss options, errors, and the raw DLPack API from NumPy."""
-import numpy as np
+gradcheck, bf16, in place, the loss options and errors."""
 import pytest
 import torch
 
@@ -133,34 +132,6 @@ def test_errors_name_the_argument():
         vt.vocab_parallel_cross_entropy(logits, target % 50, 0.1, smoothing_semantics="nemo")
     with pytest.raises(vpce.Error, match="targets.shape"):
         vt.vocab_parallel_cross_entropy(logits, target[:2] % 50)
-
-
-def test_numpy_through_dlpack_one_call_and_staged():
-    rng = np.random.default_rng(3)
-    n, vocab = 9, 64
-    logits = rng.standard_normal((n, vocab)).astype(np.float32)
-    target = rng.integers(0, vocab, n).astype(np.int64)
-    options = vpce.LossOptions()
-    loss = np.zeros(n, np.float32)
-    lse = np.zeros(n, np.float32)
-    vpce.forward(logits, target, 0, vocab, vocab, options, loss, lse)
-    want_loss, _ = loss_and_grad(torch.from_numpy(logits), torch.from_numpy(target), torch.ones(n))
-    assert relative_error(torch.from_numpy(loss), want_loss) < 1e-6
-    # Staged, two "ranks" of 32 columns each, gathered by hand.
-    stats = np.zeros((2, n, vpce.STATS_WIDTH), np.float32)
-    for r in range(2):
-        vpce.calculate_local_stats(logits[:, 32 * r:32 * (r + 1)], target, 32 * r, 32 * (r + 1), vocab, options,
-                                   stats[r])
-    merged = np.zeros((n, vpce.STATS_WIDTH), np.float32)
-    vpce.merge_stats(stats, options, merged)
-    staged_loss = np.zeros(n, np.float32)
-    staged_lse = np.zeros(n, np.float32)
-    vpce.calculate_loss(merged, target, vocab, options, staged_loss, staged_lse)
-    assert relative_error(torch.from_numpy(staged_loss), want_loss) < 1e-6
-    grad = np.zeros((n, 32), np.float32)
-    vpce.backward(logits[:, 32:], target, staged_lse, np.ones(n, np.float32), 32, 64, vocab, options, grad)
-    _, want_grad = loss_and_grad(torch.from_numpy(logits), torch.from_numpy(target), torch.ones(n))
-    assert relative_error(torch.from_numpy(grad), want_grad[:, 32:]) < 1e-6
 
 
 def test_group_of_several_ranks_needs_a_collective():
