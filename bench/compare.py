@@ -134,8 +134,10 @@ def run_vpce_torch(logits, targets, in_place, scratch=None):
     import vpce.torch as vt  # noqa: PLC0415 (only in the workers that need it)
     x = (scratch if in_place else logits).detach().requires_grad_(True)
     loss = vt.vocab_parallel_cross_entropy(x, targets, inplace_backward=in_place)
-    loss.backward(torch.ones_like(loss))
-    return loss.detach(), x.grad
+    # The gradient goes on to the LM head's backward, as in a model: autograd.grad hands it
+    # over (backward() into a leaf's .grad would copy a gradient that aliases the leaf).
+    (grad,) = torch.autograd.grad(loss, x, torch.ones_like(loss))
+    return loss.detach(), grad
 
 
 def have_vpce_package():
