@@ -8,7 +8,6 @@
 #include "kernels.h"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <limits>
 
@@ -104,23 +103,6 @@ float load_float(const RowMatrix& m, int64_t i, int64_t col) {
 
 }  // namespace
 
-LossParams loss_params(const LossOptions& options, int64_t vocab_size) {
-  LossParams p;
-  p.vocab_size = vocab_size;
-  p.valid_vocab = options.valid_vocab_size > 0 ? options.valid_vocab_size : vocab_size;
-  const auto a = static_cast<double>(options.label_smoothing);
-  const auto vv = static_cast<double>(p.valid_vocab);
-  if (a != 0.0) {
-    p.smoothing = options.smoothing_semantics == SmoothingSemantics::kPyTorch ? a : a * vv / (vv - 1.0);
-  }
-  p.z_loss = static_cast<double>(options.z_loss_weight);
-  p.logit_scale = options.logit_scale;
-  p.softcap = options.softcap;
-  p.ignore_index = options.ignore_index;
-  p.reduction = options.reduction;
-  return p;
-}
-
 int64_t target_at(const TokenVector& targets, int64_t i) {
   return targets.dtype == kInt64 ? targets.at<int64_t>(i) : targets.at<int32_t>(i);
 }
@@ -148,7 +130,7 @@ void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets, int
     out[2] = owns_target ? transform_one(load_float(logits, i, target_col), transform) : kNegInf;
     out[3] = params.with_sum_logits() ? static_cast<float>(row.sum_logits) : 0.0f;
     if (with_extras) {
-      out[4] = std::bit_cast<float>(row.argmax < 0 ? int32_t{-1} : static_cast<int32_t>(row.argmax + vocab_begin));
+      out[4] = int_as_float_bits(row.argmax < 0 ? int32_t{-1} : static_cast<int32_t>(row.argmax + vocab_begin));
       out[5] = static_cast<float>(row.weighted);
     }
   };
@@ -173,71 +155,21 @@ void merge_stats_kernel(const float* gathered_base, int64_t rank_stride, int ran
                         int64_t row_stride, int num_threads, const RowMatrix& stats) {
   const bool with_extras = stats.cols == kStatsWidthWithExtras;
   parallel_rows(stats.rows, num_threads, [&](int64_t i) {
-    auto part = [&](int r) { return gathered_base + r * rank_stride + i * row_stride; };
-    float max = kNegInf;
-    float target_logit = kNegInf;
-    for (int r = 0; r < ranks; ++r) {
-      max = part(r)[0] > max ? part(r)[0] : max;
-      target_logit = part(r)[2] > target_logit ? part(r)[2] : target_logit;
-    }
-    double sum_exp = 0.0;
-    double sum_logits = 0.0;
-    double weighted_offsets = 0.0;
-    int32_t argmax = -1;
-    for (int r = 0; r < ranks; ++r) {
-      const float* s = part(r);
-      sum_logits += static_cast<double>(s[3]);
-      if (s[0] == kNegInf) continue;  // an all -inf shard adds nothing (and -inf - -inf is NaN)
-      const double shift = static_cast<double>(s[0]) - static_cast<double>(max);
-      const double scale = std::exp(shift);
-      sum_exp += static_cast<double>(s[1]) * scale;
-      if (with_extras) {
-        // sum exp(z - M)(z - M) = e^shift (sum exp(z - m)(z - m) + shift sum exp(z - m))
-        weighted_offsets += scale * (static_cast<double>(s[5]) + shift * static_cast<double>(s[1]));
-        const auto index = std::bit_cast<int32_t>(s[4]);
-        if (s[0] == max && index >= 0 && (argmax < 0 || index < argmax)) argmax = index;
-      }
-    }
-    float* out = stats.row<float>(i);
-    out[0] = max;
-    out[1] = static_cast<float>(sum_exp);
-    out[2] = target_logit;
-    out[3] = static_cast<float>(sum_logits);
-    if (with_extras) {
-      out[4] = std::bit_cast<float>(argmax);
-      out[5] = static_cast<float>(weighted_offsets);
-    }
+    merge_token(gathered_base + i * row_stride, rank_stride, ranks, with_extras, stats.row<float>(i));
   });
 }
 
 void loss_kernel(const RowMatrix& stats, const TokenVector& targets, const TokenVector& weights,
                  const LossParams& params, int num_threads, const LossOutputs& out) {
-  const double s = params.smoothing;
-  const auto vv = static_cast<double>(params.valid_vocab);
-  // Token i's weighted loss, and the per-token outputs other than the loss.
+  const bool with_extras = stats.cols == kStatsWidthWithExtras;
+  // Token i's weighted loss; writes the per-token outputs other than the loss.
   auto token = [&](int64_t i) {
-    const float* st = stats.row<float>(i);
-    const auto max = static_cast<double>(st[0]);
-    const auto sum_exp = static_cast<double>(st[1]);
-    const double log_sum = std::log(sum_exp);
-    const double lse = max + log_sum;
-    out.lse.at<float>(i) = static_cast<float>(lse);
-    const int64_t y = target_at(targets, i);
-    const auto weight = static_cast<double>(weight_at(weights, i));
-    const bool counted = !params.ignored(y) && weight != 0.0;
-    if (present(out.entropy)) {
-      out.entropy.at<float>(i) = static_cast<float>(log_sum - static_cast<double>(st[5]) / sum_exp);
-    }
-    if (present(out.target_is_argmax)) {
-      out.target_is_argmax.at<float>(i) = counted && std::bit_cast<int32_t>(st[4]) == y ? 1.0f : 0.0f;
-    }
-    if (!counted) return 0.0;
-    // lse - z_target as (max - z_target) + log(sum): exact subtraction of nearby values.
-    const double nll = (max - static_cast<double>(st[2])) + log_sum;
-    double loss = nll;
-    if (s != 0.0) loss = (1.0 - s) * nll + s * ((max - static_cast<double>(st[3]) / vv) + log_sum);
-    if (params.z_loss != 0.0) loss += params.z_loss * lse * lse;
-    return weight * loss;
+    const TokenLoss t = token_loss(stats.row<float>(i), target_at(targets, i),
+                                   static_cast<double>(weight_at(weights, i)), params, with_extras);
+    out.lse.at<float>(i) = t.lse;
+    if (present(out.entropy)) out.entropy.at<float>(i) = t.entropy;
+    if (present(out.target_is_argmax)) out.target_is_argmax.at<float>(i) = t.target_is_argmax;
+    return t.weighted_loss;
   };
   if (params.reduction == Reduction::kNone) {
     parallel_rows(stats.rows, num_threads, [&](int64_t i) { out.loss.at<float>(i) = static_cast<float>(token(i)); });
@@ -276,24 +208,19 @@ void gradient_kernel(const RowMatrix& logits, const TokenVector& targets,
       shared_upstream = denominator != 0.0 ? shared_upstream / denominator : 0.0;
     }
   }
-  const auto uniform = static_cast<float>(params.smoothing / static_cast<double>(params.valid_vocab));
-  const auto target_weight = static_cast<float>(1.0 - params.smoothing);
+  const float target_term = target_weight(params);
   const int64_t blocks = block_count(valid);
   const StorageType in = storage_of(logits.dtype), out = storage_of(grad.dtype);
   const TransformParams transform = transform_of(params);
   const int in_bytes = logits.dtype.bytes(), out_bytes = grad.dtype.bytes();
   auto constants = [&](int64_t i) {
-    const int64_t y = target_at(targets, i);
     const double upstream = params.reduction == Reduction::kNone ? static_cast<double>(grad_loss.at<float>(i)) : shared_upstream;
-    const float token_lse = lse.at<float>(i);
-    return GradientConstants{
-        params.ignored(y) ? 0.0f : static_cast<float>(upstream * static_cast<double>(weight_at(weights, i))), token_lse,
-        static_cast<float>(1.0 + 2.0 * params.z_loss * static_cast<double>(token_lse)), uniform};
+    return gradient_constants(target_at(targets, i), upstream, weight_at(weights, i), lse.at<float>(i), params);
   };
   // The target's gradient, from its logit read before the row is overwritten (in place).
   auto target_gradient = [&](float x, const GradientConstants& c) {
     const float z = transform_one(x, transform);
-    float g = c.upstream * ((exp_one(z - c.lse) * c.coefficient - c.uniform) - target_weight);
+    float g = c.upstream * ((exp_one(z - c.lse) * c.coefficient - c.uniform) - target_term);
     if (!transform.identity()) g *= slope_one(z, transform);
     return g;
   };

@@ -7,25 +7,10 @@
 
 #include <cstdint>
 
+#include "../common/token_math.h"
 #include "../validate.h"
 
 namespace vpce::detail {
-
-// The constants of the loss, derived once from the options and the global V.
-struct LossParams {
-  int64_t vocab_size = 0;   // V
-  int64_t valid_vocab = 0;  // Vv: columns [Vv, V) are padding
-  double smoothing = 0.0;   // s: a Vv / (Vv - 1) (Megatron) or a (PyTorch); 0 when off
-  double z_loss = 0.0;
-  float logit_scale = 1.0f;
-  float softcap = 0.0f;
-  int64_t ignore_index = -100;
-  Reduction reduction = Reduction::kNone;
-
-  bool with_sum_logits() const { return smoothing != 0.0; }
-  bool ignored(int64_t target) const { return target == ignore_index; }
-};
-LossParams loss_params(const LossOptions& options, int64_t vocab_size);
 
 // Absent optional token vectors have base == nullptr.
 inline bool present(const TokenVector& v) { return v.base != nullptr; }

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "../common/token_math.h"
+
 namespace vpce::detail {
 
 inline constexpr int64_t kBlockColumns = 16384;
@@ -37,13 +39,6 @@ void fold_block(BlockStats& a, const BlockStats& b, int64_t offset);
 // row: [cols] of `type` -> the block's statistics.
 BlockStats block_stats(const void* row, StorageType type, int64_t cols, const TransformParams& t,
                        bool with_sum_logits, bool with_weighted);
-
-struct GradientConstants {
-  float upstream;     // g_i w_i
-  float lse;
-  float coefficient;  // 1 + 2 zl lse
-  float uniform;      // s / Vv
-};
 
 // row: [cols] of `in` -> grad: [cols] of `out`,
 // grad_v = upstream (exp(z_v - lse) coefficient - uniform) dz/dx_v. grad may be row.

@@ -1,0 +1,157 @@
+// common/token_math.h: the per-token arithmetic shared by the CPU and CUDA kernels, so that
+// both compute the same numbers from the same formulas: the loss constants, the merge of
+// the ranks' statistics, one token's loss from merged statistics, and the constants of one
+// token's gradient. Host and device code (VPCE_HD); fp64 wherever values are combined.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "vpce/loss.h"
+
+#if defined(__CUDACC__)
+#define VPCE_HD __host__ __device__
+#else
+#define VPCE_HD
+#endif
+
+namespace vpce::detail {
+
+// The constants of the loss, derived once from the options and the global V.
+struct LossParams {
+  int64_t vocab_size = 0;   // V
+  int64_t valid_vocab = 0;  // Vv: columns [Vv, V) are padding
+  double smoothing = 0.0;   // s: a Vv / (Vv - 1) (Megatron) or a (PyTorch); 0 when off
+  double z_loss = 0.0;
+  float logit_scale = 1.0f;
+  float softcap = 0.0f;
+  int64_t ignore_index = -100;
+  Reduction reduction = Reduction::kNone;
+
+  VPCE_HD bool with_sum_logits() const { return smoothing != 0.0; }
+  VPCE_HD bool ignored(int64_t target) const { return target == ignore_index; }
+};
+
+inline LossParams loss_params(const LossOptions& options, int64_t vocab_size) {
+  LossParams p;
+  p.vocab_size = vocab_size;
+  p.valid_vocab = options.valid_vocab_size > 0 ? options.valid_vocab_size : vocab_size;
+  const auto a = static_cast<double>(options.label_smoothing);
+  const auto vv = static_cast<double>(p.valid_vocab);
+  if (a != 0.0) {
+    p.smoothing = options.smoothing_semantics == SmoothingSemantics::kPyTorch ? a : a * vv / (vv - 1.0);
+  }
+  p.z_loss = static_cast<double>(options.z_loss_weight);
+  p.logit_scale = options.logit_scale;
+  p.softcap = options.softcap;
+  p.ignore_index = options.ignore_index;
+  p.reduction = options.reduction;
+  return p;
+}
+
+// The argmax column travels in a float slot of the statistics, bit for bit.
+VPCE_HD inline float int_as_float_bits(int32_t value) {
+  float out;
+  memcpy(&out, &value, sizeof(out));
+  return out;
+}
+VPCE_HD inline int32_t float_bits_as_int(float value) {
+  int32_t out;
+  memcpy(&out, &value, sizeof(out));
+  return out;
+}
+
+// Merges `ranks` statistics rows (rank r's at first + r * rank_stride floats) into out[W],
+// in rank order, in fp64: max, sum of exp relative to it, target logit, sum of logits, and
+// with the extras the smallest argmax column and the weighted offsets for the entropy.
+VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ranks, bool with_extras, float* out) {
+  const float neg_inf = -INFINITY;
+  float max = neg_inf;
+  float target_logit = neg_inf;
+  for (int r = 0; r < ranks; ++r) {
+    const float* s = first + r * rank_stride;
+    max = s[0] > max ? s[0] : max;
+    target_logit = s[2] > target_logit ? s[2] : target_logit;
+  }
+  double sum_exp = 0.0;
+  double sum_logits = 0.0;
+  double weighted_offsets = 0.0;
+  int32_t argmax = -1;
+  for (int r = 0; r < ranks; ++r) {
+    const float* s = first + r * rank_stride;
+    sum_logits += static_cast<double>(s[3]);
+    if (s[0] == neg_inf) continue;  // an all -inf shard adds nothing (and -inf - -inf is NaN)
+    const double shift = static_cast<double>(s[0]) - static_cast<double>(max);
+    const double scale = exp(shift);
+    sum_exp += static_cast<double>(s[1]) * scale;
+    if (with_extras) {
+      // sum exp(z - M)(z - M) = e^shift (sum exp(z - m)(z - m) + shift sum exp(z - m))
+      weighted_offsets += scale * (static_cast<double>(s[5]) + shift * static_cast<double>(s[1]));
+      const int32_t index = float_bits_as_int(s[4]);
+      if (s[0] == max && index >= 0 && (argmax < 0 || index < argmax)) argmax = index;
+    }
+  }
+  out[0] = max;
+  out[1] = static_cast<float>(sum_exp);
+  out[2] = target_logit;
+  out[3] = static_cast<float>(sum_logits);
+  if (with_extras) {
+    out[4] = int_as_float_bits(argmax);
+    out[5] = static_cast<float>(weighted_offsets);
+  }
+}
+
+// One token's results from its merged statistics `st`.
+struct TokenLoss {
+  double weighted_loss = 0.0;  // weight x loss; 0 when the token is not counted
+  float lse = 0.0f;
+  float entropy = 0.0f;           // with the extras
+  float target_is_argmax = 0.0f;  // with the extras; 0 when not counted
+};
+
+VPCE_HD inline TokenLoss token_loss(const float* st, int64_t target, double weight, const LossParams& p,
+                                    bool with_extras) {
+  TokenLoss out;
+  const auto max = static_cast<double>(st[0]);
+  const auto sum_exp = static_cast<double>(st[1]);
+  const double log_sum = log(sum_exp);
+  const double lse = max + log_sum;
+  out.lse = static_cast<float>(lse);
+  const bool counted = !p.ignored(target) && weight != 0.0;
+  if (with_extras) {
+    out.entropy = static_cast<float>(log_sum - static_cast<double>(st[5]) / sum_exp);
+    out.target_is_argmax = counted && float_bits_as_int(st[4]) == target ? 1.0f : 0.0f;
+  }
+  if (!counted) return out;
+  // lse - z_target as (max - z_target) + log(sum): exact subtraction of nearby values.
+  const double nll = (max - static_cast<double>(st[2])) + log_sum;
+  double loss = nll;
+  const double s = p.smoothing;
+  if (s != 0.0) loss = (1.0 - s) * nll + s * ((max - static_cast<double>(st[3]) / static_cast<double>(p.valid_vocab)) + log_sum);
+  if (p.z_loss != 0.0) loss += p.z_loss * lse * lse;
+  out.weighted_loss = weight * loss;
+  return out;
+}
+
+// The constants of one token's gradient:
+//   grad_v = upstream (exp(z_v - lse) coefficient - uniform [- target_weight at the target]) dz/dx_v
+struct GradientConstants {
+  float upstream;     // g_i w_i (0 for an ignored token)
+  float lse;
+  float coefficient;  // 1 + 2 zl lse
+  float uniform;      // s / Vv
+};
+
+VPCE_HD inline GradientConstants gradient_constants(int64_t target, double upstream, float weight, float token_lse,
+                                                    const LossParams& p) {
+  return GradientConstants{
+      p.ignored(target) ? 0.0f : static_cast<float>(upstream * static_cast<double>(weight)), token_lse,
+      static_cast<float>(1.0 + 2.0 * p.z_loss * static_cast<double>(token_lse)),
+      static_cast<float>(p.smoothing / static_cast<double>(p.valid_vocab))};
+}
+
+// The weight of the one-hot target term: 1 - s.
+VPCE_HD inline float target_weight(const LossParams& p) { return static_cast<float>(1.0 - p.smoothing); }
+
+}  // namespace vpce::detail
