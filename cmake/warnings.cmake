@@ -3,11 +3,11 @@
 add_library(vpce_warnings INTERFACE)
 if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
   target_compile_options(vpce_warnings INTERFACE
-    -Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wold-style-cast -Wcast-align
-    -Wnull-dereference -Wdouble-promotion -Wimplicit-fallthrough)
+    $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wold-style-cast -Wcast-align
+    -Wnull-dereference -Wdouble-promotion -Wimplicit-fallthrough>)
 endif()
 if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 13)
   # GCC 12 reports -Wrestrict for "literal" + std::string at -O2 (GCC bug 105651).
-  target_compile_options(vpce_warnings INTERFACE -Wno-restrict)
+  target_compile_options(vpce_warnings INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-Wno-restrict>)
 endif()
 install(TARGETS vpce_warnings EXPORT vpceTargets)

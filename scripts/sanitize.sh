@@ -13,12 +13,12 @@ mpi=()  # Open MPI, as scripts/build.sh; its tests run without LeakSanitizer (te
 if [ -x /usr/bin/mpicxx.openmpi ]; then
   mpi=(-DMPI_CXX_COMPILER=/usr/bin/mpicxx.openmpi -DMPIEXEC_EXECUTABLE=/usr/bin/mpirun.openmpi)
 fi
-cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVPCE_SANITIZE=address,undefined "${mpi[@]}" >/dev/null
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVPCE_SANITIZE=address,undefined -DVPCE_WITH_CUDA=OFF "${mpi[@]}" >/dev/null
 cmake --build build-asan -j "$jobs"
 # The install test links an uninstrumented consumer against the instrumented library.
 (cd build-asan && ctest --output-on-failure -j "$jobs" -E InstallAndFindPackage)
 
 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVPCE_SANITIZE=thread -DVPCE_WITH_OPENMP=OFF \
-  -DVPCE_BUILD_TOOLS=OFF -DVPCE_WITH_MPI=OFF >/dev/null
+  -DVPCE_BUILD_TOOLS=OFF -DVPCE_WITH_MPI=OFF -DVPCE_WITH_CUDA=OFF >/dev/null
 cmake --build build-tsan -j "$jobs" --target vpce_tests
 (cd build-tsan && ctest --output-on-failure -j "$jobs" -R "Group|Concurrency|Endurance|Determinism|StagedApi|LabelSmoothing")

@@ -4,7 +4,10 @@
 #include <new>
 #include <vector>
 
+#include <cstdio>
+
 #include "cpu/kernels.h"
+#include "cuda/dispatch.h"
 #include "protocol.h"
 #include "validate.h"
 #include "vpce/loss.h"
@@ -15,12 +18,15 @@ struct Workspace::Buffers {
   std::vector<std::byte> send;    // this rank's payload: header + [N, 4] stats
   std::vector<std::byte> recv;    // every rank's payload, rank order
   std::vector<std::byte> merged;  // [N, 4] merged stats
+  std::shared_ptr<void> device;   // the device buffers, for device tensors (cuda/dispatch.cu)
 };
 
 Workspace::Workspace() : buffers_(std::make_unique<Buffers>()) {}
 Workspace::~Workspace() = default;
 Workspace::Workspace(Workspace&&) noexcept = default;
 Workspace& Workspace::operator=(Workspace&&) noexcept = default;
+
+Status Workspace::device_status() { return buffers_ ? detail::device_status(buffers_->device.get()) : Status{}; }
 
 std::size_t Workspace::capacity() const {
   if (!buffers_) return 0;
@@ -58,9 +64,15 @@ int64_t announced_tokens(const TensorView& targets) {
 
 // The forward's outputs: float32, one per token (the loss: one element for a reduction),
 // overlapping neither each other nor the inputs.
-Status check_outputs(const LossInputs& in, const LossOptions& options, const TensorView& loss,
+Status check_outputs(const LossInputs& in, Device device, const LossOptions& options, const TensorView& loss,
                      const TensorView& lse, const ForwardExtras& extras, detail::LossOutputs* out) {
   const int64_t n = in.logits.rows;
+  const std::pair<const TensorView*, const char*> on_device[] = {
+      {&loss, "loss"}, {&lse, "lse"}, {extras.target_is_argmax, "target_is_argmax"}, {extras.entropy, "entropy"}};
+  for (const auto& [view, name] : on_device) {
+    if (view == nullptr) continue;
+    if (Status s = detail::check_device(*view, name, device); !s.ok()) return s;
+  }
   if (Status s = detail::check_loss_output(loss, "loss", n, options.reduction, &out->loss); !s.ok()) return s;
   if (Status s = detail::as_float_tokens(lse, "lse", n, &out->lse); !s.ok()) return s;
   if (extras.target_is_argmax != nullptr) {
@@ -100,6 +112,52 @@ Status check_outputs(const LossInputs& in, const LossOptions& options, const Ten
   return {};
 }
 
+// Every tensor of a device forward, for the check that each is memory of its device.
+struct DeviceTensors {
+  const TensorView* logits;
+  const TensorView* targets;
+  const TensorView* weights;
+  const TensorView* loss;
+  const TensorView* lse;
+  const TensorView* target_is_argmax;
+  const TensorView* entropy;
+};
+
+// The forward on device tensors: the same header and protocol as on the CPU, with the
+// buffers, kernels and gather on the device (cuda/dispatch.cu).
+Status device_forward(Communicator& comm, const LossInputs& in, const detail::LossOutputs& out, int64_t n,
+                      int64_t width, const VocabShard& shard, DataType dtype, const LossOptions& options,
+                      const ForwardExtras& extras, Workspace* workspace, Status local, const DeviceTensors& tensors) {
+  if (local.ok() && workspace == nullptr) {
+    local = {Code::kInvalidArgument,
+             "workspace: expected a Workspace for device tensors (it holds the device buffers and the asynchronous "
+             "error), got null"};
+  }
+  const std::pair<const TensorView*, const char*> views[] = {
+      {tensors.logits, "logits"}, {tensors.targets, "targets"}, {tensors.weights, "weights"},
+      {tensors.loss, "loss"},     {tensors.lse, "lse"},         {tensors.target_is_argmax, "target_is_argmax"},
+      {tensors.entropy, "entropy"}};
+  for (const auto& [view, name] : views) {
+    if (!local.ok()) break;
+    if (view != nullptr) local = detail::check_device_pointer(*view, name);
+  }
+  Workspace own;  // only when the caller gave none: that is this rank's error, but it still joins
+  Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
+  detail::RankHeader header = detail::make_header(comm.rank(), comm.size(), n, width, shard, dtype, options,
+                                                  extras.weights != nullptr, 0, local);
+  if (local.ok()) {
+    // What the device reports, through this header's status, if it finds a bad value.
+    std::snprintf(header.message, sizeof(header.message),
+                  "targets or weights: expected targets in [0, %lld) or %lld and finite weights, got another value "
+                  "(found on the device)",
+                  static_cast<long long>(options.valid_vocab_size > 0 ? options.valid_vocab_size : shard.vocab_size),
+                  static_cast<long long>(options.ignore_index));
+  }
+  detail::DeviceForwardArgs args{in,     out, header, local, detail::payload_bytes(n, width), n, width,
+                                 shard.vocab_begin, detail::loss_params(options, shard.vocab_size), options};
+  return detail::device_forward(comm, args, &buffers->device);
+}
+
 }  // namespace
 
 Status forward(Communicator& comm, const TensorView& logits, const TensorView& targets,
@@ -116,10 +174,15 @@ Status forward(Communicator& comm, const TensorView& logits, const TensorView& t
   LossInputs in;
   detail::LossOutputs out;
   Status local = detail::check_loss_inputs(logits, targets, extras.weights, shard, options, &in);
-  if (local.ok()) local = check_outputs(in, options, loss, lse, extras, &out);
+  if (local.ok()) local = check_outputs(in, logits.device, options, loss, lse, extras, &out);
   int64_t n = local.ok() ? in.logits.rows : announced_tokens(targets);
   const bool with_extras = extras.target_is_argmax != nullptr || extras.entropy != nullptr;
   const int64_t width = with_extras ? kStatsWidthWithExtras : kStatsWidth;
+
+  if (logits.device.type == DeviceType::kCUDA && detail::device_supported(logits.device, "logits").ok()) {
+    return device_forward(comm, in, out, n, width, shard, logits.dtype, options, extras, workspace, local,
+                          {&logits, &targets, extras.weights, &loss, &lse, extras.target_is_argmax, extras.entropy});
+  }
 
   Workspace own;
   Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);

@@ -3,6 +3,7 @@
 // Each entry validates every argument, then runs its kernel; on any error it returns
 // before writing anything.
 #include "cpu/kernels.h"
+#include "cuda/dispatch.h"
 #include "validate.h"
 #include "vpce/loss.h"
 
@@ -34,11 +35,23 @@ Status as_any_stats(const TensorView& t, const char* name, RowMatrix* out) {
   return detail::as_stats_matrix(t, name, t.shape[0], width, out);
 }
 
+// The staged API runs on the CPU in this release; device tensors go through forward() and
+// backward().
+Status host_only(const TensorView& t, const char* name, const char* call) {
+  if (t.device.type == DeviceType::kCPU) return {};
+  return {Code::kUnsupported, detail::expected_got((std::string(name) + ".device").c_str(),
+                                                   std::string("cpu (") + call +
+                                                       " runs on the CPU; device tensors use forward and backward)",
+                                                   to_string(t.device))};
+}
+
 }  // namespace
 
 Status calculate_local_stats(const TensorView& logits, const TensorView& targets,
                              const VocabShard& shard, const LossOptions& options,
                              const TensorView& stats) {
+  if (Status s = host_only(logits, "logits", "calculate_local_stats"); !s.ok()) return s;
+  if (Status s = host_only(stats, "stats", "calculate_local_stats"); !s.ok()) return s;
   LossInputs in;
   if (Status s = detail::check_loss_inputs(logits, targets, nullptr, shard, options, &in); !s.ok()) {
     return s;
@@ -61,6 +74,8 @@ Status calculate_local_stats(const TensorView& logits, const TensorView& targets
 
 Status merge_stats(const TensorView& gathered, const LossOptions& options,
                    const TensorView& stats) {
+  if (Status s = host_only(gathered, "gathered", "merge_stats"); !s.ok()) return s;
+  if (Status s = host_only(stats, "stats", "merge_stats"); !s.ok()) return s;
   if (Status s = detail::check_dtype("gathered", gathered.dtype, {kFloat32}, "float32"); !s.ok()) {
     return s;
   }
@@ -113,6 +128,13 @@ Status merge_stats(const TensorView& gathered, const LossOptions& options,
 Status calculate_loss(const TensorView& stats, const TensorView& targets, int64_t vocab_size,
                       const LossOptions& options, const TensorView& loss, const TensorView& lse,
                       const ForwardExtras& extras) {
+  const std::pair<const TensorView*, const char*> views[] = {
+      {&stats, "stats"}, {&targets, "targets"}, {&loss, "loss"}, {&lse, "lse"}, {extras.weights, "weights"},
+      {extras.target_is_argmax, "target_is_argmax"}, {extras.entropy, "entropy"}};
+  for (const auto& [view, name] : views) {
+    if (view == nullptr) continue;
+    if (Status s = host_only(*view, name, "calculate_loss"); !s.ok()) return s;
+  }
   if (vocab_size < 1 || vocab_size > INT32_MAX) {
     return {Code::kInvalidArgument,
             detail::expected_got("vocab_size", "a value in [1, 2^31 - 1]", std::to_string(vocab_size))};
@@ -169,6 +191,10 @@ Status backward(const TensorView& logits, const TensorView& targets, const Tenso
   LossInputs in;
   if (Status s = detail::check_loss_inputs(logits, targets, weights, shard, options, &in); !s.ok()) return s;
   const int64_t n = in.logits.rows;
+  for (const auto& [view, name] : {std::pair{&lse, "lse"}, std::pair{&grad_loss, "grad_loss"},
+                                   std::pair{&grad_logits, "grad_logits"}}) {
+    if (Status s = detail::check_device(*view, name, logits.device); !s.ok()) return s;
+  }
   TokenVector lse_in;
   TokenVector upstream;
   if (Status s = detail::as_float_tokens(lse, "lse", n, &lse_in); !s.ok()) return s;
@@ -208,6 +234,17 @@ Status backward(const TensorView& logits, const TensorView& targets, const Tenso
     if (detail::present(*vec) && overlaps(*vec, grad.begin_byte(), grad.end_byte())) {
       return overlap_error("grad_logits", label);
     }
+  }
+  if (logits.device.type != DeviceType::kCPU) {
+    const std::pair<const TensorView*, const char*> views[] = {{&logits, "logits"}, {&targets, "targets"},
+                                                               {&lse, "lse"},       {&grad_loss, "grad_loss"},
+                                                               {&grad_logits, "grad_logits"}, {weights, "weights"}};
+    for (const auto& [view, name] : views) {
+      if (view == nullptr) continue;
+      if (Status s = detail::check_device_pointer(*view, name); !s.ok()) return s;
+    }
+    return detail::device_backward({in, lse_in, upstream, grad, shard.vocab_begin,
+                                    detail::loss_params(options, shard.vocab_size), options});
   }
   detail::gradient_kernel(in.logits, in.targets, in.weights, lse_in, upstream, shard.vocab_begin,
                           detail::loss_params(options, shard.vocab_size), options.num_threads, grad);

@@ -28,9 +28,8 @@ Status check_view_basics(const TensorView& t, const char* name, int min_ndim, in
                          t.ndim < 0 ? "a view with too many dimensions or mismatched strides"
                                     : std::to_string(t.ndim))};
   }
-  if (t.device.type != DeviceType::kCPU) {
-    return {Code::kUnsupported, expected_got((std::string(name) + ".device").c_str(),
-                                             "cpu (this build of vpce has no CUDA support)",
+  if (t.device.type != DeviceType::kCPU && t.device.type != DeviceType::kCUDA) {
+    return {Code::kUnsupported, expected_got((std::string(name) + ".device").c_str(), "cpu or cuda",
                                              to_string(t.device))};
   }
   int64_t count = 1;
@@ -314,10 +313,17 @@ bool overlaps(const char* a_begin, const char* a_end, const char* b_begin, const
 
 namespace vpce::detail {
 
+Status check_device(const TensorView& t, const char* name, Device expected) {
+  if (t.device.type == expected.type && (expected.type == DeviceType::kCPU || t.device.id == expected.id)) return {};
+  return {Code::kInvalidArgument, expected_got((std::string(name) + ".device").c_str(),
+                                               to_string(expected) + " (the logits' device)", to_string(t.device))};
+}
+
 Status check_loss_inputs(const TensorView& logits, const TensorView& targets,
                          const TensorView* weights, const VocabShard& shard,
                          const LossOptions& options, LossInputs* out) {
   LossInputs in;
+  if (Status s = device_supported(logits.device, "logits"); !s.ok()) return s;
   if (Status s = check_dtype("logits", logits.dtype, {kFloat32, kBFloat16, kFloat16},
                              "float32, bfloat16 or float16");
       !s.ok()) {
@@ -333,8 +339,21 @@ Status check_loss_inputs(const TensorView& logits, const TensorView& targets,
   if (Status s = as_token_vector(targets, "targets", in.logits.rows, &in.targets); !s.ok()) {
     return s;
   }
-  const int64_t valid = options.valid_vocab_size > 0 ? options.valid_vocab_size : shard.vocab_size;
+  if (Status s = check_device(targets, "targets", logits.device); !s.ok()) return s;
+  if (weights != nullptr) {
+    if (Status s = check_device(*weights, "weights", logits.device); !s.ok()) return s;
+  }
   in.inputs_hash = 0xcbf29ce484222325ULL;  // FNV-1a offset basis
+  if (logits.device.type != DeviceType::kCPU) {
+    // Device memory: the values are checked by the kernels (see loss.h), not read here.
+    if (weights != nullptr) {
+      if (Status s = check_dtype("weights", weights->dtype, {kFloat32}, "float32"); !s.ok()) return s;
+      if (Status s = as_token_vector(*weights, "weights", in.logits.rows, &in.weights); !s.ok()) return s;
+    }
+    *out = in;
+    return {};
+  }
+  const int64_t valid = options.valid_vocab_size > 0 ? options.valid_vocab_size : shard.vocab_size;
   if (Status s = check_targets(in.targets, valid, options.ignore_index, &in.inputs_hash); !s.ok()) {
     return s;
   }

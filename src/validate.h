@@ -83,6 +83,17 @@ std::string expected_got(const char* name, const std::string& expected, const st
 namespace vpce::detail {
 
 // The validated inputs shared by the forward stages and the backward.
+// `name`.device equals `expected` (kInvalidArgument naming both otherwise).
+Status check_device(const TensorView& t, const char* name, Device expected);
+
+// Whether this build and machine can compute on `device`: the CPU always; CUDA when vpce
+// was built with it and the device exists (kUnsupported naming `name`.device otherwise).
+// Defined in cuda/dispatch.cu, or in device_cpu_only.cc for builds without CUDA.
+Status device_supported(Device device, const char* name);
+
+// For CUDA tensors: `data` is memory of `device` (or managed), not host memory.
+Status check_device_pointer(const TensorView& t, const char* name);
+
 struct LossInputs {
   RowMatrix logits;
   TokenVector targets;

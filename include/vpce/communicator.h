@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 #include "vpce/status.h"
 
@@ -30,7 +31,19 @@ class Communicator {
   // `send` and `recv` must not overlap.
   virtual Status all_gather(const void* send, void* recv, std::size_t bytes) = 0;
 
-  // A short name for messages: "threads", "mpi", ...
+  // Collective, for device tensors: the same gather of `bytes` from `send` into `recv`, both
+  // device memory, issued on `stream` (a cudaStream_t) without waiting for it. Backends that
+  // gather host memory only (threads, MPI) keep this default, which refuses.
+  virtual Status device_all_gather(const void* send, void* recv, std::size_t bytes, void* stream) {
+    static_cast<void>(send);
+    static_cast<void>(recv);
+    static_cast<void>(bytes);
+    static_cast<void>(stream);
+    return {Code::kUnsupported, std::string("comm: expected a backend that gathers device memory (NCCL) for device "
+                                            "tensors, got ") + name()};
+  }
+
+  // A short name for messages: "threads", "mpi", "nccl", ...
   virtual const char* name() const = 0;
 };
 

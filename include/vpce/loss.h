@@ -71,6 +71,9 @@ struct LossOptions {
   // Threads used by this rank's kernels; 0 means OpenMP's default. Results do not depend
   // on it.
   int num_threads = 0;
+  // Device tensors: the CUDA stream (a cudaStream_t) to run on, nullptr for the default
+  // stream. Ignored on the CPU; not part of the loss (ranks may use different streams).
+  void* stream = nullptr;
 };
 
 // The per-token statistics of one rank (calculate_local_stats) or of the whole group
@@ -111,8 +114,14 @@ class Workspace {
   ~Workspace();
   Workspace(Workspace&&) noexcept;
   Workspace& operator=(Workspace&&) noexcept;
-  // Bytes currently held.
+  // Bytes currently held (host memory).
   std::size_t capacity() const;
+
+  // Device tensors: errors only the device can see (a target out of range on some rank,
+  // ranks that disagree) are asynchronous, as CUDA's own are: forward() returns success,
+  // the outputs are NaN, and this call, which waits for the stream of the last forward that
+  // used this workspace, returns the error (the same on every rank). Success on the CPU.
+  Status device_status();
 
   struct Buffers;  // opaque
 
@@ -131,6 +140,14 @@ class Workspace {
 // checks that the group agrees (tokens, V, a partition of [0, V), dtype, options, targets,
 // weights) and every rank returns the same error if it does not. Every rank gets the
 // bit-identical loss. `workspace` may be null (then forward allocates).
+//
+// Device tensors (CUDA; every tensor on the same device, vpce built with CUDA): `comm` must
+// gather device memory (NcclCommunicator, vpce/nccl.h); `workspace` is required (it holds
+// the device buffers, grown with cudaMallocAsync and then reused: run one call before
+// capturing a CUDA graph); everything runs on options.stream without waiting for it; errors
+// the host can see come back here, those only the device can see from
+// workspace->device_status(). The targets' and weights' values are checked on the device
+// but not hashed, so ranks given different targets are not detected there.
 Status forward(Communicator& comm, const TensorView& logits, const TensorView& targets,
                const VocabShard& shard, const LossOptions& options, const TensorView& loss,
                const TensorView& lse, const ForwardExtras& extras = {},

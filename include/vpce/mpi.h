@@ -65,6 +65,11 @@ class MpiCommunicator final : public Communicator {
   // The agreed block capacity in bytes (grows with the payload; for tests and tuning).
   std::size_t capacity() const;
 
+  // This rank's timeout from now on (local, not collective; ranks may differ), with the
+  // limits of MpiOptions::timeout: for instance a long one for a first step that waits for
+  // compilation, then a short one.
+  Status set_timeout(std::chrono::milliseconds timeout);
+
  private:
   struct State;
   explicit MpiCommunicator(std::unique_ptr<State> state);

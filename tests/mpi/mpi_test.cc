@@ -415,8 +415,13 @@ TEST(MpiFailure, RankThatNeverArrivesGivesTimeoutNotHang) {
   if (ranks < 2) GTEST_SKIP() << "needs two ranks or more";
   const int r = rank_of(MPI_COMM_WORLD);
   const int straggler = ranks - 1;
-  std::unique_ptr<MpiCommunicator> comm = make_communicator(MPI_COMM_WORLD, std::chrono::milliseconds(1000));
+  // Created with the long timeout (the ranks may reach this test seconds apart on a loaded
+  // machine), then 1 s for the forward.
+  std::unique_ptr<MpiCommunicator> comm = make_communicator(MPI_COMM_WORLD);
   ASSERT_NE(comm, nullptr);
+  MPI_Barrier(MPI_COMM_WORLD);
+  ASSERT_TRUE(comm->set_timeout(std::chrono::milliseconds(1000)).ok());
+  EXPECT_EQ(comm->set_timeout(std::chrono::milliseconds(-5)).code(), Code::kInvalidArgument);
   bool untouched = false;
   const auto no_change = [](int, int64_t&, VocabShard&, DataType&, LossOptions&) {};
   if (r == straggler) {

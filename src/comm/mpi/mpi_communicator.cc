@@ -200,6 +200,15 @@ int MpiCommunicator::rank() const { return state_->rank; }
 int MpiCommunicator::size() const { return state_->size; }
 std::size_t MpiCommunicator::capacity() const { return state_->capacity; }
 
+Status MpiCommunicator::set_timeout(std::chrono::milliseconds timeout) {
+  if (timeout.count() < 0 || timeout > kMaxTimeout) {
+    return {Code::kInvalidArgument, "timeout: expected 0 (none) to " + std::to_string(kMaxTimeout.count()) +
+                                        " ms, got " + std::to_string(timeout.count()) + " ms"};
+  }
+  state_->options.timeout = timeout;
+  return {};
+}
+
 Status MpiCommunicator::all_gather(const void* send, void* recv, std::size_t bytes) {
   State& s = *state_;
   if (!s.broken.empty()) {

@@ -1,0 +1,50 @@
+// cuda/device.h: the CUDA kernels' launchers (kernels.cu), on validated arguments whose
+// pointers are device memory. Every launch is asynchronous on `stream`; none waits for the
+// device, so a forward or backward can be captured in a CUDA graph.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/token_math.h"
+#include "../cpu/kernels.h"
+#include "../protocol.h"
+#include "../validate.h"
+
+namespace vpce::detail::cuda {
+
+// Written by the device when the gathered headers do not describe one call (a rank's bad
+// target, ranks that disagree): the outputs are then NaN, and Workspace::device_status()
+// builds the message from the same headers on the host.
+inline constexpr int kGroupCheckFailed = 1;
+struct DeviceError {
+  int code;
+};
+
+// logits [N, Vr] -> stats [N, W] (row stride W). A target outside [0, Vv) that is not
+// ignore_index, or a weight that is not finite, sets `header`'s status (the header already
+// in the send buffer, its message prepared by the host), so that every rank learns of it
+// from the gather.
+Status local_stats(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights, int64_t vocab_begin,
+                   const LossParams& params, const RowMatrix& stats, RankHeader* header, cudaStream_t stream);
+
+// This rank's header into its send buffer.
+Status write_header(const RankHeader& header, RankHeader* out, cudaStream_t stream);
+
+// The gathered headers (rank r's at gathered + r * stride bytes) against each other.
+Status check_group(const char* gathered, int64_t stride, int ranks, DeviceError* error, cudaStream_t stream);
+
+// Ranks' stats (rank r's [N, W] at gathered + r * rank_stride floats) -> merged [N, W] ->
+// the outputs; `terms` holds N doubles for a reduction. Outputs are NaN if *error is set.
+Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int64_t rows, int64_t width,
+                      float* merged, const TokenVector& targets, const TokenVector& weights, const LossParams& params,
+                      const LossOutputs& out, double* terms, const DeviceError* error, cudaStream_t stream);
+
+// logits [N, Vr] -> grad [N, Vr] (may be the logits); `shared_upstream` holds one double
+// for a reduced loss.
+Status gradient(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights,
+                const TokenVector& lse, const TokenVector& grad_loss, int64_t vocab_begin, const LossParams& params,
+                const RowMatrix& grad, double* shared_upstream, cudaStream_t stream);
+
+}  // namespace vpce::detail::cuda

@@ -1,0 +1,183 @@
+// cuda/dispatch.cu: device tensors behind the public API: which devices are usable, the
+// device workspace, and the device forward (local statistics, one gather of device memory
+// on the stream, the group check, merge, loss) and backward. Argument checks that need no
+// device memory happen on the host before (validate.cc); the rest on the device.
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+#include "device.h"
+#include "dispatch.h"
+
+namespace vpce::detail {
+
+namespace {
+
+std::string device_text(const char* name) { return std::string(name) + ".device"; }
+
+Status cuda_failure(const char* what, cudaError_t e) {
+  return {Code::kSystemError, std::string("cuda: ") + what + ": " + cudaGetErrorString(e)};
+}
+
+}  // namespace
+
+Status device_supported(Device device, const char* name) {
+  if (device.type == DeviceType::kCPU) return {};
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it
+    return {Code::kUnsupported, expected_got(device_text(name).c_str(),
+                                             std::string("cpu (no CUDA device is usable here: ") +
+                                                 cudaGetErrorString(e) + ")",
+                                             to_string(device))};
+  }
+  if (device.id < 0 || device.id >= count) {
+    return {Code::kUnsupported, expected_got(device_text(name).c_str(),
+                                             "cpu or one of the " + std::to_string(count) + " CUDA devices",
+                                             to_string(device))};
+  }
+  return {};
+}
+
+Status check_device_pointer(const TensorView& t, const char* name) {
+  if (t.device.type != DeviceType::kCUDA || t.data == nullptr) return {};
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, t.first()) != cudaSuccess) {
+    cudaGetLastError();
+    return {Code::kInvalidArgument, expected_got((std::string(name) + ".data").c_str(),
+                                                 "memory of " + to_string(t.device), "an address CUDA does not know")};
+  }
+  const bool device_memory = attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
+  if (device_memory && attributes.device == t.device.id) return {};
+  return {Code::kInvalidArgument,
+          expected_got((std::string(name) + ".data").c_str(), "memory of " + to_string(t.device),
+                       device_memory ? "memory of cuda:" + std::to_string(attributes.device) : "host memory")};
+}
+
+struct DeviceWorkspace {
+  char* send = nullptr;  // this rank's payload: header + [N, W] stats
+  std::size_t send_capacity = 0;
+  char* recv = nullptr;  // every rank's payload
+  std::size_t recv_capacity = 0;
+  char* merged = nullptr;  // [N, W] float merged stats, then N doubles of loss terms
+  std::size_t merged_capacity = 0;
+  cuda::DeviceError* error = nullptr;
+  // What device_status() needs about the last forward.
+  cudaStream_t stream = nullptr;
+  int ranks = 0;
+  int self = 0;
+  std::size_t payload = 0;
+  bool used = false;
+
+  ~DeviceWorkspace() {
+    for (void* p : {static_cast<void*>(send), static_cast<void*>(recv), static_cast<void*>(merged),
+                    static_cast<void*>(error)}) {
+      if (p != nullptr) cudaFree(p);
+    }
+  }
+};
+
+namespace {
+
+// Grows a device buffer to `bytes` (stream-ordered, so it can follow earlier work).
+Status ensure(char** buffer, std::size_t* capacity, std::size_t bytes, cudaStream_t stream) {
+  if (bytes <= *capacity) return {};
+  if (*buffer != nullptr) cudaFreeAsync(*buffer, stream);
+  *buffer = nullptr;
+  *capacity = 0;
+  if (const cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(buffer), bytes, stream); e != cudaSuccess) {
+    return cuda_failure("cudaMallocAsync of the workspace", e);
+  }
+  *capacity = bytes;
+  return {};
+}
+
+}  // namespace
+
+Status device_forward(Communicator& comm, const DeviceForwardArgs& a, std::shared_ptr<void>* state) {
+  auto stream = static_cast<cudaStream_t>(a.options.stream);
+  if (!*state) *state = std::make_shared<DeviceWorkspace>();
+  auto& w = *static_cast<DeviceWorkspace*>(state->get());
+  const int ranks = comm.size();
+  const std::size_t total = a.payload * static_cast<std::size_t>(ranks);
+  const std::size_t merged_bytes = static_cast<std::size_t>(a.tokens * a.width) * sizeof(float) +
+                                   static_cast<std::size_t>(a.tokens) * sizeof(double);
+  // Without its buffers this rank cannot join the gather: the others wait (NCCL has no
+  // timeout of its own; the framework's watchdog, or ncclCommAbort, ends it).
+  if (Status s = ensure(&w.send, &w.send_capacity, a.payload, stream); !s.ok()) return s;
+  if (Status s = ensure(&w.recv, &w.recv_capacity, total, stream); !s.ok()) return s;
+  if (Status s = ensure(&w.merged, &w.merged_capacity, merged_bytes, stream); !s.ok()) return s;
+  if (w.error == nullptr) {
+    if (const cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&w.error), sizeof(cuda::DeviceError)); e != cudaSuccess) {
+      return cuda_failure("cudaMalloc of the error word", e);
+    }
+  }
+  cudaMemsetAsync(w.error, 0, sizeof(cuda::DeviceError), stream);
+  auto* header = reinterpret_cast<RankHeader*>(w.send);
+  if (Status s = cuda::write_header(a.header, header, stream); !s.ok()) return s;
+  if (a.local.ok()) {
+    const RowMatrix stats{w.send + sizeof(RankHeader), kFloat32, a.tokens, a.width, a.width};
+    if (Status s = cuda::local_stats(a.in.logits, a.in.targets, a.in.weights, a.vocab_begin, a.params, stats, header,
+                                     stream);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (Status s = comm.device_all_gather(w.send, w.recv, a.payload, stream); !s.ok()) return a.local.ok() ? s : a.local;
+  if (Status s = cuda::check_group(w.recv, static_cast<int64_t>(a.payload), ranks, w.error, stream); !s.ok()) return s;
+  w.stream = stream;
+  w.ranks = ranks;
+  w.self = comm.rank();
+  w.payload = a.payload;
+  w.used = true;
+  if (!a.local.ok()) return a.local;
+  return cuda::merge_and_loss(reinterpret_cast<const float*>(w.recv + sizeof(RankHeader)),
+                              static_cast<int64_t>(a.payload / sizeof(float)), ranks, a.tokens, a.width,
+                              reinterpret_cast<float*>(w.merged), a.in.targets, a.in.weights, a.params, a.out,
+                              reinterpret_cast<double*>(w.merged + a.tokens * a.width * sizeof(float)), w.error,
+                              stream);
+}
+
+Status device_status(void* state) {
+  if (state == nullptr) return {};
+  auto& w = *static_cast<DeviceWorkspace*>(state);
+  if (!w.used) return {};
+  if (const cudaError_t e = cudaStreamSynchronize(w.stream); e != cudaSuccess) {
+    return cuda_failure("the stream of the last forward", e);
+  }
+  cuda::DeviceError error{};
+  if (const cudaError_t e = cudaMemcpy(&error, w.error, sizeof(error), cudaMemcpyDeviceToHost); e != cudaSuccess) {
+    return cuda_failure("reading the device's error word", e);
+  }
+  if (error.code == 0) return {};
+  // The same bytes the device checked, checked again on the host for the message.
+  std::vector<char> gathered(w.payload * static_cast<std::size_t>(w.ranks));
+  for (int r = 0; r < w.ranks; ++r) {
+    if (const cudaError_t e = cudaMemcpy(gathered.data() + r * w.payload, w.recv + r * w.payload, sizeof(RankHeader),
+                                         cudaMemcpyDeviceToHost);
+        e != cudaSuccess) {
+      return cuda_failure("reading the gathered headers", e);
+    }
+  }
+  Status s = check_group(gathered.data(), w.payload, w.ranks, w.self);
+  if (s.ok()) return {Code::kInternalError, "cuda: the device's group check failed where the host's passed"};
+  return s;
+}
+
+Status device_backward(const DeviceBackwardArgs& a) {
+  auto stream = static_cast<cudaStream_t>(a.options.stream);
+  double* shared = nullptr;
+  if (a.params.reduction != Reduction::kNone) {
+    if (const cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&shared), sizeof(double), stream); e != cudaSuccess) {
+      return cuda_failure("cudaMallocAsync of the upstream gradient", e);
+    }
+  }
+  const Status s = cuda::gradient(a.in.logits, a.in.targets, a.in.weights, a.lse, a.grad_loss, a.vocab_begin, a.params,
+                                  a.grad, shared, stream);
+  if (shared != nullptr) cudaFreeAsync(shared, stream);
+  return s;
+}
+
+}  // namespace vpce::detail

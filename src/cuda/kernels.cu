@@ -1,0 +1,519 @@
+// cuda/kernels.cu: the CUDA kernels of the forward and backward, and their launchers.
+//
+// One thread block of kThreads per token row. Rows are read with 16-byte vector loads
+// (after a scalar head up to the first 16-byte boundary), every thread folding its
+// elements into an online (max, sum of exp) in fp32, the block combining the threads' parts
+// in a fixed tree in fp64, so results are deterministic. The per-token arithmetic (merge,
+// loss, gradient constants) is src/common/token_math.h, the same code as the CPU's.
+// Nothing here synchronises with the host: every launch is on the caller's stream.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "device.h"
+
+namespace vpce::detail::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+template <class T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+struct Transform {
+  float scale;
+  float cap;
+  float inverse_cap;
+  __device__ __forceinline__ float apply(float x) const {
+    const float z = x * scale;
+    return cap > 0.0f ? cap * tanhf(z * inverse_cap) : z;
+  }
+  // dz/dx at z.
+  __device__ __forceinline__ float slope(float z) const {
+    if (cap <= 0.0f) return scale;
+    const float t = z * inverse_cap;
+    return scale * (1.0f - t * t);
+  }
+};
+
+Transform transform_of(const LossParams& p) {
+  return {p.logit_scale, p.softcap, p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f};
+}
+
+// Calls f(column, value) for every element of row[0, cols), 16-byte vectors where aligned,
+// thread t taking vectors t, t + kThreads, ...
+template <class T, class F>
+__device__ __forceinline__ void for_each_element(const T* row, int64_t cols, F&& f) {
+  constexpr int kVector = 16 / sizeof(T);
+  const auto address = reinterpret_cast<uintptr_t>(row);
+  int64_t head = static_cast<int64_t>(((16 - address % 16) % 16) / sizeof(T));
+  if (address % sizeof(T) != 0) head = cols;  // misaligned elements: all scalar
+  head = head < cols ? head : cols;
+  for (int64_t v = threadIdx.x; v < head; v += kThreads) f(v, to_float(row[v]));
+  const int64_t vectors = (cols - head) / kVector;
+  const auto* body = reinterpret_cast<const uint4*>(row + head);
+  for (int64_t k = threadIdx.x; k < vectors; k += kThreads) {
+    const uint4 bits = body[k];
+    const T* e = reinterpret_cast<const T*>(&bits);
+#pragma unroll
+    for (int j = 0; j < kVector; ++j) f(head + k * kVector + j, to_float(e[j]));
+  }
+  for (int64_t v = head + vectors * kVector + threadIdx.x; v < cols; v += kThreads) f(v, to_float(row[v]));
+}
+
+// One thread's online statistics, then the block's, relative to their own max. (No member
+// initialisers: an array of them lives in shared memory; empty_part() makes an empty one.)
+struct Part {
+  float max;
+  double sum_exp;
+  double sum_logits;
+  double weighted;  // sum exp(z - max)(z - max)
+  int32_t argmax;   // smallest column holding max
+};
+
+__device__ __forceinline__ Part empty_part() { return Part{-INFINITY, 0.0, 0.0, 0.0, -1}; }
+
+__device__ __forceinline__ void combine(Part& a, const Part& b) {
+  if (b.max == -INFINITY) {
+    a.sum_logits += b.sum_logits;
+    return;
+  }
+  if (a.max == -INFINITY) {
+    const double sum_logits = a.sum_logits;
+    a = b;
+    a.sum_logits += sum_logits;
+    return;
+  }
+  const float max = a.max > b.max ? a.max : b.max;
+  const double shift_a = static_cast<double>(a.max) - max;
+  const double shift_b = static_cast<double>(b.max) - max;
+  const double scale_a = exp(shift_a);
+  const double scale_b = exp(shift_b);
+  a.weighted = scale_a * (a.weighted + shift_a * a.sum_exp) + scale_b * (b.weighted + shift_b * b.sum_exp);
+  a.sum_exp = a.sum_exp * scale_a + b.sum_exp * scale_b;
+  a.sum_logits += b.sum_logits;
+  int32_t argmax = a.max == max ? a.argmax : -1;
+  if (b.max == max && (argmax < 0 || b.argmax < argmax)) argmax = b.argmax;
+  a.argmax = argmax;
+  a.max = max;
+}
+
+__device__ Part shuffle_down(const Part& p, int offset) {
+  Part q = empty_part();
+  q.max = __shfl_down_sync(0xffffffffu, p.max, offset);
+  q.sum_exp = __shfl_down_sync(0xffffffffu, p.sum_exp, offset);
+  q.sum_logits = __shfl_down_sync(0xffffffffu, p.sum_logits, offset);
+  q.weighted = __shfl_down_sync(0xffffffffu, p.weighted, offset);
+  q.argmax = __shfl_down_sync(0xffffffffu, p.argmax, offset);
+  return q;
+}
+
+// The block's combined Part, valid in thread 0. Fixed tree: deterministic.
+__device__ Part block_combine(Part p) {
+  __shared__ Part warps[kWarps];
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const Part other = shuffle_down(p, offset);
+    combine(p, other);
+  }
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  if (lane == 0) warps[warp] = p;
+  __syncthreads();
+  if (warp == 0) {
+    p = lane < kWarps ? warps[lane] : empty_part();
+    for (int offset = kWarps / 2; offset > 0; offset /= 2) {
+      const Part other = shuffle_down(p, offset);
+      combine(p, other);
+    }
+  }
+  return p;
+}
+
+__device__ __forceinline__ int64_t target_of(const void* targets, bool wide, int64_t stride, int64_t i) {
+  return wide ? static_cast<const int64_t*>(targets)[i * stride] : static_cast<const int32_t*>(targets)[i * stride];
+}
+
+// logits [rows, cols] (row stride ld) -> stats [rows, width] (row stride width).
+template <class T>
+__global__ void __launch_bounds__(kThreads) local_stats_kernel(const T* logits, int64_t ld, int64_t cols,
+                                                               int64_t valid, const void* targets, bool wide_targets,
+                                                               int64_t target_stride, const float* weights,
+                                                               int64_t weight_stride, int64_t vocab_begin,
+                                                               LossParams params, Transform t, float* stats,
+                                                               int64_t width, RankHeader* header) {
+  const int64_t i = blockIdx.x;
+  const T* row = logits + i * ld;
+  const bool sum_logits = params.with_sum_logits();
+  const bool extras = width == 6;
+  Part p = empty_part();
+  for_each_element(row, valid, [&](int64_t v, float x) {
+    const float z = t.apply(x);
+    if (sum_logits) p.sum_logits += z;
+    if (z == -INFINITY) return;
+    if (z > p.max) {
+      if (p.max == -INFINITY) {
+        p.sum_exp = 1.0;
+        p.weighted = 0.0;
+      } else {
+        const double shift = static_cast<double>(p.max) - z;
+        const double scale = exp(shift);
+        p.weighted = scale * (p.weighted + shift * p.sum_exp);
+        p.sum_exp = p.sum_exp * scale + 1.0;
+      }
+      p.max = z;
+      p.argmax = static_cast<int32_t>(v);
+    } else {
+      const float offset = z - p.max;
+      const float e = expf(offset);
+      p.sum_exp += e;
+      if (extras) p.weighted += static_cast<double>(e) * offset;
+      if (z == p.max && static_cast<int32_t>(v) < p.argmax) p.argmax = static_cast<int32_t>(v);
+    }
+  });
+  p = block_combine(p);
+  if (threadIdx.x != 0) return;
+  const int64_t y = target_of(targets, wide_targets, target_stride, i);
+  const bool bad_target = !params.ignored(y) && (y < 0 || y >= params.valid_vocab);
+  const bool bad_weight = weights != nullptr && !isfinite(weights[i * weight_stride]);
+  if ((bad_target || bad_weight) && header != nullptr) {
+    atomicCAS(&header->status, 0, static_cast<int32_t>(Code::kInvalidArgument));  // its message is ready
+  }
+  const int64_t column = y - vocab_begin;
+  float* out = stats + i * width;
+  out[0] = p.max;
+  out[1] = static_cast<float>(p.sum_exp);
+  out[2] = column >= 0 && column < valid ? t.apply(to_float(row[column])) : -INFINITY;
+  out[3] = sum_logits ? static_cast<float>(p.sum_logits) : 0.0f;
+  if (extras) {
+    out[4] = int_as_float_bits(p.argmax < 0 ? -1 : static_cast<int32_t>(p.argmax + vocab_begin));
+    out[5] = static_cast<float>(p.weighted);
+  }
+}
+
+// gathered: ranks' stats [rows, width], rank r's at gathered + r * rank_stride floats ->
+// merged [rows, width].
+__global__ void merge_kernel(const float* gathered, int64_t rank_stride, int ranks, int64_t rows, int64_t width,
+                             float* merged) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= rows) return;
+  merge_token(gathered + i * width, rank_stride, ranks, width == 6, merged + i * width);
+}
+
+// merged [rows, width] -> loss (per token, or per-token terms into `terms` for a
+// reduction), lse, extras. Poisons the outputs with NaN when the device found an error.
+__global__ void loss_kernel(const float* merged, int64_t rows, int64_t width, const void* targets, bool wide_targets,
+                            int64_t target_stride, const float* weights, int64_t weight_stride, LossParams params,
+                            float* loss, int64_t loss_stride, double* terms, float* lse, int64_t lse_stride,
+                            float* target_is_argmax, int64_t argmax_stride, float* entropy, int64_t entropy_stride,
+                            const DeviceError* error) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= rows) return;
+  const int64_t y = target_of(targets, wide_targets, target_stride, i);
+  const double weight = weights != nullptr ? static_cast<double>(weights[i * weight_stride]) : 1.0;
+  TokenLoss t = token_loss(merged + i * width, y, weight, params, width == 6);
+  if (error->code != 0) {
+    t.weighted_loss = NAN;
+    t.lse = NAN;
+    t.entropy = NAN;
+    t.target_is_argmax = NAN;
+  }
+  lse[i * lse_stride] = t.lse;
+  if (target_is_argmax != nullptr) target_is_argmax[i * argmax_stride] = t.target_is_argmax;
+  if (entropy != nullptr) entropy[i * entropy_stride] = t.entropy;
+  if (params.reduction == Reduction::kNone) {
+    loss[i * loss_stride] = static_cast<float>(t.weighted_loss);
+  } else {
+    terms[i] = t.weighted_loss;
+  }
+}
+
+// The counted weight of every token (for kMean), summed in a fixed tree by one block.
+__device__ double block_sum(double value) {
+  __shared__ double warps[kWarps];
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
+  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = value;
+  __syncthreads();
+  value = threadIdx.x < kWarps ? warps[threadIdx.x] : 0.0;
+  if (threadIdx.x < 32) {
+    for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
+  }
+  return value;
+}
+
+__device__ double counted_weight(const void* targets, bool wide_targets, int64_t target_stride, const float* weights,
+                                 int64_t weight_stride, int64_t rows, const LossParams& params) {
+  double mine = 0.0;
+  for (int64_t i = threadIdx.x; i < rows; i += kThreads) {
+    if (!params.ignored(target_of(targets, wide_targets, target_stride, i))) {
+      mine += weights != nullptr ? static_cast<double>(weights[i * weight_stride]) : 1.0;
+    }
+  }
+  return block_sum(mine);
+}
+
+// One block: the reduced loss from the per-token terms, in a fixed order.
+__global__ void __launch_bounds__(kThreads) reduce_loss_kernel(const double* terms, int64_t rows, const void* targets,
+                                                               bool wide_targets, int64_t target_stride,
+                                                               const float* weights, int64_t weight_stride,
+                                                               LossParams params, float* loss) {
+  double mine = 0.0;
+  for (int64_t i = threadIdx.x; i < rows; i += kThreads) mine += terms[i];
+  const double total = block_sum(mine);
+  __syncthreads();
+  double denominator = 1.0;
+  if (params.reduction == Reduction::kMean) {
+    denominator = counted_weight(targets, wide_targets, target_stride, weights, weight_stride, rows, params);
+  }
+  if (threadIdx.x == 0) {
+    loss[0] = params.reduction == Reduction::kMean ? static_cast<float>(denominator != 0.0 ? total / denominator : 0.0)
+                                                   : static_cast<float>(total);
+  }
+}
+
+// One block: the upstream gradient shared by every token of a reduced loss.
+__global__ void __launch_bounds__(kThreads) shared_upstream_kernel(const float* grad_loss, const void* targets,
+                                                                   bool wide_targets, int64_t target_stride,
+                                                                   const float* weights, int64_t weight_stride,
+                                                                   int64_t rows, LossParams params, double* out) {
+  double denominator = 1.0;
+  if (params.reduction == Reduction::kMean) {
+    denominator = counted_weight(targets, wide_targets, target_stride, weights, weight_stride, rows, params);
+  }
+  if (threadIdx.x == 0) {
+    const double g = static_cast<double>(grad_loss[0]);
+    *out = params.reduction == Reduction::kMean ? (denominator != 0.0 ? g / denominator : 0.0) : g;
+  }
+}
+
+// Stores n values of TOut from `values` at `out`, as one or two 16-byte (or one 8-byte) store.
+template <class TOut, int kCount>
+__device__ __forceinline__ void store_vector(TOut* out, const TOut (&values)[kCount]) {
+  constexpr int kBytes = kCount * sizeof(TOut);
+  if constexpr (kBytes == 32) {
+    reinterpret_cast<uint4*>(out)[0] = reinterpret_cast<const uint4*>(values)[0];
+    reinterpret_cast<uint4*>(out)[1] = reinterpret_cast<const uint4*>(values)[1];
+  } else if constexpr (kBytes == 16) {
+    *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(values);
+  } else {
+    static_assert(kBytes == 8);
+    *reinterpret_cast<uint2*>(out) = *reinterpret_cast<const uint2*>(values);
+  }
+}
+
+// out[v] = f(v, in[v]) for v in [0, cols): 16-byte loads of `in` and matching vector stores
+// of `out` where both are aligned, thread t taking vectors t, t + kThreads, ... Each element
+// is read and written by the same thread, so out may be in.
+template <class TIn, class TOut, class F>
+__device__ __forceinline__ void map_row(const TIn* in, TOut* out, int64_t cols, F&& f) {
+  constexpr int kVector = 16 / sizeof(TIn);
+  constexpr int kOutAlign = kVector * sizeof(TOut) < 16 ? kVector * sizeof(TOut) : 16;
+  const auto in_address = reinterpret_cast<uintptr_t>(in);
+  int64_t head = static_cast<int64_t>(((16 - in_address % 16) % 16) / sizeof(TIn));
+  const bool aligned = in_address % sizeof(TIn) == 0 &&
+                       (reinterpret_cast<uintptr_t>(out) + head * sizeof(TOut)) % kOutAlign == 0;
+  if (!aligned) head = cols;
+  head = head < cols ? head : cols;
+  for (int64_t v = threadIdx.x; v < head; v += kThreads) out[v] = from_float<TOut>(f(v, to_float(in[v])));
+  const int64_t vectors = (cols - head) / kVector;
+  for (int64_t k = threadIdx.x; k < vectors; k += kThreads) {
+    const int64_t first = head + k * kVector;
+    const uint4 bits = *reinterpret_cast<const uint4*>(in + first);
+    const TIn* e = reinterpret_cast<const TIn*>(&bits);
+    alignas(16) TOut results[kVector];
+#pragma unroll
+    for (int j = 0; j < kVector; ++j) results[j] = from_float<TOut>(f(first + j, to_float(e[j])));
+    store_vector(out + first, results);
+  }
+  for (int64_t v = head + vectors * kVector + threadIdx.x; v < cols; v += kThreads) {
+    out[v] = from_float<TOut>(f(v, to_float(in[v])));
+  }
+}
+
+// logits [rows, cols] (TIn) -> grad [rows, cols] (TOut), which may be the logits:
+//   grad_v = upstream (exp(z_v - lse) coefficient - uniform - (1 - s) [v = target]) dz/dx_v
+// and 0 on padding columns and on tokens that do not count.
+template <class TIn, class TOut>
+__global__ void __launch_bounds__(kThreads) gradient_kernel(const TIn* logits, int64_t ld, TOut* grad, int64_t grad_ld,
+                                                            int64_t cols, int64_t valid, const void* targets,
+                                                            bool wide_targets, int64_t target_stride,
+                                                            const float* weights, int64_t weight_stride,
+                                                            const float* lse, int64_t lse_stride,
+                                                            const float* grad_loss, int64_t grad_loss_stride,
+                                                            const double* shared_upstream, int64_t vocab_begin,
+                                                            LossParams params, Transform t) {
+  const int64_t i = blockIdx.x;
+  const int64_t y = target_of(targets, wide_targets, target_stride, i);
+  const double upstream = shared_upstream != nullptr ? *shared_upstream : static_cast<double>(grad_loss[i * grad_loss_stride]);
+  const float weight = weights != nullptr ? weights[i * weight_stride] : 1.0f;
+  const GradientConstants c = gradient_constants(y, upstream, weight, lse[i * lse_stride], params);
+  const float target_term = target_weight(params);
+  const int64_t target_column = y - vocab_begin;
+  const bool identity = t.scale == 1.0f && t.cap <= 0.0f;
+  map_row(logits + i * ld, grad + i * grad_ld, cols, [&](int64_t v, float x) {
+    if (c.upstream == 0.0f || v >= valid) return 0.0f;  // a token that does not count, or padding
+    const float z = t.apply(x);
+    float g = expf(z - c.lse) * c.coefficient - c.uniform;
+    if (v == target_column) g -= target_term;
+    g *= c.upstream;
+    return identity ? g : g * t.slope(z);
+  });
+}
+
+// One thread per rank: the gathered headers describe one call (the same check as the
+// host's check_group, which device_status() runs on the same bytes for the message).
+__global__ void check_group_kernel(const char* gathered, int64_t stride, int ranks, DeviceError* error) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= ranks) return;
+  const auto* first = reinterpret_cast<const RankHeader*>(gathered);
+  const auto* h = reinterpret_cast<const RankHeader*>(gathered + r * stride);
+  bool ok = h->magic == RankHeader::kMagic && h->version == RankHeader::kVersion && h->rank == r &&
+            h->num_ranks == ranks && h->status == 0 && h->num_tokens == first->num_tokens &&
+            h->vocab_size == first->vocab_size && h->logits_dtype == first->logits_dtype &&
+            h->label_smoothing_bits == first->label_smoothing_bits &&
+            h->smoothing_semantics == first->smoothing_semantics && h->ignore_index == first->ignore_index &&
+            h->z_loss_bits == first->z_loss_bits && h->logit_scale_bits == first->logit_scale_bits &&
+            h->softcap_bits == first->softcap_bits && h->valid_vocab_size == first->valid_vocab_size &&
+            h->reduction == first->reduction && h->has_weights == first->has_weights &&
+            h->stats_width == first->stats_width && h->inputs_hash == first->inputs_hash;
+  // Ranges: each non-empty one inside [0, V), overlapping no other; together they cover V.
+  const int64_t begin = h->vocab_begin;
+  const int64_t end = h->vocab_end;
+  if (ok && end > begin) {
+    ok = begin >= 0 && end <= h->vocab_size;
+    for (int other = 0; other < ranks && ok; ++other) {
+      const auto* o = reinterpret_cast<const RankHeader*>(gathered + other * stride);
+      if (other != r && o->vocab_end > o->vocab_begin) ok = o->vocab_end <= begin || end <= o->vocab_begin;
+    }
+  }
+  if (ok && r == 0) {
+    int64_t covered = 0;
+    for (int other = 0; other < ranks; ++other) {
+      const auto* o = reinterpret_cast<const RankHeader*>(gathered + other * stride);
+      if (o->vocab_end > o->vocab_begin) covered += o->vocab_end - o->vocab_begin;
+    }
+    ok = covered == first->vocab_size;
+  }
+  if (!ok) atomicCAS(&error->code, 0, kGroupCheckFailed);
+}
+
+// Writes this rank's header into its send buffer (a kernel argument: no host memory is read
+// at run time, so the launch can be captured in a CUDA graph).
+__global__ void write_header_kernel(RankHeader header, RankHeader* out) {
+  if (threadIdx.x == 0) *out = header;
+}
+
+int64_t valid_columns(int64_t vocab_begin, int64_t cols, const LossParams& p) {
+  const int64_t valid = p.valid_vocab - vocab_begin;
+  return valid < 0 ? 0 : valid > cols ? cols : valid;
+}
+
+Status launched(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return {};
+  return {Code::kSystemError, std::string("cuda: ") + what + ": " + cudaGetErrorString(e)};
+}
+
+template <class F>
+void with_input_type(DataType dtype, F&& f) {
+  if (dtype == kFloat32) {
+    f(static_cast<float*>(nullptr));
+  } else if (dtype == kBFloat16) {
+    f(static_cast<__nv_bfloat16*>(nullptr));
+  } else {
+    f(static_cast<__half*>(nullptr));
+  }
+}
+
+unsigned grid_for(int64_t rows, int threads) { return static_cast<unsigned>((rows + threads - 1) / threads); }
+
+}  // namespace
+
+Status local_stats(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights, int64_t vocab_begin,
+                   const LossParams& params, const RowMatrix& stats, RankHeader* header, cudaStream_t stream) {
+  if (logits.rows == 0) return {};
+  const int64_t valid = valid_columns(vocab_begin, logits.cols, params);
+  with_input_type(logits.dtype, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    local_stats_kernel<T><<<static_cast<unsigned>(logits.rows), kThreads, 0, stream>>>(
+        reinterpret_cast<const T*>(logits.base), logits.row_stride, logits.cols, valid, targets.base,
+        targets.dtype == kInt64, targets.stride, reinterpret_cast<const float*>(weights.base), weights.stride,
+        vocab_begin, params, transform_of(params),
+        reinterpret_cast<float*>(stats.base), stats.row_stride, header);
+  });
+  return launched("local statistics");
+}
+
+Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int64_t rows, int64_t width,
+                      float* merged, const TokenVector& targets, const TokenVector& weights, const LossParams& params,
+                      const LossOutputs& out, double* terms, const DeviceError* error, cudaStream_t stream) {
+  if (rows == 0) {
+    if (params.reduction != Reduction::kNone) return {Code::kInternalError, "cuda: an empty reduction reached the device"};
+    return {};
+  }
+  constexpr int kTokens = 256;
+  merge_kernel<<<grid_for(rows, kTokens), kTokens, 0, stream>>>(gathered, rank_stride, ranks, rows, width, merged);
+  if (Status s = launched("merge"); !s.ok()) return s;
+  const auto* w = reinterpret_cast<const float*>(weights.base);
+  loss_kernel<<<grid_for(rows, kTokens), kTokens, 0, stream>>>(
+      merged, rows, width, targets.base, targets.dtype == kInt64, targets.stride, w, weights.stride, params,
+      reinterpret_cast<float*>(out.loss.base), out.loss.stride, terms, reinterpret_cast<float*>(out.lse.base),
+      out.lse.stride, reinterpret_cast<float*>(out.target_is_argmax.base), out.target_is_argmax.stride,
+      reinterpret_cast<float*>(out.entropy.base), out.entropy.stride, error);
+  if (Status s = launched("loss"); !s.ok()) return s;
+  if (params.reduction == Reduction::kNone) return {};
+  reduce_loss_kernel<<<1, kThreads, 0, stream>>>(terms, rows, targets.base, targets.dtype == kInt64, targets.stride, w,
+                                                 weights.stride, params, reinterpret_cast<float*>(out.loss.base));
+  return launched("reduction");
+}
+
+Status gradient(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights,
+                const TokenVector& lse, const TokenVector& grad_loss, int64_t vocab_begin, const LossParams& params,
+                const RowMatrix& grad, double* shared_upstream, cudaStream_t stream) {
+  if (logits.rows == 0) return {};
+  const auto* w = reinterpret_cast<const float*>(weights.base);
+  const bool wide = targets.dtype == kInt64;
+  double* shared = nullptr;
+  if (params.reduction != Reduction::kNone) {
+    shared_upstream_kernel<<<1, kThreads, 0, stream>>>(reinterpret_cast<const float*>(grad_loss.base), targets.base,
+                                                      wide, targets.stride, w, weights.stride, logits.rows, params,
+                                                      shared_upstream);
+    if (Status s = launched("upstream gradient"); !s.ok()) return s;
+    shared = shared_upstream;
+  }
+  const int64_t valid = valid_columns(vocab_begin, logits.cols, params);
+  with_input_type(logits.dtype, [&](auto* in_type) {
+    using TIn = std::remove_pointer_t<decltype(in_type)>;
+    with_input_type(grad.dtype, [&](auto* out_type) {
+      using TOut = std::remove_pointer_t<decltype(out_type)>;
+      gradient_kernel<TIn, TOut><<<static_cast<unsigned>(logits.rows), kThreads, 0, stream>>>(
+          reinterpret_cast<const TIn*>(logits.base), logits.row_stride, reinterpret_cast<TOut*>(grad.base),
+          grad.row_stride, logits.cols, valid, targets.base, wide, targets.stride, w, weights.stride,
+          reinterpret_cast<const float*>(lse.base), lse.stride, reinterpret_cast<const float*>(grad_loss.base),
+          grad_loss.stride, shared, vocab_begin, params, transform_of(params));
+    });
+  });
+  return launched("gradient");
+}
+
+Status write_header(const RankHeader& header, RankHeader* out, cudaStream_t stream) {
+  write_header_kernel<<<1, 32, 0, stream>>>(header, out);
+  return launched("header");
+}
+
+Status check_group(const char* gathered, int64_t stride, int ranks, DeviceError* error, cudaStream_t stream) {
+  check_group_kernel<<<grid_for(ranks, 128), 128, 0, stream>>>(gathered, stride, ranks, error);
+  return launched("group check");
+}
+
+}  // namespace vpce::detail::cuda

@@ -1,0 +1,335 @@
+// tests/cuda/cuda_test.cc: the CUDA path against the CPU fp64 oracle. Needs a CUDA device:
+// on a machine without one every test skips, saying so (the build and everything else are
+// still tested). R ranks run as threads on one GPU, their one gather staged through the
+// in-process backend (a test communicator; NCCL needs one GPU per rank); a single rank uses
+// a device-to-device copy, which also lets the forward and backward be captured in a CUDA
+// graph.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <random>
+
+#include "support.h"
+
+namespace vpce::test {
+namespace {
+
+bool have_device(std::string* why) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    *why = e != cudaSuccess ? cudaGetErrorString(e) : "no devices";
+    return false;
+  }
+  return true;
+}
+
+#define REQUIRE_GPU()                                                          \
+  do {                                                                         \
+    std::string why;                                                           \
+    if (!have_device(&why)) GTEST_SKIP() << "no CUDA device here (" << why << ")"; \
+  } while (0)
+
+#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+// One rank on the device: the gather is a copy, asynchronous on the stream.
+class DeviceLoopback final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  const char* name() const override { return "device loopback"; }
+  Status all_gather(const void*, void*, std::size_t) override { return {Code::kUnsupported, "host"}; }
+  Status device_all_gather(const void* send, void* recv, std::size_t bytes, void* stream) override {
+    ++calls;
+    return cudaMemcpyAsync(recv, send, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)) == cudaSuccess
+               ? Status{}
+               : Status{Code::kSystemError, "cudaMemcpyAsync"};
+  }
+  int calls = 0;
+};
+
+// R ranks as threads on one device: each gather waits for the rank's stream, goes through
+// the in-process backend on the host and back.
+class StagedDeviceComm final : public Communicator {
+ public:
+  explicit StagedDeviceComm(Communicator& host) : host_(host) {}
+  int rank() const override { return host_.rank(); }
+  int size() const override { return host_.size(); }
+  const char* name() const override { return "staged device"; }
+  Status all_gather(const void*, void*, std::size_t) override { return {Code::kUnsupported, "host"}; }
+  Status device_all_gather(const void* send, void* recv, std::size_t bytes, void* stream) override {
+    auto s = static_cast<cudaStream_t>(stream);
+    std::vector<char> mine(bytes), all(bytes * static_cast<std::size_t>(size()));
+    if (cudaMemcpyAsync(mine.data(), send, bytes, cudaMemcpyDeviceToHost, s) != cudaSuccess ||
+        cudaStreamSynchronize(s) != cudaSuccess) {
+      return {Code::kSystemError, "staging the send buffer"};
+    }
+    if (Status st = host_.all_gather(mine.data(), all.data(), bytes); !st.ok()) return st;
+    if (cudaMemcpyAsync(recv, all.data(), all.size(), cudaMemcpyHostToDevice, s) != cudaSuccess ||
+        cudaStreamSynchronize(s) != cudaSuccess) {
+      return {Code::kSystemError, "staging the receive buffer"};
+    }
+    return {};
+  }
+
+ private:
+  Communicator& host_;
+};
+
+// A device copy of a host buffer, freed at the end of the test.
+struct DeviceBuffer {
+  void* p = nullptr;
+  std::size_t bytes = 0;
+  DeviceBuffer(const void* host, std::size_t n) : bytes(n) {
+    cudaMalloc(&p, n + 16);
+    if (host != nullptr) cudaMemcpy(p, host, n, cudaMemcpyHostToDevice);
+  }
+  ~DeviceBuffer() { cudaFree(p); }
+  template <class T>
+  std::vector<T> read(std::size_t count) const {
+    std::vector<T> out(count);
+    cudaMemcpy(out.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost);
+    return out;
+  }
+};
+
+struct DeviceRun {
+  std::vector<Status> status;
+  std::vector<Status> device_status;
+  std::vector<std::vector<float>> loss, lse;
+  std::vector<double> grad;  // [N, V]
+};
+
+// Forward and backward of `problem` on R device ranks (the problem's strided storage is
+// copied to the device as is, so rows keep their stride and misalignment).
+DeviceRun run_on_device(Problem& problem, const std::vector<VocabShard>& shards, const RunOptions& options,
+                        const std::function<void(int, std::vector<int64_t>&)>& tweak_targets = {}) {
+  const int ranks = static_cast<int>(shards.size());
+  const int64_t n = problem.tokens;
+  const bool reduced = options.loss.reduction != Reduction::kNone;
+  DeviceBuffer logits(problem.storage.data(), problem.storage.size());
+  const DataType grad_dtype = options.in_place ? problem.dtype : options.grad_dtype;
+  DeviceBuffer grad(nullptr, static_cast<std::size_t>(n * problem.vocab * grad_dtype.bytes()));
+  cudaMemset(grad.p, 0, grad.bytes);
+  DeviceBuffer weights(options.weights.data(), options.weights.size() * sizeof(float));
+  const float scalar = options.grad_scalar;
+  DeviceBuffer upstream(reduced ? static_cast<const void*>(&scalar) : problem.grad_loss.data(),
+                        reduced ? sizeof(float) : problem.grad_loss.size() * sizeof(float));
+  DeviceRun run;
+  run.device_status.resize(static_cast<std::size_t>(ranks));
+  run.loss.resize(static_cast<std::size_t>(ranks));
+  run.lse.resize(static_cast<std::size_t>(ranks));
+  std::unique_ptr<ThreadGroup> group;
+  EXPECT_TRUE(ThreadGroup::create(ranks, &group).ok());
+  run.status = group->run([&](Communicator& host) -> Status {
+    const int r = host.rank();
+    StagedDeviceComm staged(host);
+    DeviceLoopback loopback;
+    Communicator& comm = ranks == 1 ? static_cast<Communicator&>(loopback) : staged;
+    std::vector<int64_t> targets = problem.targets;
+    if (tweak_targets) tweak_targets(r, targets);
+    DeviceBuffer y(targets.data(), targets.size() * sizeof(int64_t));
+    DeviceBuffer loss(nullptr, (reduced ? 1 : n) * sizeof(float) + 4);
+    DeviceBuffer lse(nullptr, n * sizeof(float) + 4);
+    const VocabShard& shard = shards[static_cast<std::size_t>(r)];
+    const int64_t cols = shard.vocab_end - shard.vocab_begin;
+    const Device gpu{DeviceType::kCUDA, 0};
+    const TensorView x = TensorView::matrix(static_cast<char*>(logits.p) + problem.offset_bytes +
+                                                shard.vocab_begin * problem.dtype.bytes(),
+                                            problem.dtype, n, cols, problem.ld, gpu);
+    const TensorView yv = TensorView::contiguous(y.p, kInt64, {n}, gpu);
+    const TensorView lv = TensorView::contiguous(loss.p, kFloat32, {reduced ? 1 : n}, gpu);
+    const TensorView ev = TensorView::contiguous(lse.p, kFloat32, {n}, gpu);
+    const TensorView wv = TensorView::contiguous(weights.p, kFloat32, {n}, gpu);
+    ForwardExtras extras;
+    extras.weights = options.weights.empty() ? nullptr : &wv;
+    cudaStream_t stream = nullptr;
+    cudaStreamCreate(&stream);
+    LossOptions opts = options.loss;
+    opts.stream = stream;
+    Workspace workspace;
+    Status s = forward(comm, x, yv, shard, opts, lv, ev, extras, &workspace);
+    if (s.ok()) {
+      const TensorView g = TensorView::contiguous(upstream.p, kFloat32, {reduced ? 1 : n}, gpu);
+      const TensorView out = options.in_place ? x
+                                              : TensorView::matrix(static_cast<char*>(grad.p) +
+                                                                       shard.vocab_begin * grad_dtype.bytes(),
+                                                                   grad_dtype, n, cols, problem.vocab, gpu);
+      s = backward(x, yv, ev, g, shard, opts, out, extras.weights);
+    }
+    run.device_status[static_cast<std::size_t>(r)] = workspace.device_status();
+    cudaStreamSynchronize(stream);
+    run.loss[static_cast<std::size_t>(r)] = loss.read<float>(reduced ? 1 : static_cast<std::size_t>(n));
+    run.lse[static_cast<std::size_t>(r)] = lse.read<float>(static_cast<std::size_t>(n));
+    cudaStreamDestroy(stream);
+    return s;
+  });
+  // The gradient, widened to doubles.
+  std::vector<std::byte> host(problem.storage.size());
+  if (options.in_place) {
+    cudaMemcpy(problem.storage.data(), logits.p, problem.storage.size(), cudaMemcpyDeviceToHost);
+  } else {
+    host.resize(grad.bytes);
+    cudaMemcpy(host.data(), grad.p, grad.bytes, cudaMemcpyDeviceToHost);
+  }
+  run.grad = gathered_grad(problem, options, host);
+  return run;
+}
+
+void expect_matches_oracle(Problem problem, const std::vector<VocabShard>& shards, const RunOptions& options,
+                           double grad_tolerance) {
+  const reference::Result want = oracle(problem, options);
+  DeviceRun run = run_on_device(problem, shards, options);
+  for (std::size_t r = 0; r < run.status.size(); ++r) {
+    ASSERT_TRUE(run.status[r].ok()) << run.status[r].to_string();
+    ASSERT_TRUE(run.device_status[r].ok()) << run.device_status[r].to_string();
+    EXPECT_LT(relative_error(widen(run.loss[r]), want.loss), 1e-6) << "rank " << r;
+    EXPECT_LT(relative_error(widen(run.lse[r]), want.lse), 1e-6) << "rank " << r;
+    EXPECT_EQ(std::memcmp(run.loss[r].data(), run.loss[0].data(), run.loss[0].size() * sizeof(float)), 0)
+        << "rank " << r << "'s loss differs from rank 0's";
+  }
+  EXPECT_LT(relative_error(run.grad, want.grad), grad_tolerance);
+}
+
+class CudaVsOracle : public testing::TestWithParam<std::tuple<DataType, int, bool>> {};
+
+TEST_P(CudaVsOracle, PlainAndSmoothed) {
+  REQUIRE_GPU();
+  const auto [dtype, ranks, in_place] = GetParam();
+  // fp32 within 1e-6; bf16 and fp16 gradients within their own rounding.
+  const double tolerance = dtype == kFloat32 || !in_place ? 1e-5 : dtype == kBFloat16 ? 8e-3 : 1e-3;
+  for (float smoothing : {0.0f, 0.1f}) {
+    SCOPED_TRACE("smoothing " + std::to_string(smoothing));
+    RunOptions o;
+    o.in_place = in_place;
+    o.loss.label_smoothing = smoothing;
+    expect_matches_oracle(random_problem(37, 4099, dtype, 5), shards_from_sizes(even_splits(4099, ranks)), o,
+                          tolerance);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(DtypesRanksPlacement, CudaVsOracle,
+                         testing::Combine(testing::Values(kFloat32, kBFloat16, kFloat16), testing::Values(1, 2, 4),
+                                          testing::Bool()));
+
+TEST(Cuda, EveryOption) {
+  REQUIRE_GPU();
+  Problem p = random_problem(29, 3001, kFloat32, 9);
+  for (int64_t i = 0; i < p.tokens; i += 7) p.targets[static_cast<std::size_t>(i)] = -100;
+  for (int64_t& t : p.targets) {
+    if (t >= 2990) t %= 2990;
+  }
+  RunOptions o;
+  o.loss.label_smoothing = 0.2f;
+  o.loss.smoothing_semantics = SmoothingSemantics::kPyTorch;
+  o.loss.z_loss_weight = 1e-3f;
+  o.loss.logit_scale = 0.8f;
+  o.loss.softcap = 15.0f;
+  o.loss.valid_vocab_size = 2990;
+  for (int64_t i = 0; i < p.tokens; ++i) o.weights.push_back(i % 5 == 0 ? 0.0f : 0.5f + 0.1f * static_cast<float>(i % 3));
+  for (Reduction reduction : {Reduction::kNone, Reduction::kSum, Reduction::kMean}) {
+    SCOPED_TRACE("reduction " + std::to_string(static_cast<int>(reduction)));
+    o.loss.reduction = reduction;
+    o.grad_scalar = 0.75f;
+    expect_matches_oracle(p, shards_from_sizes({1000, 0, 2001}), o, 1e-5);
+  }
+}
+
+TEST(Cuda, LongRowsAndAdversarialValues) {
+  REQUIRE_GPU();
+  Problem p = random_problem(4, 262144, kBFloat16, 3);
+  for (int64_t v = 0; v < p.vocab; ++v) {
+    p.set(0, v, v % 2 ? 1e4f : -1e4f);
+    if (v % 3 == 0) p.set(1, v, -INFINITY);
+  }
+  if (p.targets[1] % 3 == 0) p.targets[1] += 1;
+  expect_matches_oracle(p, shards_from_sizes(even_splits(262144, 2)), RunOptions{}, 1e-5);
+}
+
+TEST(Cuda, TargetOutOfRangeIsAnAsynchronousErrorOnEveryRank) {
+  REQUIRE_GPU();
+  Problem p = random_problem(8, 100, kFloat32, 1);
+  const std::vector<VocabShard> shards = shards_from_sizes(even_splits(100, 2));
+  DeviceRun run = run_on_device(p, shards, RunOptions{}, [](int r, std::vector<int64_t>& targets) {
+    if (r == 1) targets[3] = 100;  // a bad target that only the device sees
+  });
+  for (std::size_t r = 0; r < 2; ++r) {
+    EXPECT_TRUE(run.status[r].ok()) << run.status[r].to_string();  // the host saw nothing wrong
+    EXPECT_EQ(run.device_status[r].code(), r == 1 ? Code::kInvalidArgument : Code::kRemoteError);
+    EXPECT_NE(run.device_status[r].message().find("targets or weights"), std::string::npos)
+        << run.device_status[r].to_string();
+    EXPECT_TRUE(std::isnan(run.loss[r][0]));
+  }
+}
+
+TEST(Cuda, ForwardAndBackwardCaptureInACudaGraph) {
+  REQUIRE_GPU();
+  const int64_t n = 64, vocab = 5000;
+  Problem p = random_problem(n, vocab, kBFloat16, 4);
+  DeviceBuffer logits(p.storage.data(), p.storage.size());
+  DeviceBuffer y(p.targets.data(), p.targets.size() * sizeof(int64_t));
+  DeviceBuffer loss(nullptr, n * sizeof(float)), lse(nullptr, n * sizeof(float));
+  DeviceBuffer upstream(p.grad_loss.data(), n * sizeof(float));
+  DeviceBuffer grad(nullptr, static_cast<std::size_t>(n * vocab) * sizeof(float));
+  const Device gpu{DeviceType::kCUDA, 0};
+  const TensorView x = TensorView::matrix(static_cast<char*>(logits.p) + p.offset_bytes, p.dtype, n, vocab, p.ld, gpu);
+  const TensorView yv = TensorView::contiguous(y.p, kInt64, {n}, gpu);
+  const TensorView lv = TensorView::contiguous(loss.p, kFloat32, {n}, gpu);
+  const TensorView ev = TensorView::contiguous(lse.p, kFloat32, {n}, gpu);
+  const TensorView gv = TensorView::contiguous(upstream.p, kFloat32, {n}, gpu);
+  const TensorView out = TensorView::contiguous(grad.p, kFloat32, {n, vocab}, gpu);
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreate(&stream));
+  LossOptions o;
+  o.stream = stream;
+  DeviceLoopback comm;
+  Workspace workspace;
+  auto step = [&] {
+    ASSERT_TRUE(forward(comm, x, yv, {0, vocab, vocab}, o, lv, ev, {}, &workspace).ok());
+    ASSERT_TRUE(backward(x, yv, ev, gv, {0, vocab, vocab}, o, out).ok());
+  };
+  step();  // allocates the workspace
+  CUDA_OK(cudaStreamSynchronize(stream));
+  const std::vector<float> eager_loss = loss.read<float>(n);
+  const std::vector<float> eager_grad = grad.read<float>(static_cast<std::size_t>(n * vocab));
+  CUDA_OK(cudaMemsetAsync(loss.p, 0, n * sizeof(float), stream));
+  CUDA_OK(cudaMemsetAsync(grad.p, 0, grad.bytes, stream));
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  step();
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_OK(cudaGraphLaunch(exec, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  EXPECT_TRUE(workspace.device_status().ok());
+  EXPECT_EQ(loss.read<float>(n), eager_loss);
+  EXPECT_EQ(grad.read<float>(static_cast<std::size_t>(n * vocab)), eager_grad);
+  EXPECT_EQ(comm.calls, 2);  // the eager forward and the captured one (a replay runs no host code)
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(Cuda, HostPointerLabelledAsDeviceIsRefused) {
+  REQUIRE_GPU();
+  std::vector<float> host(40, 0.5f), loss(4), lse(4);
+  std::vector<int64_t> targets(4, 1);
+  const Device gpu{DeviceType::kCUDA, 0};
+  DeviceLoopback comm;
+  Workspace workspace;
+  const Status s = forward(comm, TensorView::contiguous(host.data(), kFloat32, {4, 10}, gpu),
+                           TensorView::contiguous(targets.data(), kInt64, {4}, gpu), {0, 10, 10}, {},
+                           TensorView::contiguous(loss.data(), kFloat32, {4}, gpu),
+                           TensorView::contiguous(lse.data(), kFloat32, {4}, gpu), {}, &workspace);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_NE(s.message().find("logits.data: expected memory of cuda:0, got host memory"), std::string::npos)
+      << s.to_string();
+}
+
+}  // namespace
+}  // namespace vpce::test
