@@ -33,7 +33,7 @@ Status run_command(const RunConfig& config);
 
 // `vpce run --backend mpi`: the same, one rank per MPI process (under mpirun); each rank
 // reads only its columns of the logits and rank 0 writes the outputs. Every rank returns
-// the same Status; *reports is set on the one rank that should print it.
+// the same Status, and rank 0 has printed it (*reports is false: main prints nothing).
 Status run_mpi_command(const RunConfig& config, bool* reports);
 
 struct GenConfig {

@@ -175,20 +175,9 @@ Status compute(const RunConfig& config, MpiCommunicator& comm, const TokenInputs
   return {};
 }
 
-}  // namespace
 
-Status run_mpi_command(const RunConfig& config, bool* reports) {
-  *reports = true;
-  MpiSession session;
-  int initialized = 0;
-  MPI_Initialized(&initialized);
-  if (!initialized) return {Code::kSystemError, "--backend mpi: MPI_Init_thread failed"};
-  int rank = 0;
-  int ranks = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
-  *reports = rank == 0;  // every rank returns the same status; rank 0 reports it
-
+// The run on every rank; returns the same status everywhere.
+Status run_ranks(const RunConfig& config, int rank, int ranks) {
   RankRun run;
   TokenInputs in;
   ComputeBuffer logits;
@@ -213,6 +202,30 @@ Status run_mpi_command(const RunConfig& config, bool* reports) {
                             "R " + std::to_string(ranks) + "  dtype " + to_string(run.dtype) + "  backend mpi", tail);
   }
   return agree(written, rank, ranks);
+}
+
+}  // namespace
+
+Status run_mpi_command(const RunConfig& config, bool* reports) {
+  *reports = true;
+  MpiSession session;
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) return {Code::kSystemError, "--backend mpi: MPI_Init_thread failed"};
+  int rank = 0;
+  int ranks = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
+  const Status status = run_ranks(config, rank, ranks);
+  // Every rank has the same status; rank 0 prints it before any rank exits, since the
+  // launcher ends the whole job as soon as one process exits with an error.
+  if (!status.ok() && rank == 0) {
+    std::fprintf(stderr, "vpce: error: %s\n", status.to_string().c_str());
+    std::fflush(stderr);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  *reports = false;
+  return status;
 }
 
 }  // namespace vpce::tools
