@@ -153,8 +153,17 @@ Status device_forward(Communicator& comm, const LossInputs& in, const detail::Lo
                   static_cast<long long>(options.valid_vocab_size > 0 ? options.valid_vocab_size : shard.vocab_size),
                   static_cast<long long>(options.ignore_index));
   }
-  detail::DeviceForwardArgs args{in,     out, header, local, detail::payload_bytes(n, width), n, width,
-                                 shard.vocab_begin, detail::loss_params(options, shard.vocab_size), options};
+  detail::DeviceForwardArgs args{in,
+                                 out,
+                                 header,
+                                 local,
+                                 detail::payload_bytes(n, width),
+                                 n,
+                                 width,
+                                 shard.vocab_begin,
+                                 detail::loss_params(options, shard.vocab_size),
+                                 options,
+                                 tensors.logits->device.id};
   return detail::device_forward(comm, args, &buffers->device);
 }
 

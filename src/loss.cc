@@ -244,7 +244,7 @@ Status backward(const TensorView& logits, const TensorView& targets, const Tenso
       if (Status s = detail::check_device_pointer(*view, name); !s.ok()) return s;
     }
     return detail::device_backward({in, lse_in, upstream, grad, shard.vocab_begin,
-                                    detail::loss_params(options, shard.vocab_size), options});
+                                    detail::loss_params(options, shard.vocab_size), options, logits.device.id});
   }
   detail::gradient_kernel(in.logits, in.targets, in.weights, lse_in, upstream, shard.vocab_begin,
                           detail::loss_params(options, shard.vocab_size), options.num_threads, grad);

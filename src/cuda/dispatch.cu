@@ -56,14 +56,32 @@ Status check_device_pointer(const TensorView& t, const char* name) {
                        device_memory ? "memory of cuda:" + std::to_string(attributes.device) : "host memory")};
 }
 
+// Makes `device` current for its lifetime (kernels, allocations and NCCL calls go to the
+// current device), restoring the caller's afterwards.
+class CurrentDevice {
+ public:
+  explicit CurrentDevice(int device) {
+    cudaGetDevice(&previous_);
+    if (previous_ != device) cudaSetDevice(device);
+  }
+  ~CurrentDevice() { cudaSetDevice(previous_); }
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
 struct DeviceWorkspace {
+  int device = 0;
   char* send = nullptr;  // this rank's payload: header + [N, W] stats
   std::size_t send_capacity = 0;
   char* recv = nullptr;  // every rank's payload
   std::size_t recv_capacity = 0;
   char* merged = nullptr;  // [N, W] float merged stats, then N doubles of loss terms
   std::size_t merged_capacity = 0;
-  cuda::DeviceError* error = nullptr;
+  char* error_word = nullptr;  // a cuda::DeviceError
+  std::size_t error_capacity = 0;
   // What device_status() needs about the last forward.
   cudaStream_t stream = nullptr;
   int ranks = 0;
@@ -71,9 +89,13 @@ struct DeviceWorkspace {
   std::size_t payload = 0;
   bool used = false;
 
+  cuda::DeviceError* error() const { return reinterpret_cast<cuda::DeviceError*>(error_word); }
+
+  // Waits for the last forward's work, which may still use the buffers, then frees them.
   ~DeviceWorkspace() {
-    for (void* p : {static_cast<void*>(send), static_cast<void*>(recv), static_cast<void*>(merged),
-                    static_cast<void*>(error)}) {
+    CurrentDevice current(device);
+    if (used) cudaStreamSynchronize(stream);
+    for (char* p : {send, recv, merged, error_word}) {
       if (p != nullptr) cudaFree(p);
     }
   }
@@ -81,9 +103,17 @@ struct DeviceWorkspace {
 
 namespace {
 
-// Grows a device buffer to `bytes` (stream-ordered, so it can follow earlier work).
+// Grows a device buffer to `bytes` (stream-ordered, so it can follow earlier work). Not
+// while the stream is being captured into a graph: memory allocated outside the graph
+// cannot be freed inside it.
 Status ensure(char** buffer, std::size_t* capacity, std::size_t bytes, cudaStream_t stream) {
   if (bytes <= *capacity) return {};
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  cudaStreamIsCapturing(stream, &capturing);
+  if (capturing != cudaStreamCaptureStatusNone) {
+    return {Code::kInvalidUsage, "workspace: expected device buffers already large enough when capturing a CUDA graph "
+                                 "(run one call of this size first), got a call that needs larger ones"};
+  }
   if (*buffer != nullptr) cudaFreeAsync(*buffer, stream);
   *buffer = nullptr;
   *capacity = 0;
@@ -98,8 +128,21 @@ Status ensure(char** buffer, std::size_t* capacity, std::size_t bytes, cudaStrea
 
 Status device_forward(Communicator& comm, const DeviceForwardArgs& a, std::shared_ptr<void>* state) {
   auto stream = static_cast<cudaStream_t>(a.options.stream);
+  const int device = a.device;
+  CurrentDevice current(device);
   if (!*state) *state = std::make_shared<DeviceWorkspace>();
   auto& w = *static_cast<DeviceWorkspace*>(state->get());
+  if (w.used && (w.stream != stream || w.device != device)) {
+    // The last forward ran on another stream and may still read these buffers: order this
+    // stream after it (without waiting on the host).
+    CurrentDevice previous(w.device);
+    cudaEvent_t done = nullptr;
+    cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+    cudaEventRecord(done, w.stream);
+    cudaStreamWaitEvent(stream, done, 0);
+    cudaEventDestroy(done);
+  }
+  w.device = device;
   const int ranks = comm.size();
   const std::size_t total = a.payload * static_cast<std::size_t>(ranks);
   const std::size_t merged_bytes = static_cast<std::size_t>(a.tokens * a.width) * sizeof(float) +
@@ -109,12 +152,8 @@ Status device_forward(Communicator& comm, const DeviceForwardArgs& a, std::share
   if (Status s = ensure(&w.send, &w.send_capacity, a.payload, stream); !s.ok()) return s;
   if (Status s = ensure(&w.recv, &w.recv_capacity, total, stream); !s.ok()) return s;
   if (Status s = ensure(&w.merged, &w.merged_capacity, merged_bytes, stream); !s.ok()) return s;
-  if (w.error == nullptr) {
-    if (const cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&w.error), sizeof(cuda::DeviceError)); e != cudaSuccess) {
-      return cuda_failure("cudaMalloc of the error word", e);
-    }
-  }
-  cudaMemsetAsync(w.error, 0, sizeof(cuda::DeviceError), stream);
+  if (Status s = ensure(&w.error_word, &w.error_capacity, sizeof(cuda::DeviceError), stream); !s.ok()) return s;
+  cudaMemsetAsync(w.error(), 0, sizeof(cuda::DeviceError), stream);
   auto* header = reinterpret_cast<RankHeader*>(w.send);
   if (Status s = cuda::write_header(a.header, header, stream); !s.ok()) return s;
   if (a.local.ok()) {
@@ -126,7 +165,7 @@ Status device_forward(Communicator& comm, const DeviceForwardArgs& a, std::share
     }
   }
   if (Status s = comm.device_all_gather(w.send, w.recv, a.payload, stream); !s.ok()) return a.local.ok() ? s : a.local;
-  if (Status s = cuda::check_group(w.recv, static_cast<int64_t>(a.payload), ranks, w.error, stream); !s.ok()) return s;
+  if (Status s = cuda::check_group(w.recv, static_cast<int64_t>(a.payload), ranks, w.error(), stream); !s.ok()) return s;
   w.stream = stream;
   w.ranks = ranks;
   w.self = comm.rank();
@@ -136,7 +175,7 @@ Status device_forward(Communicator& comm, const DeviceForwardArgs& a, std::share
   return cuda::merge_and_loss(reinterpret_cast<const float*>(w.recv + sizeof(RankHeader)),
                               static_cast<int64_t>(a.payload / sizeof(float)), ranks, a.tokens, a.width,
                               reinterpret_cast<float*>(w.merged), a.in.targets, a.in.weights, a.params, a.out,
-                              reinterpret_cast<double*>(w.merged + a.tokens * a.width * sizeof(float)), w.error,
+                              reinterpret_cast<double*>(w.merged + a.tokens * a.width * sizeof(float)), w.error(),
                               stream);
 }
 
@@ -144,11 +183,12 @@ Status device_status(void* state) {
   if (state == nullptr) return {};
   auto& w = *static_cast<DeviceWorkspace*>(state);
   if (!w.used) return {};
+  CurrentDevice current(w.device);
   if (const cudaError_t e = cudaStreamSynchronize(w.stream); e != cudaSuccess) {
     return cuda_failure("the stream of the last forward", e);
   }
   cuda::DeviceError error{};
-  if (const cudaError_t e = cudaMemcpy(&error, w.error, sizeof(error), cudaMemcpyDeviceToHost); e != cudaSuccess) {
+  if (const cudaError_t e = cudaMemcpy(&error, w.error(), sizeof(error), cudaMemcpyDeviceToHost); e != cudaSuccess) {
     return cuda_failure("reading the device's error word", e);
   }
   if (error.code == 0) return {};
@@ -168,6 +208,7 @@ Status device_status(void* state) {
 
 Status device_backward(const DeviceBackwardArgs& a) {
   auto stream = static_cast<cudaStream_t>(a.options.stream);
+  CurrentDevice current(a.device);
   double* shared = nullptr;
   if (a.params.reduction != Reduction::kNone) {
     if (const cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&shared), sizeof(double), stream); e != cudaSuccess) {

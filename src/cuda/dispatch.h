@@ -26,6 +26,7 @@ struct DeviceForwardArgs {
   int64_t vocab_begin;
   LossParams params;
   LossOptions options;  // options.stream
+  int device;           // the CUDA device of every tensor
 };
 
 // `state` holds the device workspace (created on first use).
@@ -42,6 +43,7 @@ struct DeviceBackwardArgs {
   int64_t vocab_begin;
   LossParams params;
   LossOptions options;
+  int device;
 };
 Status device_backward(const DeviceBackwardArgs& args);
 

@@ -266,7 +266,8 @@ __device__ double counted_weight(const void* targets, bool wide_targets, int64_t
 __global__ void __launch_bounds__(kThreads) reduce_loss_kernel(const double* terms, int64_t rows, const void* targets,
                                                                bool wide_targets, int64_t target_stride,
                                                                const float* weights, int64_t weight_stride,
-                                                               LossParams params, float* loss) {
+                                                               LossParams params, float* loss,
+                                                               const DeviceError* error) {
   double mine = 0.0;
   for (int64_t i = threadIdx.x; i < rows; i += kThreads) mine += terms[i];
   const double total = block_sum(mine);
@@ -276,8 +277,9 @@ __global__ void __launch_bounds__(kThreads) reduce_loss_kernel(const double* ter
     denominator = counted_weight(targets, wide_targets, target_stride, weights, weight_stride, rows, params);
   }
   if (threadIdx.x == 0) {
-    loss[0] = params.reduction == Reduction::kMean ? static_cast<float>(denominator != 0.0 ? total / denominator : 0.0)
-                                                   : static_cast<float>(total);
+    loss[0] = error->code != 0                       ? NAN
+              : params.reduction == Reduction::kMean ? static_cast<float>(denominator != 0.0 ? total / denominator : 0.0)
+                                                     : static_cast<float>(total);
   }
 }
 
@@ -457,14 +459,17 @@ Status local_stats(const RowMatrix& logits, const TokenVector& targets, const To
 Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int64_t rows, int64_t width,
                       float* merged, const TokenVector& targets, const TokenVector& weights, const LossParams& params,
                       const LossOutputs& out, double* terms, const DeviceError* error, cudaStream_t stream) {
-  if (rows == 0) {
-    if (params.reduction != Reduction::kNone) return {Code::kInternalError, "cuda: an empty reduction reached the device"};
-    return {};
+  const auto* w = reinterpret_cast<const float*>(weights.base);
+  if (rows == 0) {  // nothing to merge; a reduction of no tokens is 0, as on the CPU
+    if (params.reduction == Reduction::kNone) return {};
+    reduce_loss_kernel<<<1, kThreads, 0, stream>>>(terms, 0, targets.base, targets.dtype == kInt64, targets.stride, w,
+                                                   weights.stride, params, reinterpret_cast<float*>(out.loss.base),
+                                                   error);
+    return launched("reduction");
   }
   constexpr int kTokens = 256;
   merge_kernel<<<grid_for(rows, kTokens), kTokens, 0, stream>>>(gathered, rank_stride, ranks, rows, width, merged);
   if (Status s = launched("merge"); !s.ok()) return s;
-  const auto* w = reinterpret_cast<const float*>(weights.base);
   loss_kernel<<<grid_for(rows, kTokens), kTokens, 0, stream>>>(
       merged, rows, width, targets.base, targets.dtype == kInt64, targets.stride, w, weights.stride, params,
       reinterpret_cast<float*>(out.loss.base), out.loss.stride, terms, reinterpret_cast<float*>(out.lse.base),
@@ -473,7 +478,7 @@ Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int
   if (Status s = launched("loss"); !s.ok()) return s;
   if (params.reduction == Reduction::kNone) return {};
   reduce_loss_kernel<<<1, kThreads, 0, stream>>>(terms, rows, targets.base, targets.dtype == kInt64, targets.stride, w,
-                                                 weights.stride, params, reinterpret_cast<float*>(out.loss.base));
+                                                 weights.stride, params, reinterpret_cast<float*>(out.loss.base), error);
   return launched("reduction");
 }
 

@@ -100,7 +100,7 @@ struct DeviceBuffer {
 struct DeviceRun {
   std::vector<Status> status;
   std::vector<Status> device_status;
-  std::vector<std::vector<float>> loss, lse;
+  std::vector<std::vector<float>> loss, lse, target_is_argmax, entropy;
   std::vector<double> grad;  // [N, V]
 };
 
@@ -123,6 +123,8 @@ DeviceRun run_on_device(Problem& problem, const std::vector<VocabShard>& shards,
   run.device_status.resize(static_cast<std::size_t>(ranks));
   run.loss.resize(static_cast<std::size_t>(ranks));
   run.lse.resize(static_cast<std::size_t>(ranks));
+  run.target_is_argmax.resize(static_cast<std::size_t>(ranks));
+  run.entropy.resize(static_cast<std::size_t>(ranks));
   std::unique_ptr<ThreadGroup> group;
   EXPECT_TRUE(ThreadGroup::create(ranks, &group).ok());
   run.status = group->run([&](Communicator& host) -> Status {
@@ -135,6 +137,8 @@ DeviceRun run_on_device(Problem& problem, const std::vector<VocabShard>& shards,
     DeviceBuffer y(targets.data(), targets.size() * sizeof(int64_t));
     DeviceBuffer loss(nullptr, (reduced ? 1 : n) * sizeof(float) + 4);
     DeviceBuffer lse(nullptr, n * sizeof(float) + 4);
+    DeviceBuffer argmax(nullptr, n * sizeof(float) + 4);
+    DeviceBuffer entropy(nullptr, n * sizeof(float) + 4);
     const VocabShard& shard = shards[static_cast<std::size_t>(r)];
     const int64_t cols = shard.vocab_end - shard.vocab_begin;
     const Device gpu{DeviceType::kCUDA, 0};
@@ -145,8 +149,14 @@ DeviceRun run_on_device(Problem& problem, const std::vector<VocabShard>& shards,
     const TensorView lv = TensorView::contiguous(loss.p, kFloat32, {reduced ? 1 : n}, gpu);
     const TensorView ev = TensorView::contiguous(lse.p, kFloat32, {n}, gpu);
     const TensorView wv = TensorView::contiguous(weights.p, kFloat32, {n}, gpu);
+    const TensorView av = TensorView::contiguous(argmax.p, kFloat32, {n}, gpu);
+    const TensorView hv = TensorView::contiguous(entropy.p, kFloat32, {n}, gpu);
     ForwardExtras extras;
     extras.weights = options.weights.empty() ? nullptr : &wv;
+    if (options.extras) {
+      extras.target_is_argmax = &av;
+      extras.entropy = &hv;
+    }
     cudaStream_t stream = nullptr;
     cudaStreamCreate(&stream);
     LossOptions opts = options.loss;
@@ -165,6 +175,8 @@ DeviceRun run_on_device(Problem& problem, const std::vector<VocabShard>& shards,
     cudaStreamSynchronize(stream);
     run.loss[static_cast<std::size_t>(r)] = loss.read<float>(reduced ? 1 : static_cast<std::size_t>(n));
     run.lse[static_cast<std::size_t>(r)] = lse.read<float>(static_cast<std::size_t>(n));
+    run.target_is_argmax[static_cast<std::size_t>(r)] = argmax.read<float>(static_cast<std::size_t>(n));
+    run.entropy[static_cast<std::size_t>(r)] = entropy.read<float>(static_cast<std::size_t>(n));
     cudaStreamDestroy(stream);
     return s;
   });
@@ -191,6 +203,10 @@ void expect_matches_oracle(Problem problem, const std::vector<VocabShard>& shard
     EXPECT_LT(relative_error(widen(run.lse[r]), want.lse), 1e-6) << "rank " << r;
     EXPECT_EQ(std::memcmp(run.loss[r].data(), run.loss[0].data(), run.loss[0].size() * sizeof(float)), 0)
         << "rank " << r << "'s loss differs from rank 0's";
+    if (options.extras) {
+      EXPECT_EQ(widen(run.target_is_argmax[r]), want.target_is_argmax) << "rank " << r;
+      EXPECT_LT(relative_error(widen(run.entropy[r]), want.entropy), 1e-5) << "rank " << r;
+    }
   }
   EXPECT_LT(relative_error(run.grad, want.grad), grad_tolerance);
 }
@@ -236,6 +252,32 @@ TEST(Cuda, EveryOption) {
     o.loss.reduction = reduction;
     o.grad_scalar = 0.75f;
     expect_matches_oracle(p, shards_from_sizes({1000, 0, 2001}), o, 1e-5);
+  }
+}
+
+TEST(Cuda, ExtrasAndEveryGradientDtype) {
+  REQUIRE_GPU();
+  for (DataType grad_dtype : {kFloat32, kBFloat16, kFloat16}) {
+    SCOPED_TRACE("gradient " + to_string(grad_dtype));
+    RunOptions o;
+    o.extras = true;
+    o.grad_dtype = grad_dtype;
+    o.loss.label_smoothing = 0.1f;
+    const double tolerance = grad_dtype == kFloat32 ? 1e-5 : grad_dtype == kBFloat16 ? 8e-3 : 1e-3;
+    expect_matches_oracle(random_problem(33, 2053, kBFloat16, 12), shards_from_sizes(even_splits(2053, 3)), o,
+                          tolerance);
+  }
+}
+
+TEST(Cuda, EmptyBatchWithAReductionIsZero) {
+  REQUIRE_GPU();
+  Problem p = random_problem(0, 100, kFloat32, 2);
+  RunOptions o;
+  o.loss.reduction = Reduction::kMean;
+  DeviceRun run = run_on_device(p, shards_from_sizes(even_splits(100, 2)), o);
+  for (std::size_t r = 0; r < 2; ++r) {
+    ASSERT_TRUE(run.status[r].ok()) << run.status[r].to_string();
+    EXPECT_EQ(run.loss[r][0], 0.0f);
   }
 }
 
