@@ -61,15 +61,20 @@ Status check_device_pointer(const TensorView& t, const char* name) {
 class CurrentDevice {
  public:
   explicit CurrentDevice(int device) {
-    cudaGetDevice(&previous_);
-    if (previous_ != device) cudaSetDevice(device);
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (previous_ != device) status_ = cudaSetDevice(device);
   }
-  ~CurrentDevice() { cudaSetDevice(previous_); }
+  ~CurrentDevice() {
+    if (previous_ >= 0 && status_ == cudaSuccess) cudaSetDevice(previous_);
+  }
   CurrentDevice(const CurrentDevice&) = delete;
   CurrentDevice& operator=(const CurrentDevice&) = delete;
+  // Whether the device could be made current.
+  Status status() const { return status_ == cudaSuccess ? Status{} : cuda_failure("cudaSetDevice", status_); }
 
  private:
   int previous_ = 0;
+  cudaError_t status_ = cudaSuccess;
 };
 
 struct DeviceWorkspace {
@@ -109,12 +114,16 @@ namespace {
 Status ensure(char** buffer, std::size_t* capacity, std::size_t bytes, cudaStream_t stream) {
   if (bytes <= *capacity) return {};
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  cudaStreamIsCapturing(stream, &capturing);
+  if (const cudaError_t e = cudaStreamIsCapturing(stream, &capturing); e != cudaSuccess) {
+    return cuda_failure("cudaStreamIsCapturing", e);
+  }
   if (capturing != cudaStreamCaptureStatusNone) {
     return {Code::kInvalidUsage, "workspace: expected device buffers already large enough when capturing a CUDA graph "
                                  "(run one call of this size first), got a call that needs larger ones"};
   }
-  if (*buffer != nullptr) cudaFreeAsync(*buffer, stream);
+  if (*buffer != nullptr) {
+    if (const cudaError_t e = cudaFreeAsync(*buffer, stream); e != cudaSuccess) return cuda_failure("cudaFreeAsync", e);
+  }
   *buffer = nullptr;
   *capacity = 0;
   if (const cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(buffer), bytes, stream); e != cudaSuccess) {
@@ -130,6 +139,7 @@ Status device_forward(Communicator& comm, const DeviceForwardArgs& a, std::share
   auto stream = static_cast<cudaStream_t>(a.options.stream);
   const int device = a.device;
   CurrentDevice current(device);
+  if (Status s = current.status(); !s.ok()) return s;
   if (!*state) *state = std::make_shared<DeviceWorkspace>();
   auto& w = *static_cast<DeviceWorkspace*>(state->get());
   if (w.used && (w.stream != stream || w.device != device)) {
@@ -137,10 +147,11 @@ Status device_forward(Communicator& comm, const DeviceForwardArgs& a, std::share
     // stream after it (without waiting on the host).
     CurrentDevice previous(w.device);
     cudaEvent_t done = nullptr;
-    cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
-    cudaEventRecord(done, w.stream);
-    cudaStreamWaitEvent(stream, done, 0);
-    cudaEventDestroy(done);
+    cudaError_t e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventRecord(done, w.stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, done, 0);
+    if (done != nullptr) cudaEventDestroy(done);
+    if (e != cudaSuccess) return cuda_failure("ordering after the previous forward's stream", e);
   }
   w.device = device;
   const int ranks = comm.size();
@@ -153,7 +164,9 @@ Status device_forward(Communicator& comm, const DeviceForwardArgs& a, std::share
   if (Status s = ensure(&w.recv, &w.recv_capacity, total, stream); !s.ok()) return s;
   if (Status s = ensure(&w.merged, &w.merged_capacity, merged_bytes, stream); !s.ok()) return s;
   if (Status s = ensure(&w.error_word, &w.error_capacity, sizeof(cuda::DeviceError), stream); !s.ok()) return s;
-  cudaMemsetAsync(w.error(), 0, sizeof(cuda::DeviceError), stream);
+  if (const cudaError_t e = cudaMemsetAsync(w.error(), 0, sizeof(cuda::DeviceError), stream); e != cudaSuccess) {
+    return cuda_failure("clearing the error word", e);
+  }
   auto* header = reinterpret_cast<RankHeader*>(w.send);
   if (Status s = cuda::write_header(a.header, header, stream); !s.ok()) return s;
   if (a.local.ok()) {
@@ -209,6 +222,7 @@ Status device_status(void* state) {
 Status device_backward(const DeviceBackwardArgs& a) {
   auto stream = static_cast<cudaStream_t>(a.options.stream);
   CurrentDevice current(a.device);
+  if (Status s = current.status(); !s.ok()) return s;
   double* shared = nullptr;
   if (a.params.reduction != Reduction::kNone) {
     if (const cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&shared), sizeof(double), stream); e != cudaSuccess) {
@@ -217,7 +231,11 @@ Status device_backward(const DeviceBackwardArgs& a) {
   }
   const Status s = cuda::gradient(a.in.logits, a.in.targets, a.in.weights, a.lse, a.grad_loss, a.vocab_begin, a.params,
                                   a.grad, shared, stream);
-  if (shared != nullptr) cudaFreeAsync(shared, stream);
+  if (shared != nullptr) {
+    if (const cudaError_t e = cudaFreeAsync(shared, stream); e != cudaSuccess && s.ok()) {
+      return cuda_failure("cudaFreeAsync of the upstream gradient", e);
+    }
+  }
   return s;
 }
 
