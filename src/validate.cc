@@ -284,12 +284,18 @@ Status check_targets(const TokenVector& targets, int64_t valid_vocab, int64_t ig
   return {};
 }
 
-Status check_weights(const TensorView* weights, int64_t n, TokenVector* out, uint64_t* hash) {
+Status as_weights(const TensorView* weights, int64_t n, TokenVector* out) {
   *out = TokenVector{};
   if (weights == nullptr) return {};
-  TokenVector w;
   if (Status s = check_dtype("weights", weights->dtype, {kFloat32}, "float32"); !s.ok()) return s;
-  if (Status s = as_token_vector(*weights, "weights", n, &w); !s.ok()) return s;
+  return as_token_vector(*weights, "weights", n, out);
+}
+
+Status check_weights(const TensorView* weights, int64_t n, TokenVector* out, uint64_t* hash) {
+  TokenVector w;
+  if (Status s = as_weights(weights, n, &w); !s.ok()) return s;
+  *out = w;
+  if (weights == nullptr) return {};
   uint64_t h = *hash;
   for (int64_t i = 0; i < n; ++i) {
     const float value = w.at<float>(i);
@@ -346,10 +352,7 @@ Status check_loss_inputs(const TensorView& logits, const TensorView& targets,
   in.inputs_hash = 0xcbf29ce484222325ULL;  // FNV-1a offset basis
   if (logits.device.type != DeviceType::kCPU) {
     // Device memory: the values are checked by the kernels (see loss.h), not read here.
-    if (weights != nullptr) {
-      if (Status s = check_dtype("weights", weights->dtype, {kFloat32}, "float32"); !s.ok()) return s;
-      if (Status s = as_token_vector(*weights, "weights", in.logits.rows, &in.weights); !s.ok()) return s;
-    }
+    if (Status s = as_weights(weights, in.logits.rows, &in.weights); !s.ok()) return s;
     *out = in;
     return {};
   }

@@ -71,6 +71,9 @@ Status check_targets(const TokenVector& targets, int64_t valid_vocab, int64_t ig
 // Optional per-token weights: absent (null) or float32, one per token, all finite; folds
 // their bits into `hash`. `out` gets base == nullptr when absent.
 Status check_weights(const TensorView* weights, int64_t n, TokenVector* out, uint64_t* hash);
+// The weights' view alone (float32, n elements), without reading the values: for device
+// memory. Absent weights give an absent vector.
+Status as_weights(const TensorView* weights, int64_t n, TokenVector* out);
 
 // The byte ranges of a and b intersect.
 bool overlaps(const char* a_begin, const char* a_end, const char* b_begin, const char* b_end);

@@ -71,22 +71,13 @@ Status run_command(const RunConfig& config) {
     const int64_t cols = shard.vocab_end - shard.vocab_begin;
     const TensorView x = TensorView::matrix(logits.data() + shard.vocab_begin * element, logits.dtype, tokens, cols, vocab);
     const TensorView y = TensorView::contiguous(in.targets.data.data(), target_dtype, {tokens});
-    const TensorView loss = TensorView::contiguous(out.loss.data(), kFloat32, {static_cast<int64_t>(out.loss.size())});
-    const TensorView lse = TensorView::contiguous(out.lse.data(), kFloat32, {tokens});
-    const TensorView argmax = TensorView::contiguous(out.target_is_argmax.data(), kFloat32, {tokens});
-    const TensorView entropy = TensorView::contiguous(out.entropy.data(), kFloat32, {tokens});
-    ForwardExtras extras;
-    extras.weights = config.weights_path.empty() ? nullptr : &weights;
-    if (config.extras) {
-      extras.target_is_argmax = &argmax;
-      extras.entropy = &entropy;
-    }
-    if (Status s = forward(comm, x, y, shard, options, loss, lse, extras); !s.ok()) return s;
+    const ForwardOutputs views(config, out, tokens, &weights);
+    if (Status s = forward(comm, x, y, shard, options, views.loss, views.lse, views.extras); !s.ok()) return s;
     const TensorView g = TensorView::contiguous(upstream, kFloat32, {reduced ? 1 : tokens});
     const TensorView grad = config.in_place ? x
                                             : TensorView::matrix(grad_out_of_place.data() + shard.vocab_begin, kFloat32,
                                                                  tokens, cols, vocab);
-    return backward(x, y, lse, g, shard, options, grad, extras.weights);
+    return backward(x, y, views.lse, g, shard, options, grad, views.extras.weights);
   });
   const double elapsed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   for (const Status& s : results) {

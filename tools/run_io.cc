@@ -127,6 +127,18 @@ RankOutputs make_rank_outputs(const RunConfig& config, int64_t tokens) {
   return o;
 }
 
+ForwardOutputs::ForwardOutputs(const RunConfig& config, RankOutputs& out, int64_t tokens, const TensorView* weights)
+    : loss(TensorView::contiguous(out.loss.data(), kFloat32, {static_cast<int64_t>(out.loss.size())})),
+      lse(TensorView::contiguous(out.lse.data(), kFloat32, {tokens})),
+      target_is_argmax(TensorView::contiguous(out.target_is_argmax.data(), kFloat32, {tokens})),
+      entropy(TensorView::contiguous(out.entropy.data(), kFloat32, {tokens})) {
+  extras.weights = config.weights_path.empty() ? nullptr : weights;
+  if (config.extras) {
+    extras.target_is_argmax = &target_is_argmax;
+    extras.entropy = &entropy;
+  }
+}
+
 Status write_outputs(const RunConfig& config, const std::vector<int64_t>& logits_shape, const RankOutputs& first,
                      const float* grad, const std::string& summary_head, const std::string& summary_tail) {
   const bool reduced = config.loss.reduction != Reduction::kNone;

@@ -40,6 +40,18 @@ struct RankOutputs {
 };
 RankOutputs make_rank_outputs(const RunConfig& config, int64_t tokens);
 
+// Views of one rank's outputs for forward(), and the ForwardExtras pointing into them
+// (with the weights when given, the extras when config.extras). Not copyable: `extras`
+// points into the object.
+struct ForwardOutputs {
+  ForwardOutputs(const RunConfig& config, RankOutputs& out, int64_t tokens, const TensorView* weights);
+  ForwardOutputs(const ForwardOutputs&) = delete;
+  ForwardOutputs& operator=(const ForwardOutputs&) = delete;
+
+  TensorView loss, lse, target_is_argmax, entropy;
+  ForwardExtras extras;
+};
+
 // Writes loss.npy, lse.npy, grad_logits.npy (float32 [..., V]) and the extras into
 // config.out_dir and prints the summary line:
 //   vpce run: tokens N  V V  <head>  <loss label> <value>  <tail>

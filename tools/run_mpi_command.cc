@@ -151,21 +151,12 @@ Status compute(const RunConfig& config, MpiCommunicator& comm, const TokenInputs
   const TensorView x = TensorView::contiguous(logits.data(), logits.dtype, {tokens, cols});
   const TensorView y = TensorView::contiguous(in.targets.data.data(),
                                               in.targets.dtype == npy::Dtype::kInt64 ? kInt64 : kInt32, {tokens});
-  const TensorView loss = TensorView::contiguous(out.loss.data(), kFloat32, {static_cast<int64_t>(out.loss.size())});
-  const TensorView lse = TensorView::contiguous(out.lse.data(), kFloat32, {tokens});
-  const TensorView argmax = TensorView::contiguous(out.target_is_argmax.data(), kFloat32, {tokens});
-  const TensorView entropy = TensorView::contiguous(out.entropy.data(), kFloat32, {tokens});
-  ForwardExtras extras;
-  extras.weights = config.weights_path.empty() ? nullptr : &weights;
-  if (config.extras) {
-    extras.target_is_argmax = &argmax;
-    extras.entropy = &entropy;
-  }
+  const ForwardOutputs views(config, out, tokens, &weights);
   const auto start = std::chrono::steady_clock::now();
-  if (Status s = forward(comm, x, y, shard, options, loss, lse, extras); !s.ok()) return s;
+  if (Status s = forward(comm, x, y, shard, options, views.loss, views.lse, views.extras); !s.ok()) return s;
   const TensorView g = TensorView::contiguous(upstream, kFloat32, {reduced ? 1 : tokens});
   const TensorView grad = config.in_place ? x : TensorView::contiguous(run->grad.data(), kFloat32, {tokens, cols});
-  if (Status s = backward(x, y, lse, g, shard, options, grad, extras.weights); !s.ok()) return s;
+  if (Status s = backward(x, y, views.lse, g, shard, options, grad, views.extras.weights); !s.ok()) return s;
   run->elapsed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   if (config.in_place) {
     for (std::size_t i = 0; i < run->grad.size(); ++i) {

@@ -50,6 +50,13 @@ inline LossParams loss_params(const LossOptions& options, int64_t vocab_size) {
   return p;
 }
 
+// The columns of a shard [vocab_begin, vocab_begin + cols) that are real classes (not
+// padding beyond Vv), counted from the shard's first column.
+VPCE_HD inline int64_t valid_columns(int64_t vocab_begin, int64_t cols, const LossParams& p) {
+  const int64_t valid = p.valid_vocab - vocab_begin;
+  return valid < 0 ? 0 : valid > cols ? cols : valid;
+}
+
 // The argmax column travels in a float slot of the statistics, bit for bit.
 VPCE_HD inline float int_as_float_bits(int32_t value) {
   float out;

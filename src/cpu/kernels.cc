@@ -63,12 +63,6 @@ int resolved_threads(int num_threads) {
 #endif
 }
 
-// The columns of [vocab_begin, vocab_begin + cols) that are real classes, counted from 0.
-int64_t valid_columns(int64_t vocab_begin, int64_t cols, const LossParams& p) {
-  const int64_t valid = p.valid_vocab - vocab_begin;
-  return valid < 0 ? 0 : valid > cols ? cols : valid;
-}
-
 int64_t block_count(int64_t columns) { return (columns + kBlockColumns - 1) / kBlockColumns; }
 
 // Few rows and many blocks: the (row, block) pairs are spread over the threads instead of

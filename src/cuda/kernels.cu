@@ -415,11 +415,6 @@ __global__ void write_header_kernel(RankHeader header, RankHeader* out) {
   if (threadIdx.x == 0) *out = header;
 }
 
-int64_t valid_columns(int64_t vocab_begin, int64_t cols, const LossParams& p) {
-  const int64_t valid = p.valid_vocab - vocab_begin;
-  return valid < 0 ? 0 : valid > cols ? cols : valid;
-}
-
 Status launched(const char* what) {
   const cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) return {};

@@ -60,6 +60,25 @@ std::optional<vpce::TensorView> optional_view(const std::optional<A>& a, const c
   return view(*a, name);
 }
 
+// The optional per-token tensors of a forward, as views that ForwardExtras points into
+// (so the object must stay where it is while the call runs).
+struct Extras {
+  Extras(const std::optional<Array>& weights, const std::optional<MutableArray>& target_is_argmax,
+         const std::optional<MutableArray>& entropy)
+      : w(optional_view(weights, "weights")),
+        a(optional_view(target_is_argmax, "target_is_argmax")),
+        h(optional_view(entropy, "entropy")) {
+    views.weights = w ? &*w : nullptr;
+    views.target_is_argmax = a ? &*a : nullptr;
+    views.entropy = h ? &*h : nullptr;
+  }
+  Extras(const Extras&) = delete;
+  Extras& operator=(const Extras&) = delete;
+
+  std::optional<vpce::TensorView> w, a, h;
+  vpce::ForwardExtras views;
+};
+
 // The forward's collective through a Python callable (or a copy, for a single rank).
 class CallbackCommunicator final : public vpce::Communicator {
  public:
@@ -140,18 +159,12 @@ NB_MODULE(_vpce, m) {
         const vpce::TensorView y = view(targets, "targets");
         const vpce::TensorView l = view(loss, "loss");
         const vpce::TensorView e = view(lse, "lse");
-        const auto w = optional_view(weights, "weights");
-        const auto a = optional_view(target_is_argmax, "target_is_argmax");
-        const auto h = optional_view(entropy, "entropy");
-        vpce::ForwardExtras extras;
-        extras.weights = w ? &*w : nullptr;
-        extras.target_is_argmax = a ? &*a : nullptr;
-        extras.entropy = h ? &*h : nullptr;
+        const Extras extras(weights, target_is_argmax, entropy);
         CallbackCommunicator comm(rank, size, std::move(all_gather));
         vpce::Status status;
         {
           nb::gil_scoped_release release;
-          status = vpce::forward(comm, x, y, shard_of(vocab_begin, vocab_end, vocab_size), options, l, e, extras);
+          status = vpce::forward(comm, x, y, shard_of(vocab_begin, vocab_end, vocab_size), options, l, e, extras.views);
         }
         check(status);
       },
@@ -211,15 +224,9 @@ NB_MODULE(_vpce, m) {
         const vpce::TensorView y = view(targets, "targets");
         const vpce::TensorView l = view(loss, "loss");
         const vpce::TensorView e = view(lse, "lse");
-        const auto w = optional_view(weights, "weights");
-        const auto a = optional_view(target_is_argmax, "target_is_argmax");
-        const auto h = optional_view(entropy, "entropy");
-        vpce::ForwardExtras extras;
-        extras.weights = w ? &*w : nullptr;
-        extras.target_is_argmax = a ? &*a : nullptr;
-        extras.entropy = h ? &*h : nullptr;
+        const Extras extras(weights, target_is_argmax, entropy);
         nb::gil_scoped_release release;
-        check(vpce::calculate_loss(s, y, vocab_size, options, l, e, extras));
+        check(vpce::calculate_loss(s, y, vocab_size, options, l, e, extras.views));
       },
       nb::arg("stats"), nb::arg("targets"), nb::arg("vocab_size"), nb::arg("options"), nb::arg("loss"),
       nb::arg("lse"), nb::arg("weights") = nb::none(), nb::arg("target_is_argmax") = nb::none(),
