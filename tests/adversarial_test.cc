@@ -2,9 +2,11 @@
 // -inf columns, a whole shard of -inf, targets on shard boundaries, uniform rows, one
 // dominant column; checked against the fp64 oracle, and for finiteness.
 #include <gtest/gtest.h>
+#include <hwy/targets.h>
 
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include "reference/reference.h"
 #include "support.h"
@@ -79,6 +81,45 @@ TEST(Adversarial, TargetAtMinusInfinityGivesInfiniteLossFiniteGradient) {
   EXPECT_EQ(result.per_rank[0].loss[0], kInf);
   EXPECT_EQ(result.per_rank[1].loss[1], kInf);
   for (double g : result.grad) EXPECT_TRUE(std::isfinite(g));
+}
+
+// Rows long enough for several of the forward's chunks (64 vectors: 1024 columns on
+// AVX-512, 512 on AVX2), whose max grows from chunk to chunk (so the running sum is
+// rescaled, by up to e^-250), sits in the last chunk far above the rest, sits in the first,
+// or follows chunks of -inf; on every SIMD target, with and without label smoothing.
+TEST(Adversarial, MaxMovingAcrossChunksMatchesOracle) {
+  constexpr int64_t kTokens = 7, kColumns = 5000;
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    for (DataType dtype : {kFloat32, kBFloat16}) {
+      for (float smoothing : {0.0f, 0.1f}) {
+        Problem p = random_problem(kTokens, kColumns, dtype, 31, 1.0f);
+        for (int64_t v = 0; v < kColumns; ++v) {
+          const auto x = static_cast<float>(v);
+          p.set(0, v, x * 0.01f);                             // rising slowly: a new max in every chunk
+          p.set(1, v, x * 0.05f - 100.0f);                    // rising fast: rescaled by e^-50 and less
+          p.set(2, v, v == kColumns - 3 ? 90.0f : p.at(2, v));  // the max 90 above the rest, at the end
+          p.set(3, v, v == 2 ? 40.0f : p.at(3, v));           // the max in the first chunk
+          p.set(4, v, 20.0f - x * 0.01f);                     // falling
+          if (smoothing == 0.0f && v < 2500) p.set(5, v, -kInf);  // chunks of -inf, then values
+          if (smoothing == 0.0f && v >= 1000 && v < 3100) p.set(6, v, -kInf);  // values, -inf, values
+        }
+        p.targets = {4999, 10, 4997, 2, 0, 2600, 3500};
+        const std::vector<double> x = p.as_double();
+        RunOptions options;
+        options.loss.label_smoothing = smoothing;
+        const RunResult result = run_ranks(p, shards_from_sizes({kColumns}), options);
+        for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
+        const auto want = reference::cross_entropy(x, kTokens, kColumns, p.targets, smoothing, widen(p.grad_loss));
+        const std::string where = std::string(hwy::TargetName(target)) + " " + to_string(dtype) +
+                                  " smoothing " + std::to_string(smoothing);
+        EXPECT_LE(relative_error(widen(result.per_rank[0].loss), want.loss), 1e-6) << where;
+        EXPECT_LE(relative_error(widen(result.per_rank[0].lse), want.lse), 1e-6) << where;
+        EXPECT_LE(relative_error(result.grad, want.grad), 1e-6) << where;
+      }
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
 }
 
 }  // namespace

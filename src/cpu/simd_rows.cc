@@ -61,16 +61,13 @@ HWY_INLINE VF LoadPartial(DF d, const T* p, size_t count) {
 HWY_INLINE void StoreFull(DF d, VF v, float* p) { hn::StoreU(v, d, p); }
 
 #if HWY_TARGET == HWY_AVX3
-// fp32 -> bf16 with AVX512-BF16's VCVTNEPS2BF16 (round to nearest even in hardware), for
-// CPUs that have it. Its own function: it needs that extension, which the AVX3 target lacks.
-__attribute__((target(HWY_TARGET_STR ",avx512bf16"), noinline)) void ConvertToBf16Hardware(const float* in, BFloat16* out,
-                                                                                      int64_t count) {
-  int64_t v = 0;
-  for (; v + 16 <= count; v += 16) {
-    const __m256bh half = _mm512_cvtneps_pbh(_mm512_loadu_ps(in + v));
-    std::memcpy(out + v, &half, sizeof(half));
-  }
-  for (; v < count; ++v) out[v] = from_float<BFloat16>(in[v]);
+// fp32 -> bf16 with AVX512-BF16's VCVTNEPS2BF16 (round to nearest even in hardware; NaN
+// stays NaN; denormal inputs and outputs are flushed to zero), for CPUs that have it. Inline
+// assembly: the AVX3 target that this code is compiled for lacks that extension.
+HWY_INLINE void StoreBf16Hardware(VF v, BFloat16* p) {
+  __m256i half;
+  asm("vcvtneps2bf16 %1, %0" : "=v"(half) : "v"(v.raw));
+  std::memcpy(p, &half, sizeof(half));
 }
 
 bool HasAvx512Bf16() {
@@ -114,6 +111,44 @@ HWY_INLINE void StorePartial(DF d, VF v, G* p, size_t count) {
   std::memcpy(p, buffer, count * sizeof(G));
 }
 
+// ---- the exponential ------------------------------------------------------------------------
+
+// exp(x) in fp32 lanes: within 1 ulp for normal results (1.25 without fused multiply-add;
+// tests/exp_test.cc measures every target), 0 for x below about -103.3 and for NaN, +inf above about 88.72. About half the
+// instructions of Highway's Exp, which the kernels used before (docs/performance.md).
+//   x = n ln2 + r, n = round(x / ln2) by adding 1.5 * 2^23, |r| <= ln2 / 2 with ln2 in two
+//   parts (n times the first is exact); exp(r) = 1 + r (1 + r P(r)), P the Taylor series
+//   1/2! + r/3! + ... + r^5/7! (truncation below 0.1 ulp), by Horner; then times 2^n:
+//   VSCALEFPS on AVX-512, two exponent multiplications elsewhere (so that results below
+//   2^-126 round correctly into the subnormals).
+HWY_INLINE VF Exponential(DF d, VF x) {
+  const VF kRoundingShift = hn::Set(d, 0x1.8p23f);
+  x = hn::Min(hn::Max(x, hn::Set(d, -104.0f)), hn::Set(d, 89.0f));  // Max first: NaN -> -104
+  const VF shifted = hn::MulAdd(x, hn::Set(d, 1.44269504088896341f), kRoundingShift);
+  const VF n = hn::Sub(shifted, kRoundingShift);
+  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), x);   // ln2's first 16 bits
+  r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);  // the rest of ln2
+  VF poly = hn::Set(d, 1.0f / 5040.0f);
+  poly = hn::MulAdd(poly, r, hn::Set(d, 1.0f / 720.0f));
+  poly = hn::MulAdd(poly, r, hn::Set(d, 1.0f / 120.0f));
+  poly = hn::MulAdd(poly, r, hn::Set(d, 1.0f / 24.0f));
+  poly = hn::MulAdd(poly, r, hn::Set(d, 1.0f / 6.0f));
+  poly = hn::MulAdd(poly, r, hn::Set(d, 0.5f));
+  const VF one = hn::Set(d, 1.0f);
+  const VF exp_r = hn::MulAdd(hn::MulAdd(poly, r, one), r, one);
+#if HWY_TARGET == HWY_AVX3
+  return VF{_mm512_scalef_ps(exp_r.raw, n.raw)};
+#else
+  const hn::RebindToSigned<DF> di;
+  const auto n_int = hn::Sub(hn::BitCast(di, shifted), hn::BitCast(di, kRoundingShift));
+  const auto half = hn::ShiftRight<1>(n_int);
+  const auto bias = hn::Set(di, 127);
+  const VF scale_a = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(half, bias)));
+  const VF scale_b = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::Sub(n_int, half), bias)));
+  return hn::Mul(hn::Mul(exp_r, scale_a), scale_b);
+#endif
+}
+
 // ---- the logit transform ----------------------------------------------------------------
 
 template <int kKind>
@@ -141,11 +176,77 @@ HWY_INLINE VF Slope(DF d, VF z, const TransformParams& t) {
 
 // ---- block statistics ---------------------------------------------------------------------
 
-// row: [cols] of T -> BlockStats. The first pass keeps the transformed logits z in a
-// stack buffer (64 KiB, in L1/L2), so the later passes neither widen nor transform again.
+// row: [cols] of T -> BlockStats, a chunk of 64 vectors (in L1) at a time: the chunk's max,
+// then the sum of exp(z - m) with m the max so far, the earlier chunks' fp64 sum rescaled
+// by exp(m_before - m) when m grows (rarely, after the first chunks). Each exponent z - m
+// is exact where it matters (z near m), as with the block's max, and the block is read
+// from memory once, with no store. (The argmax and the weighted sum take the two-pass
+// route below.)
+template <class T, int kKind>
+void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool with_sum_logits, BlockStats* out) {
+  const DF d;
+  const auto lanes = static_cast<int64_t>(hn::Lanes(d));
+  const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+  constexpr int64_t kAhead = 2048;  // elements prefetched ahead of the loads
+  const int64_t chunk = 64 * lanes;
+  float max = -std::numeric_limits<float>::infinity();
+  double sum_exp = 0.0, sum_logits = 0.0;
+  for (int64_t begin = 0; begin < cols; begin += chunk) {
+    const int64_t end = std::min(cols, begin + chunk);
+    const int64_t full_end = end - (end - begin) % lanes;
+    const auto tail = static_cast<size_t>(end - full_end);
+    const bool has_tail = tail != 0;
+    const VF z_tail = has_tail ? hn::IfThenElse(hn::FirstN(d, tail), Transform<kKind>(d, LoadPartial(d, row + full_end, tail), t), neg_inf)
+                               : neg_inf;
+    // Four independent maxima: one would wait on Max's latency at every vector.
+    VF max0 = z_tail, max1 = neg_inf, max2 = neg_inf, max3 = neg_inf;
+    int64_t v = begin;
+    for (; v + 4 * lanes <= full_end; v += 4 * lanes) {
+      max0 = hn::Max(max0, Transform<kKind>(d, LoadFull(d, row + v), t));
+      max1 = hn::Max(max1, Transform<kKind>(d, LoadFull(d, row + v + lanes), t));
+      max2 = hn::Max(max2, Transform<kKind>(d, LoadFull(d, row + v + 2 * lanes), t));
+      max3 = hn::Max(max3, Transform<kKind>(d, LoadFull(d, row + v + 3 * lanes), t));
+    }
+    for (; v < full_end; v += lanes) max0 = hn::Max(max0, Transform<kKind>(d, LoadFull(d, row + v), t));
+    const VF vmax = hn::Max(hn::Max(max0, max1), hn::Max(max2, max3));
+    const float chunk_max = hn::GetLane(hn::MaxOfLanes(d, vmax));
+    if (chunk_max == -std::numeric_limits<float>::infinity()) {  // no mass (and -inf - -inf is NaN)
+      if (with_sum_logits) sum_logits = -std::numeric_limits<double>::infinity();
+      continue;
+    }
+    if (!(chunk_max <= max)) {  // the max grows (a NaN max also lands here, and stays)
+      sum_exp *= std::exp(static_cast<double>(max) - static_cast<double>(chunk_max));
+      max = chunk_max;
+    }
+    const VF vm = hn::Set(d, max);
+    VF sum_e = hn::Zero(d), sum_z = hn::Zero(d);
+    for (v = begin; v < full_end; v += lanes) {
+      hwy::Prefetch(row + v + kAhead);  // spread over the exponentials, which leave time
+      const VF z = Transform<kKind>(d, LoadFull(d, row + v), t);
+      sum_e = hn::Add(sum_e, Exponential(d, hn::Sub(z, vm)));
+      if (with_sum_logits) sum_z = hn::Add(sum_z, z);
+    }
+    if (has_tail) {
+      sum_e = hn::Add(sum_e, Exponential(d, hn::Sub(z_tail, vm)));
+      sum_z = hn::Add(sum_z, hn::IfThenElseZero(hn::FirstN(d, tail), z_tail));
+    }
+    sum_exp += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, sum_e)));
+    if (with_sum_logits) sum_logits += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, sum_z)));
+  }
+  BlockStats s;
+  s.max = max;
+  s.sum_exp = sum_exp;
+  s.sum_logits = sum_logits;
+  *out = s;
+}
+
+// row: [cols] of T -> BlockStats in two passes while the block is in cache: the first keeps
+// the transformed logits z in a stack buffer (64 KiB, in L1/L2) and finds the max, so the
+// later passes neither widen nor transform again.
 template <class T, int kKind>
 void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_logits,
            bool with_weighted, BlockStats* out) {
+  if (!with_weighted) return StatsByChunks<T, kKind>(row, cols, t, with_sum_logits, out);
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
   const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
@@ -189,7 +290,7 @@ void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_l
       hwy::Prefetch(row + v + kBlockColumns);
       const VF z = hn::Load(d, z_block + v);
       const VF offset = hn::Sub(z, vm);
-      const VF e = hn::Exp(d, offset);
+      const VF e = Exponential(d, offset);
       sum_exp = hn::Add(sum_exp, e);
       if (with_sum_logits) sum_z = hn::Add(sum_z, v < full ? z : hn::IfThenElseZero(hn::FirstN(d, tail), z));
       if (with_weighted) {
@@ -227,10 +328,19 @@ void BlockStatsImpl(const void* row, int32_t type, int64_t cols, const Transform
 
 // ---- block gradient -----------------------------------------------------------------------
 
+// One full vector of gradient; kHardwareBf16 rounds a bf16 one with VCVTNEPS2BF16.
+template <bool kHardwareBf16, class G>
+HWY_INLINE void StoreGradient(DF d, VF v, G* p) {
+#if HWY_TARGET == HWY_AVX3
+  if constexpr (kHardwareBf16) return StoreBf16Hardware(v, p);
+#endif
+  StoreFull(d, v, p);
+}
+
 // row: [cols] of T -> grad: [cols] of G.
-template <class T, class G, int kKind>
-void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c,
-              bool allow_stream) {
+// kHardwareBf16: full vectors of a bf16 gradient are rounded by VCVTNEPS2BF16 (AVX3 only).
+template <class T, class G, int kKind, bool kHardwareBf16 = false>
+void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
   // upstream (p coefficient - uniform) as one fused multiply-subtract.
@@ -239,7 +349,7 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
   const VF scaled_uniform = hn::Set(d, c.upstream * c.uniform);
   auto element = [&](VF x) {
     const VF z = Transform<kKind>(d, x, t);
-    const VF p = hn::Exp(d, hn::Sub(z, lse));
+    const VF p = Exponential(d, hn::Sub(z, lse));
     VF g = hn::MulSub(p, scaled_coefficient, scaled_uniform);
     if constexpr (kKind != kIdentity) g = hn::Mul(g, Slope<kKind>(d, z, t));
     return g;
@@ -249,8 +359,7 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
   // An fp32 gradient in its own buffer is written with non-temporal stores, which skip
   // reading each line before writing it; they need aligned addresses, so the first
   // elements up to an aligned one are stored normally. (In place, the lines are in cache.)
-  const bool stream =
-      allow_stream && std::is_same_v<G, float> && static_cast<const void*>(grad) != static_cast<const void*>(row);
+  const bool stream = std::is_same_v<G, float> && static_cast<const void*>(grad) != static_cast<const void*>(row);
   if (stream) {
     const auto misalignment = reinterpret_cast<uintptr_t>(grad) % (lanes * sizeof(float));
     int64_t peel = misalignment == 0 ? 0 : (static_cast<int64_t>(lanes * sizeof(float) - misalignment) / 4);
@@ -266,7 +375,7 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
   } else {
     for (; v + lanes <= cols; v += lanes) {
       hwy::Prefetch(row + v + kAhead);
-      StoreFull(d, element(LoadFull(d, row + v)), grad + v);
+      StoreGradient<kHardwareBf16>(d, element(LoadFull(d, row + v)), grad + v);
     }
   }
   if (v < cols) {
@@ -275,33 +384,26 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
   }
 }
 
-// allow_stream: an fp32 gradient goes to memory (not to a buffer in cache) and may be
-// written with non-temporal stores.
 template <class T, class G>
 void GradientForTypes(const void* row, void* grad, int64_t cols, const TransformParams& t,
-                      const GradientConstants& c, bool allow_stream = true) {
+                      const GradientConstants& c) {
   const T* r = static_cast<const T*>(row);
   G* g = static_cast<G*>(grad);
 #if HWY_TARGET == HWY_AVX3
   if constexpr (std::is_same_v<G, BFloat16>) {
-    if (HasAvx512Bf16()) {  // fp32 chunks in L1, then rounded by the hardware
-      constexpr int64_t kChunk = 1024;
-      HWY_ALIGN float chunk[kChunk];
-      for (int64_t begin = 0; begin < cols; begin += kChunk) {
-        const int64_t count = std::min(kChunk, cols - begin);
-        GradientForTypes<T, float>(r + begin, chunk, count, t, c, false);
-        ConvertToBf16Hardware(chunk, g + begin, count);
-      }
-      return;
+    if (HasAvx512Bf16()) {
+      if (t.cap > 0.0f) return Gradient<T, G, kSoftCapped, true>(r, g, cols, t, c);
+      if (t.scale != 1.0f) return Gradient<T, G, kScaled, true>(r, g, cols, t, c);
+      return Gradient<T, G, kIdentity, true>(r, g, cols, t, c);
     }
   }
 #endif
   if (t.cap > 0.0f) {
-    Gradient<T, G, kSoftCapped>(r, g, cols, t, c, allow_stream);
+    Gradient<T, G, kSoftCapped>(r, g, cols, t, c);
   } else if (t.scale != 1.0f) {
-    Gradient<T, G, kScaled>(r, g, cols, t, c, allow_stream);
+    Gradient<T, G, kScaled>(r, g, cols, t, c);
   } else {
-    Gradient<T, G, kIdentity>(r, g, cols, t, c, allow_stream);
+    Gradient<T, G, kIdentity>(r, g, cols, t, c);
   }
 }
 
@@ -342,14 +444,14 @@ float SlopeOneImpl(float z, const TransformParams& t) {
 
 float ExpOneImpl(float x) {
   const DF d;
-  return hn::GetLane(hn::Exp(d, hn::Set(d, x)));
+  return hn::GetLane(Exponential(d, hn::Set(d, x)));
 }
 
 void ExpInPlaceImpl(float* data, int64_t n) {
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
   int64_t v = 0;
-  for (; v + lanes <= n; v += lanes) hn::StoreU(hn::Exp(d, hn::LoadU(d, data + v)), d, data + v);
+  for (; v + lanes <= n; v += lanes) hn::StoreU(Exponential(d, hn::LoadU(d, data + v)), d, data + v);
   for (; v < n; ++v) data[v] = ExpOneImpl(data[v]);
 }
 
