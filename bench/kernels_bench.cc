@@ -22,6 +22,19 @@ std::vector<float> random_floats(int64_t n) {
   return v;
 }
 
+// n Normal(0, 2) logits stored as `type`.
+std::vector<std::byte> random_row(StorageType type, int64_t n) {
+  const std::vector<float> values = random_floats(n);
+  std::vector<std::byte> row(static_cast<size_t>(n) * 4);
+  for (int64_t v = 0; v < n; ++v) {
+    const float x = values[static_cast<size_t>(v)];
+    if (type == StorageType::kFloat32) reinterpret_cast<float*>(row.data())[v] = x;
+    if (type == StorageType::kBFloat16) reinterpret_cast<BFloat16*>(row.data())[v] = from_float<BFloat16>(x);
+    if (type == StorageType::kFloat16) reinterpret_cast<Float16*>(row.data())[v] = from_float<Float16>(x);
+  }
+  return row;
+}
+
 void BM_Exp(benchmark::State& state) {
   std::vector<float> data(static_cast<size_t>(state.range(0)), -0.5f);
   for (auto _ : state) {
@@ -32,26 +45,23 @@ void BM_Exp(benchmark::State& state) {
 }
 BENCHMARK(BM_Exp)->Arg(4096);
 
+// Args: storage (0 fp32, 1 bf16, 2 fp16), and whether the extras (argmax, weighted sum)
+// are asked for, which takes the two-pass route.
 void BM_BlockStats(benchmark::State& state) {
-  const std::vector<float> row = random_floats(kBlockColumns);
+  const auto type = static_cast<StorageType>(state.range(0));
+  const std::vector<std::byte> row = random_row(type, kBlockColumns);
   for (auto _ : state) {
-    benchmark::DoNotOptimize(block_stats(row.data(), StorageType::kFloat32, kBlockColumns, TransformParams{},
-                                         state.range(0) != 0, state.range(0) != 0));
+    benchmark::DoNotOptimize(block_stats(row.data(), type, kBlockColumns, TransformParams{}, state.range(1) != 0,
+                                         state.range(1) != 0));
   }
   state.SetItemsProcessed(state.iterations() * kBlockColumns);
 }
-BENCHMARK(BM_BlockStats)->Arg(0)->Arg(1);
+BENCHMARK(BM_BlockStats)->Args({0, 0})->Args({1, 0})->Args({0, 1});
 
 // Args: input and output storage (0 fp32, 1 bf16, 2 fp16); output == input runs in place.
 void BM_BlockGradient(benchmark::State& state) {
   const auto in = static_cast<StorageType>(state.range(0)), out = static_cast<StorageType>(state.range(1));
-  const std::vector<float> values = random_floats(kBlockColumns);
-  std::vector<std::byte> row(kBlockColumns * 4), grad(kBlockColumns * 4);
-  for (int64_t v = 0; v < kBlockColumns; ++v) {
-    if (in == StorageType::kFloat32) reinterpret_cast<float*>(row.data())[v] = values[static_cast<size_t>(v)];
-    if (in == StorageType::kBFloat16) reinterpret_cast<BFloat16*>(row.data())[v] = from_float<BFloat16>(values[static_cast<size_t>(v)]);
-    if (in == StorageType::kFloat16) reinterpret_cast<Float16*>(row.data())[v] = from_float<Float16>(values[static_cast<size_t>(v)]);
-  }
+  std::vector<std::byte> row = random_row(in, kBlockColumns), grad(kBlockColumns * 4);
   void* target = in == out ? static_cast<void*>(row.data()) : static_cast<void*>(grad.data());
   const GradientConstants c{1.0f, 12.0f, 1.0f, 0.0f};
   for (auto _ : state) {
@@ -62,16 +72,20 @@ void BM_BlockGradient(benchmark::State& state) {
 }
 BENCHMARK(BM_BlockGradient)->Args({0, 0})->Args({0, 1})->Args({1, 0})->Args({1, 1})->Args({2, 2});
 
-// Whole problems from memory: [tokens, V] fp32, one thread.
+// Whole problems from memory, one thread. Args: tokens, V, dtype (0 fp32, 1 bf16).
+DataType data_type(int64_t arg) { return arg == 0 ? kFloat32 : kBFloat16; }
+StorageType storage_type(int64_t arg) { return arg == 0 ? StorageType::kFloat32 : StorageType::kBFloat16; }
+
 void BM_LocalStats(benchmark::State& state) {
   const int64_t tokens = state.range(0), vocab = state.range(1);
-  const std::vector<float> logits = random_floats(tokens * vocab);
+  const DataType dtype = data_type(state.range(2));
+  const std::vector<std::byte> logits = random_row(storage_type(state.range(2)), tokens * vocab);
   std::vector<int64_t> targets(static_cast<size_t>(tokens), 0);
   std::vector<float> stats(static_cast<size_t>(tokens * 4));
   LossOptions options;
   options.num_threads = 1;
   for (auto _ : state) {
-    const Status s = calculate_local_stats(TensorView::contiguous(logits.data(), kFloat32, {tokens, vocab}),
+    const Status s = calculate_local_stats(TensorView::contiguous(logits.data(), dtype, {tokens, vocab}),
                                            TensorView::contiguous(targets.data(), kInt64, {tokens}),
                                            VocabShard{0, vocab, vocab}, options,
                                            TensorView::contiguous(stats.data(), kFloat32, {tokens, 4}));
@@ -79,27 +93,30 @@ void BM_LocalStats(benchmark::State& state) {
   }
   state.SetItemsProcessed(state.iterations() * tokens * vocab);
 }
-BENCHMARK(BM_LocalStats)->Args({1024, 32000})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_LocalStats)->Args({1024, 32000, 0})->Args({1024, 32000, 1})->Unit(benchmark::kMillisecond);
 
+// The gradient into a separate fp32 buffer (fp32 logits) or in place (bf16 logits).
 void BM_Gradient(benchmark::State& state) {
   const int64_t tokens = state.range(0), vocab = state.range(1);
-  const std::vector<float> logits = random_floats(tokens * vocab);
-  std::vector<float> grad(static_cast<size_t>(tokens * vocab));
+  const DataType dtype = data_type(state.range(2));
+  std::vector<std::byte> logits = random_row(storage_type(state.range(2)), tokens * vocab);
+  std::vector<float> separate(dtype == kFloat32 ? static_cast<size_t>(tokens * vocab) : 0);
   std::vector<int64_t> targets(static_cast<size_t>(tokens), 0);
   std::vector<float> lse(static_cast<size_t>(tokens), 12.0f), ones(static_cast<size_t>(tokens), 1.0f);
   LossOptions options;
   options.num_threads = 1;
+  const TensorView x = TensorView::contiguous(logits.data(), dtype, {tokens, vocab});
+  const TensorView grad = dtype == kFloat32 ? TensorView::contiguous(separate.data(), kFloat32, {tokens, vocab}) : x;
   for (auto _ : state) {
-    const Status s = backward(TensorView::contiguous(logits.data(), kFloat32, {tokens, vocab}),
-                              TensorView::contiguous(targets.data(), kInt64, {tokens}),
+    const Status s = backward(x, TensorView::contiguous(targets.data(), kInt64, {tokens}),
                               TensorView::contiguous(lse.data(), kFloat32, {tokens}),
                               TensorView::contiguous(ones.data(), kFloat32, {tokens}), VocabShard{0, vocab, vocab},
-                              options, TensorView::contiguous(grad.data(), kFloat32, {tokens, vocab}));
+                              options, grad);
     if (!s.ok()) state.SkipWithError(s.message().c_str());
   }
   state.SetItemsProcessed(state.iterations() * tokens * vocab);
 }
-BENCHMARK(BM_Gradient)->Args({1024, 32000})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Gradient)->Args({1024, 32000, 0})->Args({1024, 32000, 1})->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace vpce::detail
