@@ -1,7 +1,8 @@
 // tests/exp_test.cc: vpce's vectorised exp (cpu/simd_rows.cc) against the C library's
 // double exp on every SIMD target: within 1 ulp over the whole range of normal results
 // (1.25 ulp on the targets without fused multiply-add: SSE4, SSSE3, scalar), within one
-// subnormal spacing below it, and the limits (-inf, +inf, NaN, overflow).
+// subnormal spacing below it, and the limits (-inf, NaN, overflow to +inf, and never a
+// finite value for arguments beyond the overflow range).
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
 
@@ -77,8 +78,8 @@ TEST(Exp, Limits) {
   for (int64_t target : targets()) {
     hwy::SetSupportedTargetsForTest(target);
     const std::string name = hwy::TargetName(target);
-    std::vector<float> y = {-kInf, -1e30f, -200.0f, -104.0f, 0.0f, -0.0f, 1.0f, 88.7f, 88.73f, 89.0f, 1e30f, kInf,
-                            std::numeric_limits<float>::quiet_NaN()};
+    std::vector<float> y = {-kInf, -1e30f, -200.0f, -104.0f, 0.0f,  -0.0f, 1.0f,
+                            88.7f, 88.73f, 89.0f,   2.9e6f, 1e30f,  kInf,  std::numeric_limits<float>::quiet_NaN()};
     exp_in_place(y.data(), static_cast<int64_t>(y.size()));
     EXPECT_EQ(y[0], 0.0f) << name;
     EXPECT_EQ(y[1], 0.0f) << name;
@@ -91,8 +92,9 @@ TEST(Exp, Limits) {
     EXPECT_EQ(y[8], kInf) << name;
     EXPECT_EQ(y[9], kInf) << name;
     EXPECT_EQ(y[10], kInf) << name;
-    EXPECT_EQ(y[11], kInf) << name;
-    EXPECT_EQ(y[12], 0.0f) << name << ": a NaN argument gives 0, as Highway's Exp did";
+    EXPECT_FALSE(std::isfinite(y[11])) << name << ": exp(1e30) must not be finite";
+    EXPECT_FALSE(std::isfinite(y[12])) << name << ": exp(+inf) must not be finite";
+    EXPECT_EQ(y[13], 0.0f) << name << ": a NaN argument gives 0, as Highway's Exp did";
   }
   hwy::SetSupportedTargetsForTest(0);
 }

@@ -58,6 +58,22 @@ HWY_INLINE VF LoadPartial(DF d, const T* p, size_t count) {
   return LoadFull(d, buffer);
 }
 
+// 2 * lanes consecutive elements as two vectors, in an order that only sums and maxima may
+// rely on: bf16 as the even and the odd positions, from one load and two integer
+// operations (PromoteTo needs a shuffle and a shift per vector); other types in order.
+template <class T>
+HWY_INLINE void LoadTwo(DF d, const T* p, VF& first, VF& second) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    const hn::RebindToUnsigned<DF> du;
+    const auto words = hn::LoadU(du, reinterpret_cast<const uint32_t*>(p));  // (odd << 16) | even
+    first = hn::BitCast(d, hn::ShiftLeft<16>(words));
+    second = hn::BitCast(d, hn::And(words, hn::Set(du, 0xFFFF0000u)));
+  } else {
+    first = LoadFull(d, p);
+    second = LoadFull(d, p + hn::Lanes(d));
+  }
+}
+
 HWY_INLINE void StoreFull(DF d, VF v, float* p) { hn::StoreU(v, d, p); }
 
 #if HWY_TARGET == HWY_AVX3
@@ -113,27 +129,33 @@ HWY_INLINE void StorePartial(DF d, VF v, G* p, size_t count) {
 
 // ---- the exponential ------------------------------------------------------------------------
 
-// exp(x) in fp32 lanes: within 1 ulp for normal results (1.25 without fused multiply-add;
-// tests/exp_test.cc measures every target), 0 for x below about -103.3 and for NaN, +inf above about 88.72. About half the
-// instructions of Highway's Exp, which the kernels used before (docs/performance.md).
+// exp(x) in fp32 lanes: within 1 ulp for normal results (1.25 ulp without fused
+// multiply-add; tests/exp_test.cc measures every target), 0 for x below about -103.3 and
+// for NaN, +inf above about 88.72; on AVX-512 only up to 2^22 ln2 (2.9e6), and +inf or
+// NaN (never a finite value) above, +inf included: the kernels take exps of z - max and
+// z - lse only, which are <= 0, and an upper clamp would cost a tenth of the time there.
+// 12 vector instructions on AVX-512, where Highway's Exp (used before) takes 27.
 //   x = n ln2 + r, n = round(x / ln2) by adding 1.5 * 2^23, |r| <= ln2 / 2 with ln2 in two
-//   parts (n times the first is exact); exp(r) = 1 + r (1 + r P(r)), P the Taylor series
-//   1/2! + r/3! + ... + r^5/7! (truncation below 0.1 ulp), by Horner; then times 2^n:
+//   parts (n times the first is exact); exp(r) = 1 + r (1 + r P(r)), P of degree 4 by
+//   Horner, its coefficients the minimax fit of (e^r - 1 - r) / r^2 for the relative error
+//   of e^r (scripts/fit_exp_polynomial.py: 0.07 ulp once rounded to fp32); then times 2^n:
 //   VSCALEFPS on AVX-512, two exponent multiplications elsewhere (so that results below
 //   2^-126 round correctly into the subnormals).
 HWY_INLINE VF Exponential(DF d, VF x) {
   const VF kRoundingShift = hn::Set(d, 0x1.8p23f);
-  x = hn::Min(hn::Max(x, hn::Set(d, -104.0f)), hn::Set(d, 89.0f));  // Max first: NaN -> -104
+  x = hn::Max(x, hn::Set(d, -104.0f));  // NaN -> -104
+#if HWY_TARGET != HWY_AVX3
+  x = hn::Min(x, hn::Set(d, 89.0f));  // the exponent built from n's bits overflows above
+#endif
   const VF shifted = hn::MulAdd(x, hn::Set(d, 1.44269504088896341f), kRoundingShift);
   const VF n = hn::Sub(shifted, kRoundingShift);
-  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), x);   // ln2's first 16 bits
+  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), x);   // ln2 to 15 bits
   r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);  // the rest of ln2
-  VF poly = hn::Set(d, 1.0f / 5040.0f);
-  poly = hn::MulAdd(poly, r, hn::Set(d, 1.0f / 720.0f));
-  poly = hn::MulAdd(poly, r, hn::Set(d, 1.0f / 120.0f));
-  poly = hn::MulAdd(poly, r, hn::Set(d, 1.0f / 24.0f));
-  poly = hn::MulAdd(poly, r, hn::Set(d, 1.0f / 6.0f));
-  poly = hn::MulAdd(poly, r, hn::Set(d, 0.5f));
+  VF poly = hn::Set(d, 0x1.6a2164p-10f);
+  poly = hn::MulAdd(poly, r, hn::Set(d, 0x1.123b96p-7f));
+  poly = hn::MulAdd(poly, r, hn::Set(d, 0x1.5558fcp-5f));
+  poly = hn::MulAdd(poly, r, hn::Set(d, 0x1.55549p-3f));
+  poly = hn::MulAdd(poly, r, hn::Set(d, 0x1.fffffcp-2f));
   const VF one = hn::Set(d, 1.0f);
   const VF exp_r = hn::MulAdd(hn::MulAdd(poly, r, one), r, one);
 #if HWY_TARGET == HWY_AVX3
@@ -202,10 +224,13 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
     VF max0 = z_tail, max1 = neg_inf, max2 = neg_inf, max3 = neg_inf;
     int64_t v = begin;
     for (; v + 4 * lanes <= full_end; v += 4 * lanes) {
-      max0 = hn::Max(max0, Transform<kKind>(d, LoadFull(d, row + v), t));
-      max1 = hn::Max(max1, Transform<kKind>(d, LoadFull(d, row + v + lanes), t));
-      max2 = hn::Max(max2, Transform<kKind>(d, LoadFull(d, row + v + 2 * lanes), t));
-      max3 = hn::Max(max3, Transform<kKind>(d, LoadFull(d, row + v + 3 * lanes), t));
+      VF x0, x1, x2, x3;
+      LoadTwo(d, row + v, x0, x1);
+      LoadTwo(d, row + v + 2 * lanes, x2, x3);
+      max0 = hn::Max(max0, Transform<kKind>(d, x0, t));
+      max1 = hn::Max(max1, Transform<kKind>(d, x1, t));
+      max2 = hn::Max(max2, Transform<kKind>(d, x2, t));
+      max3 = hn::Max(max3, Transform<kKind>(d, x3, t));
     }
     for (; v < full_end; v += lanes) max0 = hn::Max(max0, Transform<kKind>(d, LoadFull(d, row + v), t));
     const VF vmax = hn::Max(hn::Max(max0, max1), hn::Max(max2, max3));
@@ -219,17 +244,26 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
       max = chunk_max;
     }
     const VF vm = hn::Set(d, max);
-    VF sum_e = hn::Zero(d), sum_z = hn::Zero(d);
-    for (v = begin; v < full_end; v += lanes) {
+    VF sum_e = hn::Zero(d), sum_e1 = hn::Zero(d), sum_z = hn::Zero(d);
+    for (v = begin; v + 2 * lanes <= full_end; v += 2 * lanes) {
       hwy::Prefetch(row + v + kAhead);  // spread over the exponentials, which leave time
+      VF x0, x1;
+      LoadTwo(d, row + v, x0, x1);
+      const VF z0 = Transform<kKind>(d, x0, t), z1 = Transform<kKind>(d, x1, t);
+      sum_e = hn::Add(sum_e, Exponential(d, hn::Sub(z0, vm)));
+      sum_e1 = hn::Add(sum_e1, Exponential(d, hn::Sub(z1, vm)));
+      if (with_sum_logits) sum_z = hn::Add(sum_z, hn::Add(z0, z1));
+    }
+    if (v < full_end) {  // one vector left
       const VF z = Transform<kKind>(d, LoadFull(d, row + v), t);
       sum_e = hn::Add(sum_e, Exponential(d, hn::Sub(z, vm)));
-      if (with_sum_logits) sum_z = hn::Add(sum_z, z);
+      sum_z = hn::Add(sum_z, z);
     }
     if (has_tail) {
       sum_e = hn::Add(sum_e, Exponential(d, hn::Sub(z_tail, vm)));
       sum_z = hn::Add(sum_z, hn::IfThenElseZero(hn::FirstN(d, tail), z_tail));
     }
+    sum_e = hn::Add(sum_e, sum_e1);
     sum_exp += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, sum_e)));
     if (with_sum_logits) sum_logits += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, sum_z)));
   }
