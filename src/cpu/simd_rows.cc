@@ -86,6 +86,17 @@ HWY_INLINE void StoreBf16Hardware(VF v, BFloat16* p) {
   std::memcpy(p, &half, sizeof(half));
 }
 
+// Even- and odd-position fp32 values (as LoadTwo gives them) -> 2 * 16 bf16 in order: one
+// VCVTNE2PS2BF16 (even values in the low half, odd in the high) and one word permutation.
+HWY_INLINE void StoreBf16PairsHardware(VF even, VF odd, BFloat16* p) {
+  __m512i packed;
+  asm("vcvtne2ps2bf16 %[low], %[high], %[out]" : [out] "=v"(packed) : [high] "v"(odd.raw), [low] "v"(even.raw));
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(kInterleave);
+  _mm512_storeu_si512(p, _mm512_permutexvar_epi16(order, packed));
+}
+
 bool HasAvx512Bf16() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
   return has;
@@ -407,6 +418,16 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
     }
     hwy::FlushStream();
   } else {
+#if HWY_TARGET == HWY_AVX3
+    if constexpr (kHardwareBf16 && std::is_same_v<T, BFloat16>) {  // bf16 pairs in and out
+      for (; v + 2 * lanes <= cols; v += 2 * lanes) {
+        hwy::Prefetch(row + v + kAhead);
+        VF even, odd;
+        LoadTwo(d, row + v, even, odd);
+        StoreBf16PairsHardware(element(even), element(odd), grad + v);
+      }
+    }
+#endif
     for (; v + lanes <= cols; v += lanes) {
       hwy::Prefetch(row + v + kAhead);
       StoreGradient<kHardwareBf16>(d, element(LoadFull(d, row + v)), grad + v);
