@@ -7,14 +7,17 @@
 // read by the forward and by the backward, gradient written) over the bandwidth of a
 // parallel copy of a buffer larger than the caches, and its exponentials (one per logit in
 // the forward and one in the backward) over the throughput of the vectorised exp on data
-// in cache, on all threads.
+// in cache, on all threads. Both are sampled after every timed iteration, and %bound is the
+// median of the iterations' ratios: the machine is compared with itself at the same moment.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -41,45 +44,60 @@ struct MachineBound {
   double exps_per_second = 0.0;
 };
 
-// Best of five parallel copies of a 512 MiB buffer into another (1 GiB of traffic each):
-// the machine's peak, since other tenants of a shared machine only ever slow it down.
-double measure_copy_bandwidth(int threads) {
-  const std::size_t bytes = std::size_t{512} << 20;
-  std::unique_ptr<char[]> src(new char[bytes]), dst(new char[bytes]);
+// Samples the machine's bound: a parallel copy of a 512 MiB buffer into another (1 GiB of
+// traffic, larger than the caches; best of two), and the vectorised exp over 4096 floats in cache on
+// every thread (best of three). Sampled between the timed iterations, so that each
+// iteration is compared with the machine as it was then: a shared machine's speed drifts.
+class BoundMeter {
+ public:
+  explicit BoundMeter(int threads) : threads_(threads), src_(new char[kBytes]), dst_(new char[kBytes]) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t chunk = 0; chunk < 512; ++chunk) {
-    std::memset(src.get() + chunk * (bytes / 512), static_cast<int>(chunk), bytes / 512);
-    std::memset(dst.get() + chunk * (bytes / 512), 0, bytes / 512);
-  }
-  double best = 1e30;
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto start = Clock::now();
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t chunk = 0; chunk < 512; ++chunk) {
-      std::memcpy(dst.get() + chunk * (bytes / 512), src.get() + chunk * (bytes / 512), bytes / 512);
+    for (int64_t chunk = 0; chunk < kChunks; ++chunk) {
+      std::memset(src_.get() + chunk * (kBytes / kChunks), static_cast<int>(chunk), kBytes / kChunks);
+      std::memset(dst_.get() + chunk * (kBytes / kChunks), 0, kBytes / kChunks);
     }
-    best = std::min(best, seconds_since(start));
   }
-  return 2.0 * static_cast<double>(bytes) / best;
-}
 
-// The vectorised exp over 4096 floats in cache, repeatedly, on every thread: best of ten.
-double measure_exp_throughput(int threads) {
-  constexpr int64_t kCount = 4096;
-  constexpr int kReps = 2000;
-  double best = 1e30;
-  for (int rep = 0; rep < 10; ++rep) {
-    const auto start = Clock::now();
-#pragma omp parallel num_threads(threads)
-    {
-      std::vector<float> data(kCount, -0.5f);
-      for (int r = 0; r < kReps; ++r) detail::exp_in_place(data.data(), kCount);
-      if (data[0] == 42.0f) std::printf(" ");  // keeps the work observable
+  MachineBound sample() const { return {copy_bandwidth(), exp_throughput()}; }
+
+ private:
+  static constexpr std::size_t kBytes = std::size_t{512} << 20;
+  static constexpr int64_t kChunks = 512;
+
+  // Best of two: the first may also pay for writing back what the timed iteration left in cache.
+  double copy_bandwidth() const {
+    double best = 1e30;
+    for (int rep = 0; rep < 2; ++rep) {
+      const auto start = Clock::now();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+      for (int64_t chunk = 0; chunk < kChunks; ++chunk) {
+        std::memcpy(dst_.get() + chunk * (kBytes / kChunks), src_.get() + chunk * (kBytes / kChunks), kBytes / kChunks);
+      }
+      best = std::min(best, seconds_since(start));
     }
-    best = std::min(best, seconds_since(start));
+    return 2.0 * static_cast<double>(kBytes) / best;
   }
-  return static_cast<double>(threads) * kCount * kReps / best;
-}
+
+  double exp_throughput() const {
+    constexpr int64_t kCount = 4096;
+    constexpr int kReps = 1000;
+    double best = 1e30;
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto start = Clock::now();
+#pragma omp parallel num_threads(threads_)
+      {
+        std::vector<float> data(kCount, -0.5f);
+        for (int r = 0; r < kReps; ++r) detail::exp_in_place(data.data(), kCount);
+        if (data[0] == 42.0f) std::printf(" ");  // keeps the work observable
+      }
+      best = std::min(best, seconds_since(start));
+    }
+    return static_cast<double>(threads_) * kCount * kReps / best;
+  }
+
+  int threads_;
+  std::unique_ptr<char[]> src_, dst_;
+};
 
 struct Row {
   int64_t tokens;
@@ -88,7 +106,15 @@ struct Row {
 };
 
 struct Timing {
+  static Timing failed(std::string why) {
+    Timing t;
+    t.ok = false;
+    t.error = std::move(why);
+    return t;
+  }
   double forward_ms = 0.0, backward_ms = 0.0;
+  double percent_of_bound = 0.0;  // median over the iterations of bound time / time
+  MachineBound bound;             // medians of the samples
   int64_t wrong = 0;
   bool ok = true;
   std::string error;
@@ -177,8 +203,9 @@ void restore_logits(std::byte* logits, const std::byte* pristine, std::size_t by
 #endif
 }
 
-Timing time_row(const Row& row, const PerfConfig& config, bool in_place, std::byte* logits, const std::byte* pristine,
-                std::byte* grad_buffer, const std::vector<int64_t>& targets, const std::vector<float>& ones) {
+Timing time_row(const Row& row, const PerfConfig& config, bool in_place, const BoundMeter& meter, std::byte* logits,
+                const std::byte* pristine, std::byte* grad_buffer, const std::vector<int64_t>& targets,
+                const std::vector<float>& ones) {
   const int ranks = config.ranks;
   std::vector<VocabShard> shards;
   for (int r = 0; r < ranks; ++r) {
@@ -195,8 +222,10 @@ Timing time_row(const Row& row, const PerfConfig& config, bool in_place, std::by
   std::vector<std::vector<float>> lse = loss;
   std::unique_ptr<ThreadGroup> group;
   Timing timing;
-  if (Status s = ThreadGroup::create(ranks, &group); !s.ok()) return {0, 0, 0, false, s.to_string()};
-  std::vector<double> forward_seconds, backward_seconds;
+  if (Status s = ThreadGroup::create(ranks, &group); !s.ok()) return Timing::failed(s.to_string());
+  std::vector<double> forward_seconds, backward_seconds, percents, copy_samples, exp_samples;
+  const double elements = static_cast<double>(row.tokens * row.vocab);
+  const double bytes = elements * (2.0 * row.dtype.bytes() + (in_place ? row.dtype.bytes() : 4.0));
   const auto results = group->run([&](Communicator& comm) -> Status {
     const auto r = static_cast<std::size_t>(comm.rank());
     const VocabShard& shard = shards[r];
@@ -225,17 +254,26 @@ Timing time_row(const Row& row, const PerfConfig& config, bool in_place, std::by
       if (Status s = backward(x, y, e, g, shard, options, grad); !s.ok()) return s;
       if (Status s = barrier(); !s.ok()) return s;
       if (r == 0 && iteration >= config.warmup) {
+        const double end = seconds_since(middle);
         forward_seconds.push_back(std::chrono::duration<double>(middle - start).count());
-        backward_seconds.push_back(seconds_since(middle));
+        backward_seconds.push_back(end);
+        const MachineBound now = meter.sample();  // the other ranks wait, idle, at the barrier below
+        copy_samples.push_back(now.copy_bytes_per_second);
+        exp_samples.push_back(now.exps_per_second);
+        const double bound_seconds = std::max(bytes / now.copy_bytes_per_second, 2.0 * elements / now.exps_per_second);
+        percents.push_back(100.0 * bound_seconds / (forward_seconds.back() + end));
       }
+      if (Status s = barrier(); !s.ok()) return s;
     }
     return {};
   });
   for (const Status& s : results) {
-    if (!s.ok()) return {0, 0, 0, false, s.to_string()};
+    if (!s.ok()) return Timing::failed(s.to_string());
   }
   timing.forward_ms = 1e3 * median(forward_seconds);
   timing.backward_ms = 1e3 * median(backward_seconds);
+  timing.percent_of_bound = median(percents);
+  timing.bound = {median(copy_samples), median(exp_samples)};
   if (config.check) {
     timing.wrong = count_wrong(row, pristine, targets, loss[0], in_place ? logits : grad_buffer, grad_dtype,
                                config.label_smoothing);
@@ -258,16 +296,16 @@ Status perf_command(const PerfConfig& config) {
   if (config.dtype == "bf16" || config.dtype == "all") dtypes.push_back(kBFloat16);
   if (config.dtype == "fp16" || config.dtype == "all") dtypes.push_back(kFloat16);
   const int hardware = std::max(1u, std::thread::hardware_concurrency());
-  MachineBound bound;
-  bound.copy_bytes_per_second = measure_copy_bandwidth(hardware);
-  bound.exps_per_second = measure_exp_throughput(hardware);
-  const MachineBound first_bound = bound;
+  const BoundMeter meter(hardware);
+  const MachineBound first_bound = meter.sample();
   std::printf("# vpce perf: R %d, threads per rank %d, SIMD %s, %d hardware threads, label smoothing %g\n", config.ranks,
               config.threads > 0 ? config.threads : std::max(1, hardware / config.ranks), detail::simd_target_name(),
               hardware, static_cast<double>(config.label_smoothing));
-  std::printf("# bound: copy %.2f GB/s (best of 5 copies of 512 MiB, %d threads), exp %.3f Gexp/s (best of 10, in cache, %d "
-              "threads); measured again before each row (shown at its end)\n",
+  std::printf("# bound: copy %.2f GB/s (best of 2 copies of 512 MiB, %d threads), exp %.3f Gexp/s (best of 3, in cache, %d threads) "
+              "now; sampled again after every timed iteration\n",
               first_bound.copy_bytes_per_second / 1e9, hardware, first_bound.exps_per_second / 1e9, hardware);
+  std::printf("# %%bound: median over the iterations of (the bound's time from the sample after the iteration) / "
+              "(the iteration's time); [bound]: the samples' medians\n");
   std::printf("# times: median of %d iterations after %d warm-up; check %s\n", config.iterations, config.warmup,
               config.check ? "on (32 sampled tokens vs the fp64 oracle)" : "off");
   std::printf("#%62s%s\n", "", "out-of-place (fp32 gradient)                       in-place");
@@ -290,28 +328,24 @@ Status perf_command(const PerfConfig& config) {
         std::vector<int64_t> targets(static_cast<std::size_t>(row.tokens));
         for (int64_t i = 0; i < row.tokens; ++i) targets[static_cast<std::size_t>(i)] = (i * 7919) % vocab;
         const std::vector<float> ones(static_cast<std::size_t>(row.tokens), 1.0f);
-        // The bound again, just before the row: a shared machine's speed drifts.
-        bound.copy_bytes_per_second = measure_copy_bandwidth(hardware);
-        bound.exps_per_second = measure_exp_throughput(hardware);
         std::printf("  %8lld %8lld %8lld %5s", static_cast<long long>(row.tokens), static_cast<long long>(vocab),
                     static_cast<long long>(vocab / config.ranks), dtype_label(dtype).c_str());
+        MachineBound shown;
         for (bool in_place : {false, true}) {
-          const Timing timing = time_row(row, config, in_place, logits.get(), pristine.get(), grad.get(), targets, ones);
+          const Timing timing =
+              time_row(row, config, in_place, meter, logits.get(), pristine.get(), grad.get(), targets, ones);
           if (!timing.ok) return {Code::kInternalError, timing.error};
-          const double elements = static_cast<double>(count);
-          const double bytes = elements * (2.0 * dtype.bytes() + (in_place ? dtype.bytes() : 4.0));
+          const double bytes = static_cast<double>(count) * (2.0 * dtype.bytes() + (in_place ? dtype.bytes() : 4.0));
           const double seconds = (timing.forward_ms + timing.backward_ms) / 1e3;
-          const double bound_seconds =
-              std::max(bytes / bound.copy_bytes_per_second, 2.0 * elements / bound.exps_per_second);
-          const double percent = 100.0 * bound_seconds / seconds;
-          bound_sum += percent;
+          bound_sum += timing.percent_of_bound;
           ++bound_count;
           wrong_total += timing.wrong;
-          std::printf("  %8.3f %8.3f %7.2f %6.1f %6lld", timing.forward_ms, timing.backward_ms, bytes / seconds / 1e9, percent,
-                      static_cast<long long>(timing.wrong));
+          shown = timing.bound;
+          std::printf("  %8.3f %8.3f %7.2f %6.1f %6lld", timing.forward_ms, timing.backward_ms, bytes / seconds / 1e9,
+                      timing.percent_of_bound, static_cast<long long>(timing.wrong));
           std::fflush(stdout);
         }
-        std::printf("   [bound: %.1f GB/s, %.2f Gexp/s]\n", bound.copy_bytes_per_second / 1e9, bound.exps_per_second / 1e9);
+        std::printf("   [bound: %.1f GB/s, %.2f Gexp/s]\n", shown.copy_bytes_per_second / 1e9, shown.exps_per_second / 1e9);
       }
     }
   }
