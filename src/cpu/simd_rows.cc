@@ -510,6 +510,20 @@ void ExpInPlaceImpl(float* data, int64_t n) {
   for (; v < n; ++v) data[v] = ExpOneImpl(data[v]);
 }
 
+void StreamCopyImpl(void* destination, const void* source, int64_t bytes) {
+  const hn::ScalableTag<uint8_t> d8;
+  const auto lanes = static_cast<int64_t>(hn::Lanes(d8));
+  auto* to = static_cast<uint8_t*>(destination);
+  const auto* from = static_cast<const uint8_t*>(source);
+  const auto misalignment = static_cast<int64_t>(reinterpret_cast<uintptr_t>(to) % static_cast<uintptr_t>(lanes));
+  const int64_t head = std::min(bytes, misalignment == 0 ? int64_t{0} : lanes - misalignment);
+  std::memcpy(to, from, static_cast<size_t>(head));
+  int64_t i = head;
+  for (; i + lanes <= bytes; i += lanes) hn::Stream(hn::LoadU(d8, from + i), d8, to + i);
+  hwy::FlushStream();
+  std::memcpy(to + i, from + i, static_cast<size_t>(bytes - i));
+}
+
 const char* TargetNameImpl() { return hwy::TargetName(HWY_TARGET); }
 
 }  // namespace HWY_NAMESPACE
@@ -525,6 +539,7 @@ HWY_EXPORT(TransformOneImpl);
 HWY_EXPORT(SlopeOneImpl);
 HWY_EXPORT(ExpOneImpl);
 HWY_EXPORT(ExpInPlaceImpl);
+HWY_EXPORT(StreamCopyImpl);
 HWY_EXPORT(TargetNameImpl);
 
 void fold_block(BlockStats& a, const BlockStats& b, int64_t offset) {
@@ -565,6 +580,9 @@ float transform_one(float x, const TransformParams& t) { return HWY_DYNAMIC_DISP
 float slope_one(float z, const TransformParams& t) { return HWY_DYNAMIC_DISPATCH(SlopeOneImpl)(z, t); }
 float exp_one(float x) { return HWY_DYNAMIC_DISPATCH(ExpOneImpl)(x); }
 void exp_in_place(float* data, int64_t n) { HWY_DYNAMIC_DISPATCH(ExpInPlaceImpl)(data, n); }
+void stream_copy(void* destination, const void* source, int64_t bytes) {
+  HWY_DYNAMIC_DISPATCH(StreamCopyImpl)(destination, source, bytes);
+}
 const char* simd_target_name() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }
 
 }  // namespace vpce::detail

@@ -52,6 +52,9 @@ float slope_one(float z, const TransformParams& t);
 float exp_one(float x);
 // data[v] = exp(data[v]) for v in [0, n): the vectorised exp alone, for `vpce perf`'s bound.
 void exp_in_place(float* data, int64_t n);
+// destination[0, bytes) = source[0, bytes) with non-temporal stores (the lines go to memory,
+// not to the caches, and are not read first), for `vpce perf`.
+void stream_copy(void* destination, const void* source, int64_t bytes);
 // The name of the SIMD target the kernels run on ("AVX3", "AVX2", ...).
 const char* simd_target_name();
 
