@@ -502,12 +502,12 @@ float ExpOneImpl(float x) {
   return hn::GetLane(Exponential(d, hn::Set(d, x)));
 }
 
-void ExpInPlaceImpl(float* data, int64_t n) {
+void ExpImpl(const float* x, float* y, int64_t n) {
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
   int64_t v = 0;
-  for (; v + lanes <= n; v += lanes) hn::StoreU(Exponential(d, hn::LoadU(d, data + v)), d, data + v);
-  for (; v < n; ++v) data[v] = ExpOneImpl(data[v]);
+  for (; v + lanes <= n; v += lanes) hn::StoreU(Exponential(d, hn::LoadU(d, x + v)), d, y + v);
+  for (; v < n; ++v) y[v] = ExpOneImpl(x[v]);
 }
 
 void StreamCopyImpl(void* destination, const void* source, int64_t bytes) {
@@ -538,7 +538,7 @@ HWY_EXPORT(BlockGradientImpl);
 HWY_EXPORT(TransformOneImpl);
 HWY_EXPORT(SlopeOneImpl);
 HWY_EXPORT(ExpOneImpl);
-HWY_EXPORT(ExpInPlaceImpl);
+HWY_EXPORT(ExpImpl);
 HWY_EXPORT(StreamCopyImpl);
 HWY_EXPORT(TargetNameImpl);
 
@@ -579,7 +579,7 @@ void block_gradient(const void* row, StorageType in, void* grad, StorageType out
 float transform_one(float x, const TransformParams& t) { return HWY_DYNAMIC_DISPATCH(TransformOneImpl)(x, t); }
 float slope_one(float z, const TransformParams& t) { return HWY_DYNAMIC_DISPATCH(SlopeOneImpl)(z, t); }
 float exp_one(float x) { return HWY_DYNAMIC_DISPATCH(ExpOneImpl)(x); }
-void exp_in_place(float* data, int64_t n) { HWY_DYNAMIC_DISPATCH(ExpInPlaceImpl)(data, n); }
+void exp_lanes(const float* x, float* y, int64_t n) { HWY_DYNAMIC_DISPATCH(ExpImpl)(x, y, n); }
 void stream_copy(void* destination, const void* source, int64_t bytes) {
   HWY_DYNAMIC_DISPATCH(StreamCopyImpl)(destination, source, bytes);
 }

@@ -50,8 +50,9 @@ float transform_one(float x, const TransformParams& t);
 float slope_one(float z, const TransformParams& t);
 // exp(x) with the same arithmetic as the blocks.
 float exp_one(float x);
-// data[v] = exp(data[v]) for v in [0, n): the vectorised exp alone, for `vpce perf`'s bound.
-void exp_in_place(float* data, int64_t n);
+// y[v] = exp(x[v]) for v in [0, n) (y may be x): the vectorised exp alone, for tests and
+// for `vpce perf`'s bound.
+void exp_lanes(const float* x, float* y, int64_t n);
 // destination[0, bytes) = source[0, bytes) with non-temporal stores (the lines go to memory,
 // not to the caches, and are not read first), for `vpce perf`.
 void stream_copy(void* destination, const void* source, int64_t bytes);
