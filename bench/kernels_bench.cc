@@ -1,5 +1,5 @@
 // bench/kernels_bench.cc: Google Benchmark microbenchmarks of vpce's kernels: the SIMD
-// exp alone, one block's statistics and one block's gradient (in cache), and whole-row
+// exp alone (and Highway's, for comparison), one block's statistics and one block's gradient (in cache), and whole-row
 // local statistics and gradient over [tokens, V] (from memory). Reported as items
 // (logits) per second.
 #include <benchmark/benchmark.h>
@@ -9,6 +9,7 @@
 
 #include "cpu/dtype.h"
 #include "cpu/simd_rows.h"
+#include "highway_exp.h"
 #include "vpce/vpce.h"
 
 namespace vpce::detail {
@@ -36,20 +37,26 @@ std::vector<std::byte> random_row(StorageType type, int64_t n) {
 }
 
 // exp of n arguments spread over [-16, 0) (as z - max and z - lse are) into n others, placed
-// so that loads and stores do not alias modulo 4 KiB (which would stall the loads).
+// so that loads and stores do not alias modulo 4 KiB (which would stall the loads). Arg 0:
+// vpce's exp (the kernels'), 1: Highway's Exp (which the kernels used before).
 void BM_Exp(benchmark::State& state) {
-  const int64_t n = state.range(0);
+  const int64_t n = 4000;
   std::vector<float> buffer(static_cast<size_t>(2 * n + 16));
   float* x = buffer.data();
   float* y = buffer.data() + n + 16;
   for (int64_t i = 0; i < n; ++i) x[i] = -16.0f * static_cast<float>((i * 97) % n) / static_cast<float>(n);
+  const bool highway = state.range(0) != 0;
   for (auto _ : state) {
-    exp_lanes(x, y, n);
+    if (highway) {
+      bench::highway_exp_lanes(x, y, n);
+    } else {
+      exp_lanes(x, y, n);
+    }
     benchmark::DoNotOptimize(y);
   }
-  state.SetItemsProcessed(state.iterations() * state.range(0));
+  state.SetItemsProcessed(state.iterations() * n);
 }
-BENCHMARK(BM_Exp)->Arg(4000);
+BENCHMARK(BM_Exp)->Arg(0)->Arg(1);
 
 // Args: storage (0 fp32, 1 bf16, 2 fp16), and whether the extras (argmax, weighted sum)
 // are asked for, which takes the two-pass route.
