@@ -1,7 +1,7 @@
 // bench/kernels_bench.cc: Google Benchmark microbenchmarks of vpce's kernels: the SIMD
-// exp alone (and Highway's, for comparison), one block's statistics and one block's gradient (in cache), and whole-row
-// local statistics and gradient over [tokens, V] (from memory). Reported as items
-// (logits) per second.
+// exp alone (and Highway's, for comparison), one block's statistics and one block's
+// gradient (in cache), and whole-row local statistics and gradient over [tokens, V] (from
+// memory). Reported as items (logits) per second.
 #include <benchmark/benchmark.h>
 
 #include <random>
