@@ -12,6 +12,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
+#include <cstdint>
 #include <cstring>
 #include <optional>
 #include <stdexcept>
@@ -19,6 +20,10 @@
 
 #include "vpce/version.h"
 #include "vpce/vpce.h"
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 namespace nb = nanobind;
 
@@ -141,6 +146,27 @@ NB_MODULE(_vpce, m) {
       .def_rw("valid_vocab_size", &vpce::LossOptions::valid_vocab_size)
       .def_rw("reduction", &vpce::LossOptions::reduction)
       .def_rw("num_threads", &vpce::LossOptions::num_threads);
+
+  // A hint for a new CPU buffer, before anything is written to it: back the 2 MiB-aligned
+  // part of [address, address + bytes) with transparent huge pages, so that first touching
+  // it costs one page fault per 2 MiB instead of one per 4 KiB. Linux only; returns whether
+  // the kernel took the hint (it declines where THP is disabled).
+  m.def(
+      "advise_huge_pages",
+      [](std::uintptr_t address, std::size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+        constexpr std::uintptr_t kHuge = std::uintptr_t{2} << 20;
+        const std::uintptr_t begin = (address + kHuge - 1) & ~(kHuge - 1);
+        const std::uintptr_t end = (address + bytes) & ~(kHuge - 1);
+        if (end <= begin) return false;
+        return madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE) == 0;
+#else
+        (void)address;
+        (void)bytes;
+        return false;
+#endif
+      },
+      nb::arg("address"), nb::arg("bytes"));
 
   m.attr("STATS_WIDTH") = vpce::kStatsWidth;
   m.attr("STATS_WIDTH_WITH_EXTRAS") = vpce::kStatsWidthWithExtras;

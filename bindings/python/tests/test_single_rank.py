@@ -44,6 +44,23 @@ def test_bf16_within_bf16_rounding():
     assert ((grad.double() - want_grad).abs() <= want_grad.abs() * 2.0**-8 + 1e-30).all()
 
 
+def test_large_new_gradient_on_huge_pages_matches_reference():
+    # 64 MiB of fp32 logits: the backward's new gradient is advised onto huge pages first.
+    logits, target, grad_loss = problem(shape=(512,), vocab=32768, scale=2.0)
+    loss, grad = run(logits, target, grad_loss)
+    want_loss, want_grad = loss_and_grad(logits, target, grad_loss)
+    assert relative_error(loss, want_loss) < 1e-6
+    assert relative_error(grad, want_grad) < 1e-6
+
+
+def test_advise_huge_pages_is_only_a_hint():
+    buffer = torch.empty(4 << 20, dtype=torch.uint8)
+    assert vpce._vpce.advise_huge_pages(buffer.data_ptr(), 4096) is False  # no whole 2 MiB page inside
+    assert isinstance(vpce._vpce.advise_huge_pages(buffer.data_ptr(), buffer.numel()), bool)
+    buffer.fill_(7)  # still ordinary, writable memory
+    assert int(buffer.sum()) == 7 * buffer.numel()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_in_place_equals_out_of_place(dtype):
     logits, target, grad_loss = problem(dtype=dtype)

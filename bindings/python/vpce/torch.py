@@ -131,11 +131,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             _legacy_grad(grad, y, g, ctx.shard, ctx.legacy_smoothing)
             grad = grad.to(x.dtype)
         else:
-            grad = x if ctx.inplace else torch.empty_like(x)
+            grad = x if ctx.inplace else _new_gradient(x)
             _vpce.backward(x, y, lse, g, *ctx.shard, opts, grad)
         if ctx.input_dtype != grad.dtype:
             grad = grad.to(ctx.input_dtype)
         return grad, None, None, None, None, None, None
+
+
+_HUGE_PAGES_FROM = 64 << 20  # bytes
+
+
+def _new_gradient(x):
+    """A new tensor like x for the gradient. A large CPU one is advised onto transparent
+    huge pages before the kernel first writes it: PyTorch's CPU allocator hands out fresh
+    pages on every call, and faulting them in 4 KiB at a time costs more than the backward
+    itself (docs/performance.md)."""
+    grad = torch.empty_like(x)
+    nbytes = grad.numel() * grad.element_size()
+    if grad.device.type == "cpu" and grad.is_contiguous() and nbytes >= _HUGE_PAGES_FROM:
+        _vpce.advise_huge_pages(grad.data_ptr(), nbytes)
+    return grad
 
 
 def _legacy_loss(x, lse, loss, alpha):
