@@ -2,12 +2,14 @@
 // with Google Highway and compiled for every x86 target it attains (AVX-512, AVX2, SSE4,
 // SSSE3) plus scalar; the best one the CPU supports is chosen at run time.
 //
-// Statistics of a block take two passes while the block is in cache: the max, then the
-// sums of exp(z - max) (and of z, and of exp(z - max)(z - max), when asked), accumulated
-// in fp32 lanes over chunks of 64 vectors and in fp64 across chunks. The gradient reads
-// each logit once and writes each gradient element once. Loads widen bf16 and fp16 to
-// fp32; stores round fp32 to bf16 to nearest even in SIMD, and to fp16 through the exact
-// scalar conversion.
+// Statistics of a block are taken a chunk of 64 vectors at a time while it is in L1: the
+// chunk's max, then the sums of exp(z - m) (and of z when asked) with m the running max,
+// in fp32 lanes within a chunk and fp64 across chunks; with the extras (argmax, the
+// weighted sum) the whole block takes two passes from a stack buffer. The gradient reads
+// each logit once and writes each gradient element once. The exp is vpce's own
+// (Exponential). Loads widen bf16 and fp16 to fp32 (bf16 in even/odd pairs where the
+// order does not matter); stores round fp32 to bf16 to nearest even (AVX512-BF16 where
+// present) and to fp16 with F16C or the exact scalar conversion.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/simd_rows.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
