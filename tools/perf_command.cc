@@ -49,8 +49,9 @@ void read_through(const std::byte* data, std::size_t bytes) {
 
 // Samples the machine's bound: a parallel copy of a 512 MiB buffer into another (1 GiB of
 // traffic, larger than the caches; best of two), and the vectorised exp of 4000 floats in
-// [-16, 0) into 4000 others, in L1, on every thread (best of three). Sampled between the timed iterations, so that each
-// iteration is compared with the machine as it was then: a shared machine's speed drifts.
+// [-16, 0) into 4000 others, in L1, on every thread (best of three). Sampled between the
+// timed iterations, so that each iteration is compared with the machine as it was then:
+// a shared machine's speed drifts.
 class BoundMeter {
  public:
   explicit BoundMeter(int threads) : threads_(threads), src_(new char[kBytes]), dst_(new char[kBytes]) {
@@ -259,14 +260,15 @@ Timing time_row(const Row& row, const PerfConfig& config, bool in_place, const B
       if (Status s = backward(x, y, e, g, shard, options, grad); !s.ok()) return s;
       if (Status s = barrier(); !s.ok()) return s;
       if (r == 0 && iteration >= config.warmup) {
-        const double end = seconds_since(middle);
-        forward_seconds.push_back(std::chrono::duration<double>(middle - start).count());
-        backward_seconds.push_back(end);
+        const double forward_s = std::chrono::duration<double>(middle - start).count();
+        const double backward_s = seconds_since(middle);
+        forward_seconds.push_back(forward_s);
+        backward_seconds.push_back(backward_s);
         const MachineBound now = meter.sample();  // the other ranks wait, idle, at the barrier below
         copy_samples.push_back(now.copy_bytes_per_second);
         exp_samples.push_back(now.exps_per_second);
         const double bound_seconds = std::max(bytes / now.copy_bytes_per_second, 2.0 * elements / now.exps_per_second);
-        percents.push_back(100.0 * bound_seconds / (forward_seconds.back() + end));
+        percents.push_back(100.0 * bound_seconds / (forward_s + backward_s));
       }
       if (Status s = barrier(); !s.ok()) return s;
     }
@@ -306,8 +308,8 @@ Status perf_command(const PerfConfig& config) {
   std::printf("# vpce perf: R %d, threads per rank %d, SIMD %s, %d hardware threads, label smoothing %g\n", config.ranks,
               config.threads > 0 ? config.threads : std::max(1, hardware / config.ranks), detail::simd_target_name(),
               hardware, static_cast<double>(config.label_smoothing));
-  std::printf("# bound: copy %.2f GB/s (best of 2 copies of 512 MiB, %d threads), exp %.3f Gexp/s (best of 3, in cache, %d threads) "
-              "now; sampled again after every timed iteration\n",
+  std::printf("# bound: copy %.2f GB/s (best of 2 copies of 512 MiB, %d threads), exp %.3f Gexp/s (best of 3, in cache, "
+              "%d threads) now; sampled again after every timed iteration\n",
               first_bound.copy_bytes_per_second / 1e9, hardware, first_bound.exps_per_second / 1e9, hardware);
   std::printf("# the copy uses ordinary stores, which read each destination line before writing it (as memcpy does "
               "below its non-temporal threshold); with non-temporal stores it moves %.2f GB/s, so rows that write that "

@@ -231,8 +231,10 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
     const int64_t full_end = end - (end - begin) % lanes;
     const auto tail = static_cast<size_t>(end - full_end);
     const bool has_tail = tail != 0;
-    const VF z_tail = has_tail ? hn::IfThenElse(hn::FirstN(d, tail), Transform<kKind>(d, LoadPartial(d, row + full_end, tail), t), neg_inf)
-                               : neg_inf;
+    // Lanes past the end hold -inf: they add nothing.
+    const VF z_tail =
+        has_tail ? hn::IfThenElse(hn::FirstN(d, tail), Transform<kKind>(d, LoadPartial(d, row + full_end, tail), t), neg_inf)
+                 : neg_inf;
     // Four independent maxima: one would wait on Max's latency at every vector.
     VF max0 = z_tail, max1 = neg_inf, max2 = neg_inf, max3 = neg_inf;
     int64_t v = begin;
