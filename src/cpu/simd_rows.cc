@@ -443,6 +443,14 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
   }
 }
 
+// The gradient kernel for the transform's kind.
+template <class T, class G, bool kHardwareBf16>
+void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
+  if (t.cap > 0.0f) return Gradient<T, G, kSoftCapped, kHardwareBf16>(row, grad, cols, t, c);
+  if (t.scale != 1.0f) return Gradient<T, G, kScaled, kHardwareBf16>(row, grad, cols, t, c);
+  return Gradient<T, G, kIdentity, kHardwareBf16>(row, grad, cols, t, c);
+}
+
 template <class T, class G>
 void GradientForTypes(const void* row, void* grad, int64_t cols, const TransformParams& t,
                       const GradientConstants& c) {
@@ -450,20 +458,10 @@ void GradientForTypes(const void* row, void* grad, int64_t cols, const Transform
   G* g = static_cast<G*>(grad);
 #if HWY_TARGET == HWY_AVX3
   if constexpr (std::is_same_v<G, BFloat16>) {
-    if (HasAvx512Bf16()) {
-      if (t.cap > 0.0f) return Gradient<T, G, kSoftCapped, true>(r, g, cols, t, c);
-      if (t.scale != 1.0f) return Gradient<T, G, kScaled, true>(r, g, cols, t, c);
-      return Gradient<T, G, kIdentity, true>(r, g, cols, t, c);
-    }
+    if (HasAvx512Bf16()) return GradientForKind<T, G, true>(r, g, cols, t, c);
   }
 #endif
-  if (t.cap > 0.0f) {
-    Gradient<T, G, kSoftCapped>(r, g, cols, t, c);
-  } else if (t.scale != 1.0f) {
-    Gradient<T, G, kScaled>(r, g, cols, t, c);
-  } else {
-    Gradient<T, G, kIdentity>(r, g, cols, t, c);
-  }
+  GradientForKind<T, G, false>(r, g, cols, t, c);
 }
 
 template <class T>
