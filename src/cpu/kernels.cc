@@ -214,7 +214,7 @@ void gradient_kernel(const RowMatrix& logits, const TokenVector& targets,
   // The target's gradient, from its logit read before the row is overwritten (in place).
   auto target_gradient = [&](float x, const GradientConstants& c) {
     const float z = transform_one(x, transform);
-    float g = c.upstream * ((exp_one(z - c.lse) * c.coefficient - c.uniform) - target_term);
+    float g = c.upstream * ((exp_shifted_one(z, c.lse) * c.coefficient - c.uniform) - target_term);
     if (!transform.identity()) g *= slope_one(z, transform);
     return g;
   };

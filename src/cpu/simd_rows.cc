@@ -6,8 +6,8 @@
 // chunk's max, then the sums of exp(z - m) (and of z when asked) with m the running max,
 // in fp32 lanes within a chunk and fp64 across chunks; with the extras (argmax, the
 // weighted sum) the whole block takes two passes from a stack buffer. The gradient reads
-// each logit once and writes each gradient element once. The exp is vpce's own
-// (Exponential). Loads widen bf16 and fp16 to fp32 (bf16 in even/odd pairs where the
+// each logit once and writes each gradient element once. The exp is vpce's own, in base 2
+// with the shift inside a fused multiply-add (ExpShifted, Exp2). Loads widen bf16 and fp16 to fp32 (bf16 in even/odd pairs where the
 // order does not matter); stores round fp32 to bf16 to nearest even (AVX512-BF16 where
 // present) and to fp16 with F16C or the exact scalar conversion.
 #undef HWY_TARGET_INCLUDE
@@ -142,45 +142,77 @@ HWY_INLINE void StorePartial(DF d, VF v, G* p, size_t count) {
 
 // ---- the exponential ------------------------------------------------------------------------
 
-// exp(x) in fp32 lanes: within 1 ulp for normal results (1.25 ulp without fused
-// multiply-add; tests/exp_test.cc measures every target), 0 for x below about -103.3 and
-// for NaN, +inf above about 88.72; on AVX-512 only up to 2^22 ln2 (2.9e6), and +inf or
-// NaN (never a finite value) above, +inf included: the kernels take exps of z - max and
-// z - lse only, which are <= 0, and an upper clamp would cost a tenth of the time there.
-// 12 vector instructions on AVX-512, where Highway's Exp (used before) takes 27.
-//   x = n ln2 + r, n = round(x / ln2) by adding 1.5 * 2^23, |r| <= ln2 / 2 with ln2 in two
-//   parts (n times the first is exact); exp(r) = 1 + r (1 + r P(r)), P of degree 4 by
-//   Horner, its coefficients the minimax fit of (e^r - 1 - r) / r^2 for the relative error
-//   of e^r (scripts/fit_exp_polynomial.py: 0.07 ulp once rounded to fp32); then times 2^n:
-//   VSCALEFPS on AVX-512, two exponent multiplications elsewhere (so that results below
-//   2^-126 round correctly into the subnormals).
-HWY_INLINE VF Exponential(DF d, VF x) {
-  const VF kRoundingShift = hn::Set(d, 0x1.8p23f);
-  x = hn::Max(x, hn::Set(d, -104.0f));  // NaN -> -104
-#if HWY_TARGET != HWY_AVX3
-  x = hn::Min(x, hn::Set(d, 89.0f));  // the exponent built from n's bits overflows above
-#endif
-  const VF shifted = hn::MulAdd(x, hn::Set(d, 1.44269504088896341f), kRoundingShift);
-  const VF n = hn::Sub(shifted, kRoundingShift);
-  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), x);   // ln2 to 15 bits
-  r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);  // the rest of ln2
-  VF poly = hn::Set(d, 0x1.6a2164p-10f);
-  poly = hn::MulAdd(poly, r, hn::Set(d, 0x1.123b96p-7f));
-  poly = hn::MulAdd(poly, r, hn::Set(d, 0x1.5558fcp-5f));
-  poly = hn::MulAdd(poly, r, hn::Set(d, 0x1.55549p-3f));
-  poly = hn::MulAdd(poly, r, hn::Set(d, 0x1.fffffcp-2f));
-  const VF one = hn::Set(d, 1.0f);
-  const VF exp_r = hn::MulAdd(hn::MulAdd(poly, r, one), r, one);
+// The kernels take e^(z - s) (s the max or the lse) as 2^t, t = z L - c, with L = log2(e) in
+// fp32 and c = s L rounded to fp32, where the target fuses multiply-add: the subtraction
+// rides in the fused multiply-add that scales the argument (exact before its one rounding,
+// so z near s loses nothing, whatever their size), and 2^t needs no Cody-Waite reduction.
+// The sums and gradients fold the factor 2^(c - s L) (exact in fp64, within
+// 2^(+-ulp(c) / 2)) into a per-row constant. Targets without fused multiply-add take
+// t = (z - s) L instead (z L would round first). Against e^(fl(z - s)) this trades the
+// rounding of z - s for that of t, of the same size, plus (z - s)(log2(e) - L) in the
+// exponent: 1.3e-8 |z - s| relative.
+constexpr float kLog2e = 1.44269504088896341f;  // L
+
+// 2^t in fp32 lanes: within a relative 1.5 * 2^-24 for |t| <= 1.5 and normal results
+// (tests/exp_test.cc measures e^(x - s) on every target), 0 for t = -inf or below -150,
+// +inf above 128, NaN for NaN.
+//   t = n + f with n = floor(t) and f in [0, 1); 2^f = 1 + f Q(f), Q of degree 5 by Horner,
+//   its coefficients the minimax fit for the relative error of 2^f
+//   (scripts/fit_exp_polynomial.py: 0.11 ulp once rounded to fp32); then times 2^n.
+//   AVX-512: f by VREDUCEPS (exact; 0 for +-inf) and 2^n by VSCALEFPS, 8 vector
+//   instructions; elsewhere floor, a clamp to [-200, 200] and two exponent multiplications
+//   (so that results below 2^-126 round once into the subnormals).
+HWY_INLINE VF Exp2(DF d, VF t) {
 #if HWY_TARGET == HWY_AVX3
-  return VF{_mm512_scalef_ps(exp_r.raw, n.raw)};
+  const VF f{_mm512_reduce_ps(t.raw, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)};
+#else
+  const VF clamped = hn::Min(hn::Max(t, hn::Set(d, -200.0f)), hn::Set(d, 200.0f));
+  const VF n = hn::Floor(clamped);
+  const VF f = hn::Sub(clamped, n);
+#endif
+  VF q = hn::Set(d, 0x1.c5417ap-13f);
+  q = hn::MulAdd(q, f, hn::Set(d, 0x1.46d64ap-10f));
+  q = hn::MulAdd(q, f, hn::Set(d, 0x1.3d0b92p-7f));
+  q = hn::MulAdd(q, f, hn::Set(d, 0x1.c68912p-5f));
+  q = hn::MulAdd(q, f, hn::Set(d, 0x1.ebfd58p-3f));
+  q = hn::MulAdd(q, f, hn::Set(d, 0x1.62e42cp-1f));
+  const VF exp2_f = hn::MulAdd(q, f, hn::Set(d, 1.0f));
+#if HWY_TARGET == HWY_AVX3
+  return VF{_mm512_scalef_ps(exp2_f.raw, t.raw)};  // times 2^floor(t)
 #else
   const hn::RebindToSigned<DF> di;
-  const auto n_int = hn::Sub(hn::BitCast(di, shifted), hn::BitCast(di, kRoundingShift));
+  const auto n_int = hn::ConvertTo(di, n);
   const auto half = hn::ShiftRight<1>(n_int);
   const auto bias = hn::Set(di, 127);
   const VF scale_a = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(half, bias)));
   const VF scale_b = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::Sub(n_int, half), bias)));
-  return hn::Mul(hn::Mul(exp_r, scale_a), scale_b);
+  return hn::IfThenElse(hn::IsNaN(t), t, hn::Mul(hn::Mul(exp2_f, scale_a), scale_b));
+#endif
+}
+
+// The shift s of e^(z - s) as the lanes take it.
+struct LaneShift {
+  VF value;               // what the lanes subtract: c (fused multiply-add) or s
+  double log2_reference;  // the lanes give 2^(z L - log2_reference): c, or s L
+  double correction;      // 2^(log2_reference - s L): the factor from those to e^(z - s)
+};
+
+HWY_INLINE LaneShift MakeLaneShift(DF d, float s) {
+  const double s_log2 = static_cast<double>(s) * static_cast<double>(kLog2e);  // exact
+#if HWY_NATIVE_FMA
+  const auto c = static_cast<float>(s_log2);
+  return {hn::Set(d, c), static_cast<double>(c), std::exp2(static_cast<double>(c) - s_log2)};
+#else
+  return {hn::Set(d, s), s_log2, 1.0};
+#endif
+}
+
+// 2^(z L - log2_reference): e^(z - s) up to the factor shift.correction.
+HWY_INLINE VF ExpShifted(DF d, VF z, const LaneShift& shift) {
+#if HWY_NATIVE_FMA
+  return Exp2(d, hn::MulSub(z, hn::Set(d, kLog2e), shift.value));
+#else
+  return Exp2(d, hn::Mul(hn::Sub(z, shift.value), hn::Set(d, kLog2e)));
 #endif
 }
 
@@ -212,10 +244,10 @@ HWY_INLINE VF Slope(DF d, VF z, const TransformParams& t) {
 // ---- block statistics ---------------------------------------------------------------------
 
 // row: [cols] of T -> BlockStats, a chunk of 64 vectors (in L1) at a time: the chunk's max,
-// then the sum of exp(z - m) with m the max so far, the earlier chunks' fp64 sum rescaled
-// by exp(m_before - m) when m grows (rarely, after the first chunks). Each exponent z - m
-// is exact where it matters (z near m), as with the block's max, and the block is read
-// from memory once, with no store. (The argmax and the weighted sum take the two-pass
+// then the sum of e^(z - m) with m the max so far (as 2^(z L - c), see ExpShifted), the
+// earlier chunks' fp64 sum rescaled when m grows (rarely, after the first chunks). Each
+// exponent is exact before its one rounding, and the block is read from memory once, with
+// no store. (The argmax and the weighted sum take the two-pass
 // route below.)
 template <class T, int kKind>
 void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool with_sum_logits, BlockStats* out) {
@@ -225,7 +257,8 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
   constexpr int64_t kAhead = 2048;  // elements prefetched ahead of the loads
   const int64_t chunk = 64 * lanes;
   float max = -std::numeric_limits<float>::infinity();
-  double sum_exp = 0.0, sum_logits = 0.0;
+  LaneShift shift = MakeLaneShift(d, 0.0f);  // of max, once there is one
+  double sum_exp2 = 0.0, sum_logits = 0.0;    // sum 2^(z L - shift.log2_reference)
   for (int64_t begin = 0; begin < cols; begin += chunk) {
     const int64_t end = std::min(cols, begin + chunk);
     const int64_t full_end = end - (end - begin) % lanes;
@@ -255,36 +288,37 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
       continue;
     }
     if (!(chunk_max <= max)) {  // the max grows (a NaN max also lands here, and stays)
-      sum_exp *= std::exp(static_cast<double>(max) - static_cast<double>(chunk_max));
+      const LaneShift grown = MakeLaneShift(d, chunk_max);
+      if (sum_exp2 != 0.0) sum_exp2 *= std::exp2(shift.log2_reference - grown.log2_reference);
       max = chunk_max;
+      shift = grown;
     }
-    const VF vm = hn::Set(d, max);
     VF sum_e = hn::Zero(d), sum_e1 = hn::Zero(d), sum_z = hn::Zero(d);
     for (v = begin; v + 2 * lanes <= full_end; v += 2 * lanes) {
       hwy::Prefetch(row + v + kAhead);  // spread over the exponentials, which leave time
       VF x0, x1;
       LoadTwo(d, row + v, x0, x1);
       const VF z0 = Transform<kKind>(d, x0, t), z1 = Transform<kKind>(d, x1, t);
-      sum_e = hn::Add(sum_e, Exponential(d, hn::Sub(z0, vm)));
-      sum_e1 = hn::Add(sum_e1, Exponential(d, hn::Sub(z1, vm)));
+      sum_e = hn::Add(sum_e, ExpShifted(d, z0, shift));
+      sum_e1 = hn::Add(sum_e1, ExpShifted(d, z1, shift));
       if (with_sum_logits) sum_z = hn::Add(sum_z, hn::Add(z0, z1));
     }
     if (v < full_end) {  // one vector left
       const VF z = Transform<kKind>(d, LoadFull(d, row + v), t);
-      sum_e = hn::Add(sum_e, Exponential(d, hn::Sub(z, vm)));
+      sum_e = hn::Add(sum_e, ExpShifted(d, z, shift));
       sum_z = hn::Add(sum_z, z);
     }
     if (has_tail) {
-      sum_e = hn::Add(sum_e, Exponential(d, hn::Sub(z_tail, vm)));
+      sum_e = hn::Add(sum_e, ExpShifted(d, z_tail, shift));
       sum_z = hn::Add(sum_z, hn::IfThenElseZero(hn::FirstN(d, tail), z_tail));
     }
     sum_e = hn::Add(sum_e, sum_e1);
-    sum_exp += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, sum_e)));
+    sum_exp2 += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, sum_e)));
     if (with_sum_logits) sum_logits += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, sum_z)));
   }
   BlockStats s;
   s.max = max;
-  s.sum_exp = sum_exp;
+  s.sum_exp = sum_exp2 * shift.correction;
   s.sum_logits = sum_logits;
   *out = s;
 }
@@ -329,6 +363,7 @@ void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_l
       if (lane >= 0) s.argmax = v + lane;
     }
   }
+  const LaneShift shift = MakeLaneShift(d, s.max);
   const int64_t chunk = 64 * lanes;
   for (int64_t begin = 0; begin < padded; begin += chunk) {
     const int64_t end = std::min(padded, begin + chunk);
@@ -339,7 +374,7 @@ void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_l
       hwy::Prefetch(row + v + kBlockColumns);
       const VF z = hn::Load(d, z_block + v);
       const VF offset = hn::Sub(z, vm);
-      const VF e = Exponential(d, offset);
+      const VF e = ExpShifted(d, z, shift);  // e^offset / shift.correction
       sum_exp = hn::Add(sum_exp, e);
       if (with_sum_logits) sum_z = hn::Add(sum_z, v < full ? z : hn::IfThenElseZero(hn::FirstN(d, tail), z));
       if (with_weighted) {
@@ -350,6 +385,8 @@ void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_l
     if (with_sum_logits) s.sum_logits += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, sum_z)));
     if (with_weighted) s.weighted += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, weighted)));
   }
+  s.sum_exp *= shift.correction;
+  s.weighted *= shift.correction;
   *out = s;
 }
 
@@ -392,13 +429,15 @@ template <class T, class G, int kKind, bool kHardwareBf16 = false>
 void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
-  // upstream (p coefficient - uniform) as one fused multiply-subtract.
-  const VF lse = hn::Set(d, c.lse);
-  const VF scaled_coefficient = hn::Set(d, c.upstream * c.coefficient);
+  // upstream (p coefficient - uniform) as one fused multiply-subtract, p = e^(z - lse) as
+  // 2^(z L - c) with the factor 2^(c - lse L) in the coefficient.
+  const LaneShift shift = MakeLaneShift(d, c.lse);
+  const VF scaled_coefficient =
+      hn::Set(d, static_cast<float>(static_cast<double>(c.upstream) * static_cast<double>(c.coefficient) * shift.correction));
   const VF scaled_uniform = hn::Set(d, c.upstream * c.uniform);
   auto element = [&](VF x) {
     const VF z = Transform<kKind>(d, x, t);
-    const VF p = Exponential(d, hn::Sub(z, lse));
+    const VF p = ExpShifted(d, z, shift);
     VF g = hn::MulSub(p, scaled_coefficient, scaled_uniform);
     if constexpr (kKind != kIdentity) g = hn::Mul(g, Slope<kKind>(d, z, t));
     return g;
@@ -499,17 +538,27 @@ float SlopeOneImpl(float z, const TransformParams& t) {
   return t.scale;
 }
 
-float ExpOneImpl(float x) {
+float ExpShiftedOneImpl(float x, float s) {
   const DF d;
-  return hn::GetLane(Exponential(d, hn::Set(d, x)));
+  const LaneShift shift = MakeLaneShift(d, s);
+  return hn::GetLane(ExpShifted(d, hn::Set(d, x), shift)) * static_cast<float>(shift.correction);
 }
 
-void ExpImpl(const float* x, float* y, int64_t n) {
+void ExpShiftedImpl(const float* x, float s, float* y, int64_t n) {
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
+  const LaneShift shift = MakeLaneShift(d, s);
+  const auto correction = static_cast<float>(shift.correction);
   int64_t v = 0;
-  for (; v + lanes <= n; v += lanes) hn::StoreU(Exponential(d, hn::LoadU(d, x + v)), d, y + v);
-  for (; v < n; ++v) y[v] = ExpOneImpl(x[v]);
+  if (correction == 1.0f) {  // as in the kernels, which fold the correction into a constant
+    for (; v + lanes <= n; v += lanes) hn::StoreU(ExpShifted(d, hn::LoadU(d, x + v), shift), d, y + v);
+  } else {
+    const VF factor = hn::Set(d, correction);
+    for (; v + lanes <= n; v += lanes) {
+      hn::StoreU(hn::Mul(ExpShifted(d, hn::LoadU(d, x + v), shift), factor), d, y + v);
+    }
+  }
+  for (; v < n; ++v) y[v] = ExpShiftedOneImpl(x[v], s);
 }
 
 void StreamCopyImpl(void* destination, const void* source, int64_t bytes) {
@@ -539,8 +588,8 @@ HWY_EXPORT(BlockStatsImpl);
 HWY_EXPORT(BlockGradientImpl);
 HWY_EXPORT(TransformOneImpl);
 HWY_EXPORT(SlopeOneImpl);
-HWY_EXPORT(ExpOneImpl);
-HWY_EXPORT(ExpImpl);
+HWY_EXPORT(ExpShiftedOneImpl);
+HWY_EXPORT(ExpShiftedImpl);
 HWY_EXPORT(StreamCopyImpl);
 HWY_EXPORT(TargetNameImpl);
 
@@ -580,8 +629,10 @@ void block_gradient(const void* row, StorageType in, void* grad, StorageType out
 
 float transform_one(float x, const TransformParams& t) { return HWY_DYNAMIC_DISPATCH(TransformOneImpl)(x, t); }
 float slope_one(float z, const TransformParams& t) { return HWY_DYNAMIC_DISPATCH(SlopeOneImpl)(z, t); }
-float exp_one(float x) { return HWY_DYNAMIC_DISPATCH(ExpOneImpl)(x); }
-void exp_lanes(const float* x, float* y, int64_t n) { HWY_DYNAMIC_DISPATCH(ExpImpl)(x, y, n); }
+float exp_shifted_one(float x, float s) { return HWY_DYNAMIC_DISPATCH(ExpShiftedOneImpl)(x, s); }
+void exp_shifted_lanes(const float* x, float s, float* y, int64_t n) {
+  HWY_DYNAMIC_DISPATCH(ExpShiftedImpl)(x, s, y, n);
+}
 void stream_copy(void* destination, const void* source, int64_t bytes) {
   HWY_DYNAMIC_DISPATCH(StreamCopyImpl)(destination, source, bytes);
 }

@@ -48,11 +48,11 @@ void block_gradient(const void* row, StorageType in, void* grad, StorageType out
 // z and dz/dx of one logit, with the same arithmetic as the blocks.
 float transform_one(float x, const TransformParams& t);
 float slope_one(float z, const TransformParams& t);
-// exp(x) with the same arithmetic as the blocks.
-float exp_one(float x);
-// y[v] = exp(x[v]) for v in [0, n) (y may be x): the vectorised exp alone, for tests and
-// for `vpce perf`'s bound.
-void exp_lanes(const float* x, float* y, int64_t n);
+// e^(x - s) with the same arithmetic as the blocks (see Exp2 and ExpShifted in simd_rows.cc).
+float exp_shifted_one(float x, float s);
+// y[v] = e^(x[v] - s) for v in [0, n) (y may be x): the vectorised exp alone, for tests and
+// (with s = 0, as the blocks compute it) for `vpce perf`'s bound.
+void exp_shifted_lanes(const float* x, float s, float* y, int64_t n);
 // destination[0, bytes) = source[0, bytes) with non-temporal stores (the lines go to memory,
 // not to the caches, and are not read first), for `vpce perf`.
 void stream_copy(void* destination, const void* source, int64_t bytes);
