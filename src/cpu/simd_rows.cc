@@ -6,8 +6,8 @@
 // chunk's max, then the sums of exp(z - m) (and of z when asked) with m the running max,
 // in fp32 lanes within a chunk and fp64 across chunks; with the extras (argmax, the
 // weighted sum) the whole block takes two passes from a stack buffer. The gradient reads
-// each logit once and writes each gradient element once. The exp is vpce's own, in base 2
-// with the shift inside a fused multiply-add (ExpShifted, Exp2). Loads widen bf16 and fp16 to fp32 (bf16 in even/odd pairs where the
+// each logit once and writes each gradient element once. The exp is vpce's own
+// (ExpShifted: in base 2 with the shift inside a fused multiply-add on AVX-512). Loads widen bf16 and fp16 to fp32 (bf16 in even/odd pairs where the
 // order does not matter); stores round fp32 to bf16 to nearest even (AVX512-BF16 where
 // present) and to fp16 with F16C or the exact scalar conversion.
 #undef HWY_TARGET_INCLUDE
@@ -142,34 +142,30 @@ HWY_INLINE void StorePartial(DF d, VF v, G* p, size_t count) {
 
 // ---- the exponential ------------------------------------------------------------------------
 
-// The kernels take e^(z - s) (s the max or the lse) as 2^t, t = z L - c, with L = log2(e) in
-// fp32 and c = s L rounded to fp32, where the target fuses multiply-add: the subtraction
-// rides in the fused multiply-add that scales the argument (exact before its one rounding,
-// so z near s loses nothing, whatever their size), and 2^t needs no Cody-Waite reduction.
-// The sums and gradients fold the factor 2^(c - s L) (exact in fp64, within
-// 2^(+-ulp(c) / 2)) into a per-row constant. Targets without fused multiply-add take
-// t = (z - s) L instead (z L would round first). Against e^(fl(z - s)) this trades the
-// rounding of z - s for that of t, of the same size, plus (z - s)(log2(e) - L) in the
-// exponent: 1.3e-8 |z - s| relative.
+// The kernels take e^(z - s), s the max (forward) or the lse (backward), in one of two ways:
+//
+// AVX-512: as 2^t, t = z L - c, with L = log2(e) in fp32 and c = s L rounded to fp32. The
+// subtraction rides in the fused multiply-add that scales the argument (exact before its one
+// rounding, so z near s loses nothing, whatever their size); VREDUCEPS gives t - floor(t)
+// exactly and VSCALEFPS takes floor(t) itself, so no Cody-Waite steps remain: 9 vector
+// instructions where the way below takes 13. The factor 2^(c - s L) that the rounding of c
+// leaves (exact in fp64, within 2^(+-ulp(c) / 2)) is folded into a per-row constant. The
+// rounding of t replaces that of z - s, of the same size; (z - s)(log2(e) - L) in the
+// exponent adds 1.3e-8 |z - s| relative.
+//
+// Other targets: exp(z - s) with a Cody-Waite reduction (Exponential). Without VREDUCEPS
+// and VSCALEFPS, base 2 needs a floor, a conversion and a NaN fix-up and is slower there.
 constexpr float kLog2e = 1.44269504088896341f;  // L
 
-// 2^t in fp32 lanes: within a relative 1.5 * 2^-24 for |t| <= 1.5 and normal results
-// (tests/exp_test.cc measures e^(x - s) on every target), 0 for t = -inf or below -150,
-// +inf above 128, NaN for NaN.
-//   t = n + f with n = floor(t) and f in [0, 1); 2^f = 1 + f Q(f), Q of degree 5 by Horner,
-//   its coefficients the minimax fit for the relative error of 2^f
-//   (scripts/fit_exp_polynomial.py: 0.11 ulp once rounded to fp32); then times 2^n.
-//   AVX-512: f by VREDUCEPS (exact; 0 for +-inf) and 2^n by VSCALEFPS, 8 vector
-//   instructions; elsewhere floor, a clamp to [-200, 200] and two exponent multiplications
-//   (so that results below 2^-126 round once into the subnormals).
-HWY_INLINE VF Exp2(DF d, VF t) {
 #if HWY_TARGET == HWY_AVX3
+// 2^t in fp32 lanes, 0 for t = -inf or below -150, +inf above 128, NaN for NaN (accuracy:
+// tests/exp_test.cc measures e^(x - s) on every target).
+//   t = n + f with n = floor(t) and f in [0, 1) (VREDUCEPS: exact; 0 for +-inf); 2^f = 1 +
+//   f Q(f), Q of degree 5 by Horner, its coefficients the minimax fit for the relative error
+//   of 2^f (scripts/fit_exp_polynomial.py: 0.11 ulp once rounded to fp32); times 2^n by
+//   VSCALEFPS.
+HWY_INLINE VF Exp2(DF d, VF t) {
   const VF f{_mm512_reduce_ps(t.raw, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)};
-#else
-  const VF clamped = hn::Min(hn::Max(t, hn::Set(d, -200.0f)), hn::Set(d, 200.0f));
-  const VF n = hn::Floor(clamped);
-  const VF f = hn::Sub(clamped, n);
-#endif
   VF q = hn::Set(d, 0x1.c5417ap-13f);
   q = hn::MulAdd(q, f, hn::Set(d, 0x1.46d64ap-10f));
   q = hn::MulAdd(q, f, hn::Set(d, 0x1.3d0b92p-7f));
@@ -177,42 +173,70 @@ HWY_INLINE VF Exp2(DF d, VF t) {
   q = hn::MulAdd(q, f, hn::Set(d, 0x1.ebfd58p-3f));
   q = hn::MulAdd(q, f, hn::Set(d, 0x1.62e42cp-1f));
   const VF exp2_f = hn::MulAdd(q, f, hn::Set(d, 1.0f));
-#if HWY_TARGET == HWY_AVX3
   return VF{_mm512_scalef_ps(exp2_f.raw, t.raw)};  // times 2^floor(t)
+}
 #else
+// exp(x) in fp32 lanes, 0 for x below about -103.3, +inf above about 88.72, NaN for NaN.
+//   x = n ln2 + r, n = round(x / ln2) by adding 1.5 * 2^23, |r| <= ln2 / 2 with ln2 in two
+//   parts (n times the first is exact); exp(r) = 1 + r (1 + r P(r)), P of degree 4 by
+//   Horner, its coefficients the minimax fit of (e^r - 1 - r) / r^2 for the relative error
+//   of e^r (scripts/fit_exp_polynomial.py: 0.07 ulp once rounded to fp32); then times 2^n
+//   by two exponent multiplications (so that results below 2^-126 round once into the
+//   subnormals).
+HWY_INLINE VF Exponential(DF d, VF x) {
+  const VF kRoundingShift = hn::Set(d, 0x1.8p23f);
+  // The constant first: x86's MINPS and MAXPS return their second operand when either is
+  // NaN, so NaN passes through the clamp (and on to the result) without a blend.
+  const VF clamped = hn::Min(hn::Set(d, 89.0f), hn::Max(hn::Set(d, -104.0f), x));
+  const VF shifted = hn::MulAdd(clamped, hn::Set(d, 1.44269504088896341f), kRoundingShift);
+  const VF n = hn::Sub(shifted, kRoundingShift);
+  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), clamped);  // ln2 to 15 bits
+  r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);        // the rest of ln2
+  VF poly = hn::Set(d, 0x1.6a2164p-10f);
+  poly = hn::MulAdd(poly, r, hn::Set(d, 0x1.123b96p-7f));
+  poly = hn::MulAdd(poly, r, hn::Set(d, 0x1.5558fcp-5f));
+  poly = hn::MulAdd(poly, r, hn::Set(d, 0x1.55549p-3f));
+  poly = hn::MulAdd(poly, r, hn::Set(d, 0x1.fffffcp-2f));
+  const VF one = hn::Set(d, 1.0f);
+  const VF exp_r = hn::MulAdd(hn::MulAdd(poly, r, one), r, one);
   const hn::RebindToSigned<DF> di;
-  const auto n_int = hn::ConvertTo(di, n);
+  const auto n_int = hn::Sub(hn::BitCast(di, shifted), hn::BitCast(di, kRoundingShift));
   const auto half = hn::ShiftRight<1>(n_int);
   const auto bias = hn::Set(di, 127);
   const VF scale_a = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(half, bias)));
   const VF scale_b = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::Sub(n_int, half), bias)));
-  return hn::IfThenElse(hn::IsNaN(t), t, hn::Mul(hn::Mul(exp2_f, scale_a), scale_b));
+  const VF result = hn::Mul(hn::Mul(exp_r, scale_a), scale_b);
+#if HWY_TARGET == HWY_SCALAR || HWY_TARGET == HWY_EMU128
+  return hn::IfThenElse(hn::IsNaN(x), x, result);  // Highway's portable Max drops a NaN
+#else
+  return result;
 #endif
 }
+#endif
 
 // The shift s of e^(z - s) as the lanes take it.
 struct LaneShift {
-  VF value;               // what the lanes subtract: c (fused multiply-add) or s
-  double log2_reference;  // the lanes give 2^(z L - log2_reference): c, or s L
-  double correction;      // 2^(log2_reference - s L): the factor from those to e^(z - s)
+  VF value;               // what the lanes subtract: c (AVX-512) or s
+  double log2_reference;  // the lanes give 2^(z log2(e) - log2_reference): c, or s log2(e)
+  double correction;      // 2^(log2_reference - s log2(e)): the factor from those to e^(z - s)
 };
 
 HWY_INLINE LaneShift MakeLaneShift(DF d, float s) {
+#if HWY_TARGET == HWY_AVX3
   const double s_log2 = static_cast<double>(s) * static_cast<double>(kLog2e);  // exact
-#if HWY_NATIVE_FMA
   const auto c = static_cast<float>(s_log2);
   return {hn::Set(d, c), static_cast<double>(c), std::exp2(static_cast<double>(c) - s_log2)};
 #else
-  return {hn::Set(d, s), s_log2, 1.0};
+  return {hn::Set(d, s), static_cast<double>(s) * 1.4426950408889634, 1.0};
 #endif
 }
 
-// 2^(z L - log2_reference): e^(z - s) up to the factor shift.correction.
+// e^(z - s) up to the factor shift.correction.
 HWY_INLINE VF ExpShifted(DF d, VF z, const LaneShift& shift) {
-#if HWY_NATIVE_FMA
+#if HWY_TARGET == HWY_AVX3
   return Exp2(d, hn::MulSub(z, hn::Set(d, kLog2e), shift.value));
 #else
-  return Exp2(d, hn::Mul(hn::Sub(z, shift.value), hn::Set(d, kLog2e)));
+  return Exponential(d, hn::Sub(z, shift.value));
 #endif
 }
 
