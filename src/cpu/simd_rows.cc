@@ -7,9 +7,10 @@
 // in fp32 lanes within a chunk and fp64 across chunks; with the extras (argmax, the
 // weighted sum) the whole block takes two passes from a stack buffer. The gradient reads
 // each logit once and writes each gradient element once. The exp is vpce's own
-// (ExpShifted: in base 2 with the shift inside a fused multiply-add on AVX-512). Loads widen bf16 and fp16 to fp32 (bf16 in even/odd pairs where the
-// order does not matter); stores round fp32 to bf16 to nearest even (AVX512-BF16 where
-// present) and to fp16 with F16C or the exact scalar conversion.
+// (ExpShifted: on AVX-512 in base 2, the shift inside a fused multiply-add). Loads widen
+// bf16 and fp16 to fp32 (bf16 in even/odd pairs where the order does not matter); stores
+// round fp32 to bf16 to nearest even (AVX512-BF16 where present) and to fp16 with F16C or
+// the exact scalar conversion.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/simd_rows.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
@@ -155,7 +156,8 @@ HWY_INLINE void StorePartial(DF d, VF v, G* p, size_t count) {
 //
 // Other targets: exp(z - s) with a Cody-Waite reduction (Exponential). Without VREDUCEPS
 // and VSCALEFPS, base 2 needs a floor, a conversion and a NaN fix-up and is slower there.
-constexpr float kLog2e = 1.44269504088896341f;  // L
+constexpr double kLog2eExact = 1.4426950408889634;  // log2(e) in fp64
+constexpr auto kLog2e = static_cast<float>(kLog2eExact);  // L
 
 #if HWY_TARGET == HWY_AVX3
 // 2^t in fp32 lanes, 0 for t = -inf or below -150, +inf above 128, NaN for NaN (accuracy:
@@ -188,7 +190,7 @@ HWY_INLINE VF Exponential(DF d, VF x) {
   // The constant first: x86's MINPS and MAXPS return their second operand when either is
   // NaN, so NaN passes through the clamp (and on to the result) without a blend.
   const VF clamped = hn::Min(hn::Set(d, 89.0f), hn::Max(hn::Set(d, -104.0f), x));
-  const VF shifted = hn::MulAdd(clamped, hn::Set(d, 1.44269504088896341f), kRoundingShift);
+  const VF shifted = hn::MulAdd(clamped, hn::Set(d, kLog2e), kRoundingShift);
   const VF n = hn::Sub(shifted, kRoundingShift);
   VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), clamped);  // ln2 to 15 bits
   r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);        // the rest of ln2
@@ -227,7 +229,7 @@ HWY_INLINE LaneShift MakeLaneShift(DF d, float s) {
   const auto c = static_cast<float>(s_log2);
   return {hn::Set(d, c), static_cast<double>(c), std::exp2(static_cast<double>(c) - s_log2)};
 #else
-  return {hn::Set(d, s), static_cast<double>(s) * 1.4426950408889634, 1.0};
+  return {hn::Set(d, s), static_cast<double>(s) * kLog2eExact, 1.0};
 #endif
 }
 
@@ -282,7 +284,7 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
   const int64_t chunk = 64 * lanes;
   float max = -std::numeric_limits<float>::infinity();
   LaneShift shift = MakeLaneShift(d, 0.0f);  // of max, once there is one
-  double sum_exp2 = 0.0, sum_logits = 0.0;    // sum 2^(z L - shift.log2_reference)
+  double sum_exp2 = 0.0, sum_logits = 0.0;    // sum e^(z - max) / shift.correction
   for (int64_t begin = 0; begin < cols; begin += chunk) {
     const int64_t end = std::min(cols, begin + chunk);
     const int64_t full_end = end - (end - begin) % lanes;
@@ -453,11 +455,11 @@ template <class T, class G, int kKind, bool kHardwareBf16 = false>
 void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
-  // upstream (p coefficient - uniform) as one fused multiply-subtract, p = e^(z - lse) as
-  // 2^(z L - c) with the factor 2^(c - lse L) in the coefficient.
+  // upstream (p coefficient - uniform) as one fused multiply-subtract, p = e^(z - lse) from
+  // ExpShifted, its factor shift.correction in the coefficient.
   const LaneShift shift = MakeLaneShift(d, c.lse);
-  const VF scaled_coefficient =
-      hn::Set(d, static_cast<float>(static_cast<double>(c.upstream) * static_cast<double>(c.coefficient) * shift.correction));
+  const auto coefficient = static_cast<double>(c.upstream) * static_cast<double>(c.coefficient) * shift.correction;
+  const VF scaled_coefficient = hn::Set(d, static_cast<float>(coefficient));
   const VF scaled_uniform = hn::Set(d, c.upstream * c.uniform);
   auto element = [&](VF x) {
     const VF z = Transform<kKind>(d, x, t);
