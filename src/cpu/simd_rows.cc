@@ -574,17 +574,19 @@ void ExpShiftedImpl(const float* x, float s, float* y, int64_t n) {
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
   const LaneShift shift = MakeLaneShift(d, s);
-  const auto correction = static_cast<float>(shift.correction);
+  const VF factor = hn::Set(d, static_cast<float>(shift.correction));
   int64_t v = 0;
-  if (correction == 1.0f) {  // as in the kernels, which fold the correction into a constant
+  if (shift.correction == 1.0) {  // as in the kernels, which fold the correction into a constant
     for (; v + lanes <= n; v += lanes) hn::StoreU(ExpShifted(d, hn::LoadU(d, x + v), shift), d, y + v);
   } else {
-    const VF factor = hn::Set(d, correction);
     for (; v + lanes <= n; v += lanes) {
       hn::StoreU(hn::Mul(ExpShifted(d, hn::LoadU(d, x + v), shift), factor), d, y + v);
     }
   }
-  for (; v < n; ++v) y[v] = ExpShiftedOneImpl(x[v], s);
+  if (v < n) {  // the last partial vector, with the same arithmetic
+    const auto tail = static_cast<size_t>(n - v);
+    StorePartial(d, hn::Mul(ExpShifted(d, LoadPartial(d, x + v, tail), shift), factor), y + v, tail);
+  }
 }
 
 void StreamCopyImpl(void* destination, const void* source, int64_t bytes) {
