@@ -148,7 +148,7 @@ Status device_forward(Communicator& comm, const LossInputs& in, const detail::Lo
   if (local.ok()) {
     // What the device reports, through this header's status, if it finds a bad value.
     std::snprintf(header.message, sizeof(header.message),
-                  "targets or weights: expected targets in [0, %lld) or %lld and finite weights, got another value "
+                  "targets or weights: expected targets in [0, %lld) or %lld and finite weights >= 0, got another value "
                   "(found on the device)",
                   static_cast<long long>(options.valid_vocab_size > 0 ? options.valid_vocab_size : shard.vocab_size),
                   static_cast<long long>(options.ignore_index));

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <vector>
 
+#include "common/text.h"
+
 namespace vpce::detail {
 namespace {
 
@@ -171,7 +173,7 @@ Status check_group(const char* gathered, std::size_t stride, int ranks, int self
     for (const auto& o : options) {
       if (o.mine == o.theirs) continue;
       auto text = [&](int64_t v) {
-        return o.is_float ? std::to_string(std::bit_cast<float>(static_cast<uint32_t>(v))) : std::to_string(v);
+        return o.is_float ? number_text(std::bit_cast<float>(static_cast<uint32_t>(v))) : std::to_string(v);
       };
       return disagree(o.what, 0, text(o.mine), r, text(o.theirs));
     }

@@ -6,16 +6,21 @@
 namespace vpce {
 
 std::string to_string(DataType dtype) {
-  if (dtype.lanes == 1) {
-    if (dtype == kFloat32) return "float32";
-    if (dtype == kFloat16) return "float16";
-    if (dtype == kBFloat16) return "bfloat16";
-    if (dtype == kFloat64) return "float64";
-    if (dtype == kInt32) return "int32";
-    if (dtype == kInt64) return "int64";
+  // DLPack's type codes by name (3: opaque handle, 5: complex, 6: bool), as NumPy and
+  // PyTorch spell them: "uint8", "bool", "complex64"; lanes as a suffix ("float32x4").
+  std::string name;
+  switch (static_cast<int>(dtype.code)) {
+    case 0: name = "int" + std::to_string(dtype.bits); break;
+    case 1: name = "uint" + std::to_string(dtype.bits); break;
+    case 2: name = "float" + std::to_string(dtype.bits); break;
+    case 3: name = "opaque handle"; break;
+    case 4: name = dtype.bits == 16 ? "bfloat16" : "bfloat" + std::to_string(dtype.bits); break;
+    case 5: name = "complex" + std::to_string(dtype.bits); break;
+    case 6: name = dtype.bits == 8 ? "bool" : "bool" + std::to_string(dtype.bits); break;
+    default: return "unknown dtype (code " + std::to_string(static_cast<int>(dtype.code)) + ", " +
+                    std::to_string(dtype.bits) + " bits, " + std::to_string(dtype.lanes) + " lanes)";
   }
-  return "code " + std::to_string(static_cast<int>(dtype.code)) + " bits " +
-         std::to_string(dtype.bits) + " lanes " + std::to_string(dtype.lanes);
+  return dtype.lanes == 1 ? name : name + "x" + std::to_string(dtype.lanes);
 }
 
 std::string to_string(Device device) {

@@ -4,6 +4,9 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <limits>
+
+#include "common/text.h"
 
 namespace vpce::detail {
 namespace {
@@ -220,7 +223,7 @@ Status check_options(const LossOptions& options, int64_t vocab_size) {
   const float a = options.label_smoothing;
   if (!(a >= 0.0f && a < 1.0f)) {
     return {Code::kInvalidArgument,
-            expected_got("options.label_smoothing", "a value in [0, 1)", std::to_string(a))};
+            expected_got("options.label_smoothing", "a value in [0, 1)", number_text(a))};
   }
   const auto semantics = static_cast<int32_t>(options.smoothing_semantics);
   if (semantics != 0 && semantics != 1) {
@@ -235,15 +238,21 @@ Status check_options(const LossOptions& options, int64_t vocab_size) {
   }
   if (!(options.z_loss_weight >= 0.0f) || !std::isfinite(options.z_loss_weight)) {
     return {Code::kInvalidArgument, expected_got("options.z_loss_weight", "a finite value >= 0",
-                                                 std::to_string(options.z_loss_weight))};
+                                                 number_text(options.z_loss_weight))};
   }
   if (!(options.logit_scale > 0.0f) || !std::isfinite(options.logit_scale)) {
     return {Code::kInvalidArgument, expected_got("options.logit_scale", "a finite value > 0",
-                                                 std::to_string(options.logit_scale))};
+                                                 number_text(options.logit_scale))};
   }
-  if (!(options.softcap >= 0.0f) || !std::isfinite(options.softcap)) {
-    return {Code::kInvalidArgument, expected_got("options.softcap", "a finite value >= 0 (0: off)",
-                                                 std::to_string(options.softcap))};
+  // A subnormal cap would make 1 / softcap overflow to inf (and the loss NaN).
+  const bool softcap_ok = options.softcap == 0.0f || (options.softcap >= std::numeric_limits<float>::min() &&
+                                                      std::isfinite(options.softcap));
+  if (!softcap_ok) {
+    return {Code::kInvalidArgument,
+            expected_got("options.softcap",
+                         "0 (off) or a finite value >= " + number_text(std::numeric_limits<float>::min()) +
+                             " (the smallest normal float, so that 1 / softcap is finite)",
+                         number_text(options.softcap))};
   }
   if (options.valid_vocab_size < 0 || options.valid_vocab_size > vocab_size) {
     return {Code::kInvalidArgument,
@@ -299,9 +308,10 @@ Status check_weights(const TensorView* weights, int64_t n, TokenVector* out, uin
   uint64_t h = *hash;
   for (int64_t i = 0; i < n; ++i) {
     const float value = w.at<float>(i);
-    if (!std::isfinite(value)) {
-      return {Code::kInvalidArgument,
-              expected_got("weights", "finite values", std::to_string(value) + " at token " + std::to_string(i))};
+    // Non-negative, so that a mean's denominator is 0 only when every counted weight is.
+    if (!std::isfinite(value) || value < 0.0f) {
+      return {Code::kInvalidArgument, expected_got("weights", "finite values >= 0",
+                                                   number_text(value) + " at token " + std::to_string(i))};
     }
     h = (h ^ std::bit_cast<uint32_t>(value)) * 0x100000001b3ULL;
   }

@@ -156,5 +156,58 @@ TEST(Adversarial, NanLogitMakesItsTokenNanOnEveryTarget) {
   hwy::SetSupportedTargetsForTest(0);
 }
 
+// NaN as whole vectors, chunks, rows and shards (the tester's cases: the last 16 of 1072
+// columns, the last 16 of 48, a rank's whole shard; a chunk of 64 vectors; every column),
+// on every target, fp32 and bf16, with and without the extras, one rank and two: the token's
+// loss and lse are NaN, as PyTorch and the oracle give; the other tokens stay exact. (A
+// chunk whose every element is NaN or -inf has max -inf, and was once taken for empty.)
+TEST(Adversarial, NanVectorsChunksRowsAndShardsReachTheLoss) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  struct Span {
+    int64_t vocab, begin, end;  // NaN in columns [begin, end) of token 0's row
+    bool with_minus_inf;        // and -inf in the rest of that shard's columns
+  };
+  const Span spans[] = {{1072, 1056, 1072, false}, {48, 32, 48, false},       {48, 24, 48, false},
+                        {2048, 1024, 2048, false}, {3000, 1000, 2024, false}, {64, 0, 64, false},
+                        {64, 32, 64, true},        {20000, 16384, 16400, false}};
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    for (const Span& span : spans) {
+      for (DataType dtype : {kFloat32, kBFloat16}) {
+        for (bool extras : {false, true}) {
+          for (int ranks : {1, 2}) {
+            Problem p = random_problem(2, span.vocab, dtype, 43, 1.0f);
+            p.targets = {0, 1};
+            for (int64_t v = span.begin; v < span.end; ++v) p.set(0, v, nan);
+            if (span.with_minus_inf) {
+              for (int64_t v = span.vocab / 2; v < span.begin; ++v) p.set(0, v, -kInf);
+            }
+            const std::vector<double> x = p.as_double();
+            RunOptions options;
+            options.extras = extras;
+            const RunResult result = run_ranks(p, shards_from_sizes(even_splits(span.vocab, ranks)), options);
+            for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
+            const std::string where = std::string(hwy::TargetName(target)) + " " + to_string(dtype) + " V " +
+                                      std::to_string(span.vocab) + " NaN [" + std::to_string(span.begin) + ", " +
+                                      std::to_string(span.end) + ") R " + std::to_string(ranks) +
+                                      (extras ? " extras" : "");
+            for (int r = 0; r < ranks; ++r) {
+              EXPECT_TRUE(std::isnan(result.per_rank[r].loss[0])) << where << ", rank " << r;
+              EXPECT_TRUE(std::isnan(result.per_rank[r].lse[0])) << where << ", rank " << r;
+            }
+            for (int64_t v = 0; v < span.vocab; ++v) {
+              ASSERT_TRUE(std::isnan(result.grad[static_cast<size_t>(v)])) << where << ", column " << v;
+            }
+            const auto want = reference::cross_entropy(std::vector<double>(x.begin() + span.vocab, x.end()), 1,
+                                                       span.vocab, {p.targets[1]}, 0.0, {1.0});
+            EXPECT_NEAR(result.per_rank[0].loss[1], want.loss[0], 1e-6 * want.loss[0]) << where;
+          }
+        }
+      }
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
 }  // namespace
 }  // namespace vpce::test

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 
+#include "common/text.h"
 #include "support.h"
 
 namespace vpce::test {
@@ -152,7 +153,16 @@ TEST(BadInput, UnsupportedLogitsDtype) {
   const DataType vector_type{TypeCode::kFloat, 32, 4};
   expect_error(f.run_forward(TensorView::contiguous(f.logits.data(), vector_type, {kTokens, kVocab}), f.y(),
                              f.loss_view(), f.lse_view()),
-               Code::kInvalidArgument, {"logits.dtype", "lanes 4"});
+               Code::kInvalidArgument, {"logits.dtype", "got float32x4"});
+  // Other DLPack types by the names NumPy and PyTorch give them.
+  std::vector<uint8_t> bytes(kTokens * kVocab);
+  for (const auto& [type, name] : {std::pair{DataType{TypeCode::kUInt, 8, 1}, "got uint8"},
+                                   std::pair{DataType{static_cast<TypeCode>(6), 8, 1}, "got bool"},
+                                   std::pair{DataType{TypeCode::kInt, 16, 1}, "got int16"}}) {
+    expect_error(f.run_forward(TensorView::contiguous(bytes.data(), type, {kTokens, kVocab}), f.y(), f.loss_view(),
+                               f.lse_view()),
+                 Code::kInvalidArgument, {"logits.dtype", name});
+  }
   f.expect_nothing_written();
 }
 
@@ -319,13 +329,27 @@ TEST(BadInput, LogitScaleNotPositive) {
   }
 }
 
-TEST(BadInput, SoftcapNegativeOrInfinite) {
-  for (float c : {-2.0f, std::numeric_limits<float>::infinity()}) {
+// A subnormal cap is refused too: 1 / softcap would overflow to inf and make the loss NaN.
+TEST(BadInput, SoftcapNegativeInfiniteOrSubnormal) {
+  for (float c : {-2.0f, std::numeric_limits<float>::infinity(), 1e-40f, std::numeric_limits<float>::denorm_min()}) {
     Fixture f;
     f.options.softcap = c;
-    expect_error(f.run_forward(), Code::kInvalidArgument, {"options.softcap", "finite value >= 0"});
+    const std::string got = "got " + detail::number_text(c);
+    expect_error(f.run_forward(), Code::kInvalidArgument,
+                 {"options.softcap", "0 (off) or a finite value >= 1.1754944e-38", got.c_str()});
     f.expect_nothing_written();
   }
+}
+
+// Values print with the digits that tell them apart: -1e-10, not -0.000000.
+TEST(BadInput, OptionValuesPrintEveryDigitTheyNeed) {
+  Fixture f;
+  f.options.label_smoothing = -1e-10f;
+  expect_error(f.run_forward(), Code::kInvalidArgument, {"options.label_smoothing", "got -1e-10"});
+  f.options.label_smoothing = 0.0f;
+  f.options.z_loss_weight = -1e-30f;
+  expect_error(f.run_forward(), Code::kInvalidArgument, {"options.z_loss_weight", "got -1e-30"});
+  f.expect_nothing_written();
 }
 
 TEST(BadInput, ValidVocabularyLargerThanVocabulary) {
@@ -362,9 +386,28 @@ TEST(BadInput, WeightsNotFinite) {
   std::unique_ptr<ThreadGroup> group;
   ASSERT_TRUE(ThreadGroup::create(1, &group).ok());
   expect_error(forward(group->communicator(0), f.x(), f.y(), f.shard, f.options, f.loss_view(), f.lse_view(), extras),
-               Code::kInvalidArgument, {"weights", "finite values", "at token 3"});
+               Code::kInvalidArgument, {"weights", "finite values >= 0", "got nan at token 3"});
   expect_error(backward(f.x(), f.y(), f.lse_view(), f.g(), f.shard, f.options, f.grad_view(), &weights),
                Code::kInvalidArgument, {"weights", "at token 3"});
+  f.expect_nothing_written();
+}
+
+// Negative weights are refused, so that a mean's denominator (the counted tokens' weights)
+// is 0 only when every counted weight is 0, the empty batch, whose loss and gradient are 0.
+TEST(BadInput, WeightsNegative) {
+  Fixture f;
+  std::vector<float> w(kTokens, 1.0f);
+  w[2] = -1.0f;  // with w[3] = 1 the two would cancel in a mean's denominator
+  const TensorView weights = TensorView::contiguous(w.data(), kFloat32, {kTokens});
+  ForwardExtras extras;
+  extras.weights = &weights;
+  std::unique_ptr<ThreadGroup> group;
+  ASSERT_TRUE(ThreadGroup::create(1, &group).ok());
+  f.options.reduction = Reduction::kMean;
+  expect_error(forward(group->communicator(0), f.x(), f.y(), f.shard, f.options, f.loss_view(), f.lse_view(), extras),
+               Code::kInvalidArgument, {"weights", "finite values >= 0", "got -1 at token 2"});
+  expect_error(backward(f.x(), f.y(), f.lse_view(), f.g(), f.shard, f.options, f.grad_view(), &weights),
+               Code::kInvalidArgument, {"weights", "got -1 at token 2"});
   f.expect_nothing_written();
 }
 

@@ -150,6 +150,15 @@ TEST(Group, DifferentLabelSmoothing) {
                   {"ranks disagree on options.label_smoothing"});
 }
 
+// Values one ulp apart print differently, so the message shows the difference.
+TEST(Group, OptionsOneUlpApartPrintDifferently) {
+  expect_all_fail(run_group([](int r, RankArgs& a) {
+                    a.options.label_smoothing = r == 1 ? std::nextafter(0.1f, 1.0f) : 0.1f;
+                  }),
+                  {"ranks disagree on options.label_smoothing", "expected rank 0's 0.1 on every rank",
+                   "got 0.10000001 on rank 1"});
+}
+
 TEST(Group, DifferentTargets) {
   expect_all_fail(run_group([](int r, RankArgs& a) {
                     if (r == 2) a.targets[1] = 8;

@@ -88,7 +88,9 @@ VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ran
   for (int r = 0; r < ranks; ++r) {
     const float* s = first + r * rank_stride;
     sum_logits += static_cast<double>(s[3]);
-    if (s[0] == neg_inf) continue;  // an all -inf shard adds nothing (and -inf - -inf is NaN)
+    // An all -inf shard adds nothing (and -inf - -inf is NaN); one whose max is -inf but
+    // whose sum is NaN holds NaN logits, and its NaN must reach the loss.
+    if (s[0] == neg_inf && s[1] == s[1]) continue;  // s[1] == s[1]: not NaN
     const double shift = static_cast<double>(s[0]) - static_cast<double>(max);
     const double scale = exp(shift);
     sum_exp += static_cast<double>(s[1]) * scale;

@@ -309,11 +309,10 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
     for (; v < full_end; v += lanes) max0 = hn::Max(max0, Transform<kKind>(d, LoadFull(d, row + v), t));
     const VF vmax = hn::Max(hn::Max(max0, max1), hn::Max(max2, max3));
     const float chunk_max = hn::GetLane(hn::MaxOfLanes(d, vmax));
-    if (chunk_max == -std::numeric_limits<float>::infinity()) {  // no mass (and -inf - -inf is NaN)
-      if (with_sum_logits) sum_logits = -std::numeric_limits<double>::infinity();
-      continue;
-    }
-    if (!(chunk_max <= max)) {  // the max grows (a NaN max also lands here, and stays)
+    // The max grows (a NaN max also lands here, and stays). A chunk whose max is -inf (every
+    // element -inf or NaN: x86's MAXPS drops a NaN) keeps the shift it has and is summed
+    // like any other: its -inf add 0, its NaN make the sum NaN.
+    if (!(chunk_max <= max)) {
       const LaneShift grown = MakeLaneShift(d, chunk_max);
       if (sum_exp2 != 0.0) sum_exp2 *= std::exp2(shift.log2_reference - grown.log2_reference);
       max = chunk_max;
@@ -377,8 +376,13 @@ void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_l
   const int64_t padded = full + (tail != 0 ? lanes : 0);
   BlockStats s;
   s.max = hn::GetLane(hn::MaxOfLanes(d, vmax));
-  if (s.max == -std::numeric_limits<float>::infinity()) {
-    s.sum_logits = cols > 0 && with_sum_logits ? -std::numeric_limits<double>::infinity() : 0.0;
+  if (s.max == -std::numeric_limits<float>::infinity()) {  // every element -inf or NaN
+    bool any_nan = false;
+    for (int64_t v = 0; v < padded; v += lanes) any_nan |= !hn::AllFalse(d, hn::IsNaN(hn::Load(d, z_block + v)));
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    s.sum_exp = any_nan ? nan : 0.0;  // no mass, or a NaN that must reach the loss
+    s.weighted = any_nan ? nan : 0.0;
+    s.sum_logits = !with_sum_logits || cols == 0 ? 0.0 : any_nan ? nan : -std::numeric_limits<double>::infinity();
     *out = s;
     return;
   }
@@ -623,9 +627,12 @@ HWY_EXPORT(TargetNameImpl);
 
 void fold_block(BlockStats& a, const BlockStats& b, int64_t offset) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  // No mass: every element -inf (a NaN element leaves max at -inf but the sum NaN, and that
+  // NaN must reach the loss).
+  auto empty = [](const BlockStats& s) { return s.max == kNegInf && !std::isnan(s.sum_exp); };
   a.sum_logits += b.sum_logits;
-  if (b.max == kNegInf) return;  // adds no mass (and -inf - -inf would be NaN)
-  if (a.max == kNegInf) {
+  if (empty(b)) return;  // adds no mass (and -inf - -inf would be NaN)
+  if (empty(a)) {
     const double sum_logits = a.sum_logits;
     a = b;
     a.sum_logits = sum_logits;

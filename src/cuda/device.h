@@ -23,7 +23,7 @@ struct DeviceError {
 };
 
 // logits [N, Vr] -> stats [N, W] (row stride W). A target outside [0, Vv) that is not
-// ignore_index, or a weight that is not finite, sets `header`'s status (the header already
+// ignore_index, or a weight that is negative or not finite, sets `header`'s status (the header already
 // in the send buffer, its message prepared by the host), so that every rank learns of it
 // from the gather.
 Status local_stats(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights, int64_t vocab_begin,

@@ -84,12 +84,16 @@ struct Part {
 
 __device__ __forceinline__ Part empty_part() { return Part{-INFINITY, 0.0, 0.0, 0.0, -1}; }
 
+// No mass: every element -inf. (A NaN element leaves max at -inf but sum_exp NaN: that
+// part is not empty, and its NaN must reach the loss.)
+__device__ __forceinline__ bool empty(const Part& p) { return p.max == -INFINITY && !isnan(p.sum_exp); }
+
 __device__ __forceinline__ void combine(Part& a, const Part& b) {
-  if (b.max == -INFINITY) {
+  if (empty(b)) {
     a.sum_logits += b.sum_logits;
     return;
   }
-  if (a.max == -INFINITY) {
+  if (empty(a)) {
     const double sum_logits = a.sum_logits;
     a = b;
     a.sum_logits += sum_logits;
@@ -162,9 +166,8 @@ __global__ void __launch_bounds__(kThreads) local_stats_kernel(const T* logits, 
     if (sum_logits) p.sum_logits += z;
     if (z == -INFINITY) return;
     if (z > p.max) {
-      if (p.max == -INFINITY) {
-        p.sum_exp = 1.0;
-        p.weighted = 0.0;
+      if (p.max == -INFINITY) {  // sum_exp is 0, or NaN from an earlier NaN, which stays
+        p.sum_exp += 1.0;
       } else {
         const double shift = static_cast<double>(p.max) - z;
         const double scale = exp(shift);
@@ -185,7 +188,7 @@ __global__ void __launch_bounds__(kThreads) local_stats_kernel(const T* logits, 
   if (threadIdx.x != 0) return;
   const int64_t y = target_of(targets, wide_targets, target_stride, i);
   const bool bad_target = !params.ignored(y) && (y < 0 || y >= params.valid_vocab);
-  const bool bad_weight = weights != nullptr && !isfinite(weights[i * weight_stride]);
+  const bool bad_weight = weights != nullptr && !(isfinite(weights[i * weight_stride]) && weights[i * weight_stride] >= 0.0f);
   if ((bad_target || bad_weight) && header != nullptr) {
     atomicCAS(&header->status, 0, static_cast<int32_t>(Code::kInvalidArgument));  // its message is ready
   }
