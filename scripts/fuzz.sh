@@ -8,8 +8,8 @@ scripts/setup.sh
 build=${VPCE_FUZZ_BUILD_DIR:-build-fuzz}
 CXX=clang++ cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVPCE_BUILD_FUZZERS=ON \
   -DVPCE_BUILD_TESTS=OFF -DVPCE_WITH_OPENMP=OFF -DVPCE_WITH_MPI=OFF -DVPCE_WITH_CUDA=OFF -DVPCE_SANITIZE=address,undefined >/dev/null
-cmake --build "$build" -j "$(nproc)" --target npy_fuzzer api_fuzzer
-for target in npy api; do
+cmake --build "$build" -j "$(nproc)" --target npy_fuzzer api_fuzzer differential_fuzzer
+for target in npy api differential; do
   work="$build/corpus-$target"
   mkdir -p "$work"
   echo "fuzz: ${target}_fuzzer for ${VPCE_FUZZ_SECONDS:-60} s"

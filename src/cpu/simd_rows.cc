@@ -50,7 +50,17 @@ HWY_INLINE VF LoadFull(DF d, const BFloat16* p) {
 }
 HWY_INLINE VF LoadFull(DF d, const Float16* p) {
   const hn::Rebind<hwy::float16_t, DF> dh;
-  return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p)));
+  const VF v = hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p)));
+#if HWY_TARGET <= HWY_AVX2
+  return v;  // F16C: exact, inf and NaN included
+#else
+  // Highway's emulated conversion takes fp16's exponent 31 (inf, NaN) for a normal one and
+  // gives 2^16 (1 + m): finite values no fp16 can hold. Their fp32 exponent field is then
+  // 143; setting all its bits makes the infinity or NaN with the same sign and mantissa.
+  const hn::RebindToUnsigned<DF> du;
+  const auto special = hn::Ge(hn::Abs(v), hn::Set(d, 65536.0f));
+  return hn::IfThenElse(special, hn::BitCast(d, hn::Or(hn::BitCast(du, v), hn::Set(du, 0x7F800000u))), v);
+#endif
 }
 
 // The first `count` elements; the other lanes are 0.

@@ -31,7 +31,11 @@ std::vector<double> transformed(const double* row, int64_t v, const Options& o) 
 
 double log_sum_exp(const std::vector<double>& z) {
   double m = -std::numeric_limits<double>::infinity();
-  for (double x : z) m = std::max(m, x);
+  for (double x : z) {
+    if (std::isnan(x)) return x;
+    m = std::max(m, x);
+  }
+  if (m == -std::numeric_limits<double>::infinity()) return m;  // log 0: no mass
   double sum = 0.0;
   for (double x : z) sum += std::exp(x - m);
   return m + std::log(sum);
@@ -88,7 +92,7 @@ Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v,
     size_t best = 0;
     for (size_t j = 0; j < z.size(); ++j) {
       const double p = std::exp(z[j] - lse);
-      if (p > 0.0) entropy -= p * (z[j] - lse);
+      if (p != 0.0) entropy -= p * (z[j] - lse);  // 0 log 0 = 0; NaN stays NaN
       if (z[j] > z[best]) best = j;
     }
     double second = -std::numeric_limits<double>::infinity();
