@@ -5,8 +5,11 @@
 // libtorch, so one build serves every PyTorch version. The forward's one collective is a
 // Python callable all_gather(send, recv) given writable memoryviews (send: this rank's
 // payload; recv: size x payload bytes, rank 0's first), so that the framework's own
-// process group carries it. The GIL is released while the kernels run and taken again only
-// for that callable. A vpce error raises vpce.Error ("invalid argument: targets: ...").
+// process group carries it; the views are of Python-owned copies, released when the callable
+// returns, so a callable that keeps them never reaches vpce's buffers. The GIL is released
+// while the kernels run and taken again only for that callable. A vpce error raises
+// vpce.Error ("invalid argument: targets: ..."); an argument that is no array, or an option
+// of the wrong type or range, raises TypeError or ValueError naming it.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -14,9 +17,11 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "vpce/version.h"
 #include "vpce/vpce.h"
@@ -29,8 +34,8 @@ namespace nb = nanobind;
 
 namespace {
 
-using Array = nb::ndarray<nb::ro>;         // any dtype, device, layout; read through
-using MutableArray = nb::ndarray<>;        // written through
+using Array = nb::ndarray<nb::ro>;   // any dtype, device, layout; read through
+using MutableArray = nb::ndarray<>;  // written through
 
 struct StatusError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -59,20 +64,151 @@ vpce::TensorView view(const A& a, const char* name) {
   return v;
 }
 
+// str(value), as std::string.
+std::string text_of(nb::handle value) {
+  const nb::object text = nb::steal(PyObject_Str(value.ptr()));
+  if (!text.is_valid()) throw nb::python_error();
+  return nb::cast<std::string>(text);
+}
+
+// A Python type as "module.qualname" (numpy.ndarray, torch.Tensor, vpce._vpce.Reduction).
+std::string qualified_name(nb::handle type) {
+  const std::string module = text_of(nb::getattr(type, "__module__", nb::str("")));
+  const std::string name = text_of(nb::getattr(type, "__qualname__", nb::str("?")));
+  return module.empty() || module == "builtins" ? name : module + "." + name;
+}
+
+std::string value_type_name(nb::handle value) { return qualified_name(value.type()); }
+
+std::string short_repr(nb::handle value) {
+  const nb::object repr = nb::steal(PyObject_Repr(value.ptr()));
+  if (!repr.is_valid()) throw nb::python_error();
+  std::string text = nb::cast<std::string>(repr);
+  return text.size() > 80 ? text.substr(0, 77) + "..." : text;
+}
+
+// Whether `value` offers a buffer, but only a read-only one.
+bool read_only_buffer(nb::handle value) {
+  if (!PyObject_CheckBuffer(value.ptr())) return false;
+  Py_buffer buffer;
+  if (PyObject_GetBuffer(value.ptr(), &buffer, PyBUF_WRITABLE) == 0) {
+    PyBuffer_Release(&buffer);
+    return false;
+  }
+  PyErr_Clear();
+  return true;
+}
+
+// What an argument that nanobind could not take as an array is, for the message: its type,
+// the dtype, device and layout it reports, and why it is refused (read-only, or what its
+// own DLPack export raises: bool, meta, sparse, big-endian, ...).
+std::string describe_array(nb::handle value, bool writable) {
+  try {
+    std::string text = (value.is_none() ? std::string("None") : "a " + value_type_name(value));
+    std::string traits;
+    for (const char* attribute : {"dtype", "device", "layout"}) {
+      if (!nb::hasattr(value, attribute)) continue;
+      traits += (traits.empty() ? "" : ", ") + std::string(attribute) + " " + text_of(nb::getattr(value, attribute));
+    }
+    if (!traits.empty()) text += " (" + traits + ")";
+    if (writable && read_only_buffer(value)) return text + " that is read-only";
+    if (nb::hasattr(value, "__dlpack__")) {
+      try {
+        value.attr("__dlpack__")();
+      } catch (nb::python_error& e) {
+        return text + " whose DLPack export fails: " + value_type_name(e.value()) + ": " + text_of(e.value());
+      }
+    }
+    return text;
+  } catch (nb::python_error&) {
+    return "a " + std::string(Py_TYPE(value.ptr())->tp_name);
+  }
+}
+
+// An argument as an array (no copy), or TypeError naming it, what was expected and what it is.
+template <class A>
+A as_array(nb::handle value, const char* name) {
+  constexpr bool writable = std::is_same_v<A, MutableArray>;
+  A array;
+  if (!value.is_none() && nb::try_cast(value, array, /*convert=*/false)) return array;
+  throw nb::type_error((std::string(name) + ": expected " + (writable ? "a writable" : "an") +
+                        " array that exports through DLPack or the buffer protocol (NumPy, PyTorch, JAX, CuPy; "
+                        "dense, native byte order), got " +
+                        describe_array(value, writable))
+                           .c_str());
+}
+
+template <class A>
+std::optional<A> optional_array(nb::handle value, const char* name) {
+  if (value.is_none()) return std::nullopt;
+  return as_array<A>(value, name);
+}
+
 template <class A>
 std::optional<vpce::TensorView> optional_view(const std::optional<A>& a, const char* name) {
   if (!a) return std::nullopt;
   return view(*a, name);
 }
 
+// A LossOptions field's value from Python, converted as int() / float() would (an enum must
+// be its vpce type), with TypeError or ValueError naming the field instead of nanobind's
+// signature dump.
+template <class T>
+T option_value(nb::handle value, const char* name) {
+  const std::string field = std::string("options.") + name;
+  if constexpr (std::is_enum_v<T>) {
+    T out{};
+    if (!nb::try_cast(value, out, /*convert=*/false)) {
+      throw nb::type_error(
+          (field + ": expected a " + qualified_name(nb::type<T>()) + ", got " + short_repr(value)).c_str());
+    }
+    return out;
+  } else if constexpr (std::is_floating_point_v<T>) {
+    const double v = PyFloat_AsDouble(value.ptr());
+    if (v == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      throw nb::type_error(
+          (field + ": expected a number, got " + value_type_name(value) + " " + short_repr(value)).c_str());
+    }
+    return static_cast<T>(v);
+  } else {
+    const nb::object index = nb::steal(PyNumber_Index(value.ptr()));
+    if (!index.is_valid()) {
+      PyErr_Clear();
+      throw nb::type_error(
+          (field + ": expected an integer, got " + value_type_name(value) + " " + short_repr(value)).c_str());
+    }
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+    if (overflow != 0 || v < std::numeric_limits<T>::min() || v > std::numeric_limits<T>::max()) {
+      throw nb::value_error((field + ": expected an integer in [" + std::to_string(std::numeric_limits<T>::min()) +
+                             ", " + std::to_string(std::numeric_limits<T>::max()) + "], got " + short_repr(index))
+                                .c_str());
+    }
+    return static_cast<T>(v);
+  }
+}
+
+template <auto Member>
+void def_option(nb::class_<vpce::LossOptions>& options, const char* name) {
+  using T = std::remove_reference_t<decltype(std::declval<vpce::LossOptions&>().*Member)>;
+  options.def_prop_rw(
+      name, [](const vpce::LossOptions& o) { return o.*Member; },
+      [name](vpce::LossOptions& o, std::optional<nb::object> value) {  // optional: None gets the message too
+        o.*Member = option_value<T>(value ? nb::handle(*value) : nb::none(), name);
+      });
+}
+
 // The optional per-token tensors of a forward, as views that ForwardExtras points into
 // (so the object must stay where it is while the call runs).
 struct Extras {
-  Extras(const std::optional<Array>& weights, const std::optional<MutableArray>& target_is_argmax,
-         const std::optional<MutableArray>& entropy)
-      : w(optional_view(weights, "weights")),
-        a(optional_view(target_is_argmax, "target_is_argmax")),
-        h(optional_view(entropy, "entropy")) {
+  Extras(nb::handle weights, nb::handle target_is_argmax, nb::handle entropy)
+      : weights_array(optional_array<Array>(weights, "weights")),
+        argmax_array(optional_array<MutableArray>(target_is_argmax, "target_is_argmax")),
+        entropy_array(optional_array<MutableArray>(entropy, "entropy")),
+        w(optional_view(weights_array, "weights")),
+        a(optional_view(argmax_array, "target_is_argmax")),
+        h(optional_view(entropy_array, "entropy")) {
     views.weights = w ? &*w : nullptr;
     views.target_is_argmax = a ? &*a : nullptr;
     views.entropy = h ? &*h : nullptr;
@@ -80,8 +216,28 @@ struct Extras {
   Extras(const Extras&) = delete;
   Extras& operator=(const Extras&) = delete;
 
+  std::optional<Array> weights_array;  // the imported arrays, alive while their views are used
+  std::optional<MutableArray> argmax_array, entropy_array;
   std::optional<vpce::TensorView> w, a, h;
   vpce::ForwardExtras views;
+};
+
+// A writable memoryview of a bytearray, released when it goes out of scope, so that a
+// callable that kept it gets ValueError on a late use (release is skipped while something
+// still exports it, e.g. an array made from it: that one keeps the bytearray alive).
+struct ReleasedView {
+  explicit ReleasedView(const nb::object& bytearray) : view(nb::steal(PyMemoryView_FromObject(bytearray.ptr()))) {
+    if (!view.is_valid()) throw nb::python_error();
+  }
+  ~ReleasedView() {
+    PyObject* result = PyObject_CallMethod(view.ptr(), "release", nullptr);
+    if (result == nullptr) PyErr_Clear();
+    Py_XDECREF(result);
+  }
+  ReleasedView(const ReleasedView&) = delete;
+  ReleasedView& operator=(const ReleasedView&) = delete;
+
+  nb::object view;
 };
 
 // The forward's collective through a Python callable (or a copy, for a single rank).
@@ -100,10 +256,20 @@ class CallbackCommunicator final : public vpce::Communicator {
     }
     nb::gil_scoped_acquire gil;
     try {
-      const auto size = static_cast<Py_ssize_t>(bytes);
-      nb::object send_view = nb::steal(PyMemoryView_FromMemory(static_cast<char*>(const_cast<void*>(send)), size, PyBUF_WRITE));
-      nb::object recv_view = nb::steal(PyMemoryView_FromMemory(static_cast<char*>(recv), size * size_, PyBUF_WRITE));
-      all_gather_(send_view, recv_view);
+      // The callable sees Python-owned copies: views (or arrays over them) that it keeps past
+      // the call hold memory of their own, never vpce's buffers, which forward() frees.
+      const auto send_bytes = static_cast<Py_ssize_t>(bytes);
+      const Py_ssize_t recv_bytes = send_bytes * size_;
+      const nb::object send_copy = nb::steal(PyByteArray_FromStringAndSize(static_cast<const char*>(send), send_bytes));
+      const nb::object recv_copy = nb::steal(PyByteArray_FromStringAndSize(nullptr, recv_bytes));
+      if (!send_copy.is_valid() || !recv_copy.is_valid()) throw nb::python_error();
+      std::memset(PyByteArray_AS_STRING(recv_copy.ptr()), 0, static_cast<std::size_t>(recv_bytes));
+      const ReleasedView send_view(send_copy);
+      const ReleasedView recv_view(recv_copy);
+      all_gather_(send_view.view, recv_view.view);
+      // recv_view still exports recv_copy, so its size cannot have changed.
+      if (recv_bytes > 0)
+        std::memcpy(recv, PyByteArray_AS_STRING(recv_copy.ptr()), static_cast<std::size_t>(recv_bytes));
       return {};
     } catch (nb::python_error& e) {
       return {vpce::Code::kRemoteError, std::string("all_gather: the Python collective raised: ") + e.what()};
@@ -135,17 +301,17 @@ NB_MODULE(_vpce, m) {
       .value("MEGATRON", vpce::SmoothingSemantics::kMegatron)
       .value("PYTORCH", vpce::SmoothingSemantics::kPyTorch);
 
-  nb::class_<vpce::LossOptions>(m, "LossOptions", "Every loss option; see include/vpce/loss.h")
-      .def(nb::init<>())
-      .def_rw("label_smoothing", &vpce::LossOptions::label_smoothing)
-      .def_rw("smoothing_semantics", &vpce::LossOptions::smoothing_semantics)
-      .def_rw("ignore_index", &vpce::LossOptions::ignore_index)
-      .def_rw("z_loss_weight", &vpce::LossOptions::z_loss_weight)
-      .def_rw("logit_scale", &vpce::LossOptions::logit_scale)
-      .def_rw("softcap", &vpce::LossOptions::softcap)
-      .def_rw("valid_vocab_size", &vpce::LossOptions::valid_vocab_size)
-      .def_rw("reduction", &vpce::LossOptions::reduction)
-      .def_rw("num_threads", &vpce::LossOptions::num_threads);
+  auto options = nb::class_<vpce::LossOptions>(m, "LossOptions", "Every loss option; see include/vpce/loss.h");
+  options.def(nb::init<>());
+  def_option<&vpce::LossOptions::label_smoothing>(options, "label_smoothing");
+  def_option<&vpce::LossOptions::smoothing_semantics>(options, "smoothing_semantics");
+  def_option<&vpce::LossOptions::ignore_index>(options, "ignore_index");
+  def_option<&vpce::LossOptions::z_loss_weight>(options, "z_loss_weight");
+  def_option<&vpce::LossOptions::logit_scale>(options, "logit_scale");
+  def_option<&vpce::LossOptions::softcap>(options, "softcap");
+  def_option<&vpce::LossOptions::valid_vocab_size>(options, "valid_vocab_size");
+  def_option<&vpce::LossOptions::reduction>(options, "reduction");
+  def_option<&vpce::LossOptions::num_threads>(options, "num_threads");
 
   // A hint for a new CPU buffer, before anything is written to it: back the 2 MiB-aligned
   // part of [address, address + bytes) with transparent huge pages, so that first touching
@@ -173,18 +339,21 @@ NB_MODULE(_vpce, m) {
 
   m.def(
       "forward",
-      [](const Array& logits, const Array& targets, int64_t vocab_begin, int64_t vocab_end, int64_t vocab_size,
-         const vpce::LossOptions& options, const MutableArray& loss, const MutableArray& lse,
-         const std::optional<Array>& weights, const std::optional<MutableArray>& target_is_argmax,
-         const std::optional<MutableArray>& entropy, int rank, int size, nb::object all_gather) {
+      [](nb::handle logits, nb::handle targets, int64_t vocab_begin, int64_t vocab_end, int64_t vocab_size,
+         const vpce::LossOptions& options, nb::handle loss, nb::handle lse, nb::handle weights,
+         nb::handle target_is_argmax, nb::handle entropy, int rank, int size, nb::object all_gather) {
         if (size > 1 && all_gather.is_none()) {
-          throw StatusError("invalid argument: all_gather: expected a callable for a group of " +
-                            std::to_string(size) + " ranks, got None");
+          throw StatusError("invalid argument: all_gather: expected a callable for a group of " + std::to_string(size) +
+                            " ranks, got None");
         }
-        const vpce::TensorView x = view(logits, "logits");
-        const vpce::TensorView y = view(targets, "targets");
-        const vpce::TensorView l = view(loss, "loss");
-        const vpce::TensorView e = view(lse, "lse");
+        const auto logits_array = as_array<Array>(logits, "logits");
+        const auto targets_array = as_array<Array>(targets, "targets");
+        const auto loss_array = as_array<MutableArray>(loss, "loss");
+        const auto lse_array = as_array<MutableArray>(lse, "lse");
+        const vpce::TensorView x = view(logits_array, "logits");
+        const vpce::TensorView y = view(targets_array, "targets");
+        const vpce::TensorView l = view(loss_array, "loss");
+        const vpce::TensorView e = view(lse_array, "lse");
         const Extras extras(weights, target_is_argmax, entropy);
         CallbackCommunicator comm(rank, size, std::move(all_gather));
         vpce::Status status;
@@ -194,67 +363,87 @@ NB_MODULE(_vpce, m) {
         }
         check(status);
       },
-      nb::arg("logits"), nb::arg("targets"), nb::arg("vocab_begin"), nb::arg("vocab_end"), nb::arg("vocab_size"),
-      nb::arg("options"), nb::arg("loss"), nb::arg("lse"), nb::arg("weights") = nb::none(),
-      nb::arg("target_is_argmax") = nb::none(), nb::arg("entropy") = nb::none(), nb::arg("rank") = 0,
-      nb::arg("size") = 1, nb::arg("all_gather") = nb::none(),
+      nb::arg("logits").none(), nb::arg("targets").none(), nb::arg("vocab_begin"), nb::arg("vocab_end"),
+      nb::arg("vocab_size"), nb::arg("options"), nb::arg("loss").none(), nb::arg("lse").none(),
+      nb::arg("weights").none() = nb::none(), nb::arg("target_is_argmax").none() = nb::none(),
+      nb::arg("entropy").none() = nb::none(), nb::arg("rank") = 0, nb::arg("size") = 1,
+      nb::arg("all_gather") = nb::none(),
       "One-call forward: local statistics, one all_gather(send, recv) through the callable, merge, loss.");
 
   m.def(
       "backward",
-      [](const Array& logits, const Array& targets, const Array& lse, const Array& grad_loss, int64_t vocab_begin,
-         int64_t vocab_end, int64_t vocab_size, const vpce::LossOptions& options, const MutableArray& grad_logits,
-         const std::optional<Array>& weights) {
-        const vpce::TensorView x = view(logits, "logits");
-        const vpce::TensorView y = view(targets, "targets");
-        const vpce::TensorView e = view(lse, "lse");
-        const vpce::TensorView g = view(grad_loss, "grad_loss");
-        const vpce::TensorView out = view(grad_logits, "grad_logits");
-        const auto w = optional_view(weights, "weights");
+      [](nb::handle logits, nb::handle targets, nb::handle lse, nb::handle grad_loss, int64_t vocab_begin,
+         int64_t vocab_end, int64_t vocab_size, const vpce::LossOptions& options, nb::handle grad_logits,
+         nb::handle weights) {
+        const auto logits_array = as_array<Array>(logits, "logits");
+        const auto targets_array = as_array<Array>(targets, "targets");
+        const auto lse_array = as_array<Array>(lse, "lse");
+        const auto grad_loss_array = as_array<Array>(grad_loss, "grad_loss");
+        const auto grad_logits_array = as_array<MutableArray>(grad_logits, "grad_logits");
+        const auto weights_array = optional_array<Array>(weights, "weights");
+        const vpce::TensorView x = view(logits_array, "logits");
+        const vpce::TensorView y = view(targets_array, "targets");
+        const vpce::TensorView e = view(lse_array, "lse");
+        const vpce::TensorView g = view(grad_loss_array, "grad_loss");
+        const vpce::TensorView out = view(grad_logits_array, "grad_logits");
+        const auto w = optional_view(weights_array, "weights");
         nb::gil_scoped_release release;
-        check(vpce::backward(x, y, e, g, shard_of(vocab_begin, vocab_end, vocab_size), options, out, w ? &*w : nullptr));
+        check(
+            vpce::backward(x, y, e, g, shard_of(vocab_begin, vocab_end, vocab_size), options, out, w ? &*w : nullptr));
       },
-      nb::arg("logits"), nb::arg("targets"), nb::arg("lse"), nb::arg("grad_loss"), nb::arg("vocab_begin"),
-      nb::arg("vocab_end"), nb::arg("vocab_size"), nb::arg("options"), nb::arg("grad_logits"),
-      nb::arg("weights") = nb::none(), "Backward: no collective; grad_logits may be the logits themselves (in place).");
+      nb::arg("logits").none(), nb::arg("targets").none(), nb::arg("lse").none(), nb::arg("grad_loss").none(),
+      nb::arg("vocab_begin"), nb::arg("vocab_end"), nb::arg("vocab_size"), nb::arg("options"),
+      nb::arg("grad_logits").none(), nb::arg("weights").none() = nb::none(),
+      "Backward: no collective; grad_logits may be the logits themselves (in place).");
 
   m.def(
       "calculate_local_stats",
-      [](const Array& logits, const Array& targets, int64_t vocab_begin, int64_t vocab_end, int64_t vocab_size,
-         const vpce::LossOptions& options, const MutableArray& stats) {
-        const vpce::TensorView x = view(logits, "logits");
-        const vpce::TensorView y = view(targets, "targets");
-        const vpce::TensorView s = view(stats, "stats");
+      [](nb::handle logits, nb::handle targets, int64_t vocab_begin, int64_t vocab_end, int64_t vocab_size,
+         const vpce::LossOptions& options, nb::handle stats) {
+        const auto logits_array = as_array<Array>(logits, "logits");
+        const auto targets_array = as_array<Array>(targets, "targets");
+        const auto stats_array = as_array<MutableArray>(stats, "stats");
+        const vpce::TensorView x = view(logits_array, "logits");
+        const vpce::TensorView y = view(targets_array, "targets");
+        const vpce::TensorView s = view(stats_array, "stats");
         nb::gil_scoped_release release;
         check(vpce::calculate_local_stats(x, y, shard_of(vocab_begin, vocab_end, vocab_size), options, s));
       },
-      nb::arg("logits"), nb::arg("targets"), nb::arg("vocab_begin"), nb::arg("vocab_end"), nb::arg("vocab_size"),
-      nb::arg("options"), nb::arg("stats"), "Staged 1: this rank's [N, 4] (or [N, 6]) float32 statistics.");
+      nb::arg("logits").none(), nb::arg("targets").none(), nb::arg("vocab_begin"), nb::arg("vocab_end"),
+      nb::arg("vocab_size"), nb::arg("options"), nb::arg("stats").none(),
+      "Staged 1: this rank's [N, 4] (or [N, 6]) float32 statistics.");
 
   m.def(
       "merge_stats",
-      [](const Array& gathered, const vpce::LossOptions& options, const MutableArray& stats) {
-        const vpce::TensorView g = view(gathered, "gathered");
-        const vpce::TensorView s = view(stats, "stats");
+      [](nb::handle gathered, const vpce::LossOptions& options, nb::handle stats) {
+        const auto gathered_array = as_array<Array>(gathered, "gathered");
+        const auto stats_array = as_array<MutableArray>(stats, "stats");
+        const vpce::TensorView g = view(gathered_array, "gathered");
+        const vpce::TensorView s = view(stats_array, "stats");
         nb::gil_scoped_release release;
         check(vpce::merge_stats(g, options, s));
       },
-      nb::arg("gathered"), nb::arg("options"), nb::arg("stats"), "Staged 2: [R, N, W] -> [N, W], in rank order.");
+      nb::arg("gathered").none(), nb::arg("options"), nb::arg("stats").none(),
+      "Staged 2: [R, N, W] -> [N, W], in rank order.");
 
   m.def(
       "calculate_loss",
-      [](const Array& stats, const Array& targets, int64_t vocab_size, const vpce::LossOptions& options,
-         const MutableArray& loss, const MutableArray& lse, const std::optional<Array>& weights,
-         const std::optional<MutableArray>& target_is_argmax, const std::optional<MutableArray>& entropy) {
-        const vpce::TensorView s = view(stats, "stats");
-        const vpce::TensorView y = view(targets, "targets");
-        const vpce::TensorView l = view(loss, "loss");
-        const vpce::TensorView e = view(lse, "lse");
+      [](nb::handle stats, nb::handle targets, int64_t vocab_size, const vpce::LossOptions& options, nb::handle loss,
+         nb::handle lse, nb::handle weights, nb::handle target_is_argmax, nb::handle entropy) {
+        const auto stats_array = as_array<Array>(stats, "stats");
+        const auto targets_array = as_array<Array>(targets, "targets");
+        const auto loss_array = as_array<MutableArray>(loss, "loss");
+        const auto lse_array = as_array<MutableArray>(lse, "lse");
+        const vpce::TensorView s = view(stats_array, "stats");
+        const vpce::TensorView y = view(targets_array, "targets");
+        const vpce::TensorView l = view(loss_array, "loss");
+        const vpce::TensorView e = view(lse_array, "lse");
         const Extras extras(weights, target_is_argmax, entropy);
         nb::gil_scoped_release release;
         check(vpce::calculate_loss(s, y, vocab_size, options, l, e, extras.views));
       },
-      nb::arg("stats"), nb::arg("targets"), nb::arg("vocab_size"), nb::arg("options"), nb::arg("loss"),
-      nb::arg("lse"), nb::arg("weights") = nb::none(), nb::arg("target_is_argmax") = nb::none(),
-      nb::arg("entropy") = nb::none(), "Staged 3: merged statistics -> loss, lse and the extras.");
+      nb::arg("stats").none(), nb::arg("targets").none(), nb::arg("vocab_size"), nb::arg("options"),
+      nb::arg("loss").none(), nb::arg("lse").none(), nb::arg("weights").none() = nb::none(),
+      nb::arg("target_is_argmax").none() = nb::none(), nb::arg("entropy").none() = nb::none(),
+      "Staged 3: merged statistics -> loss, lse and the extras.");
 }

@@ -1,6 +1,9 @@
 """vpce's raw API over DLPack without PyTorch: NumPy arrays through the one-call and the
 staged API, against a float64 NumPy reference. Runs in a fresh virtual environment that
 has only vpce, NumPy and pytest."""
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -92,3 +95,84 @@ def test_errors_name_the_argument(problem):
         readonly = np.zeros(n, np.float32)
         readonly.setflags(write=False)
         vpce.forward(logits, target, 0, vocab, vocab, vpce.LossOptions(), readonly, lse)
+
+
+def test_outputs_and_inputs_it_cannot_import_are_named(problem):
+    logits, target = problem
+    n, vocab = logits.shape
+    lse = np.zeros(n, np.float32)
+    readonly = np.zeros(n, np.float32)
+    readonly.setflags(write=False)
+    with pytest.raises(TypeError, match=r"^loss: expected a writable array .*got a numpy\.ndarray \(dtype float32\) "
+                                        r"that is read-only$"):
+        vpce.forward(logits, target, 0, vocab, vocab, vpce.LossOptions(), readonly, lse)
+    with pytest.raises(TypeError, match=r"^logits: expected an array .*native byte order\), got a numpy\.ndarray "
+                                        r"\(dtype >f4\) whose DLPack export fails: .*byte order"):
+        vpce.forward(logits.astype(">f4"), target, 0, vocab, vocab, vpce.LossOptions(), np.zeros(n, np.float32), lse)
+    with pytest.raises(TypeError, match=r"^targets: expected an array .*got None$"):
+        vpce.forward(logits, None, 0, vocab, vocab, vpce.LossOptions(), np.zeros(n, np.float32), lse)
+    with pytest.raises(TypeError, match=r"^grad_logits: expected a writable array .*got a list"):
+        vpce.backward(logits, target, lse, lse, 0, vocab, vocab, vpce.LossOptions(), [0.0])
+
+
+@pytest.mark.parametrize("name, value, error, fragment", [
+    ("ignore_index", 2**63, ValueError,
+     r"^options\.ignore_index: expected an integer in \[-9223372036854775808, 9223372036854775807\], "
+     r"got 9223372036854775808$"),
+    ("num_threads", -2**31 - 1, ValueError,
+     r"^options\.num_threads: expected an integer in \[-2147483648, 2147483647\], got -2147483649$"),
+    ("valid_vocab_size", "10", TypeError, r"^options\.valid_vocab_size: expected an integer, got str '10'$"),
+    ("label_smoothing", None, TypeError, r"^options\.label_smoothing: expected a number, got NoneType None$"),
+    ("reduction", "mean", TypeError, r"^options\.reduction: expected a vpce\._vpce\.Reduction, got 'mean'$"),
+])
+def test_options_of_the_wrong_type_or_range_name_the_field(name, value, error, fragment):
+    options = vpce.LossOptions()
+    with pytest.raises(error, match=fragment):
+        setattr(options, name, value)
+
+
+def test_options_take_what_int_and_float_take():
+    options = vpce.LossOptions()
+    options.ignore_index = np.int64(-7)
+    options.num_threads = 2**31 - 1
+    options.label_smoothing = 1  # an int, as float() takes it
+    options.z_loss_weight = np.float32(0.5)
+    options.reduction = vpce.Reduction.SUM
+    assert (options.ignore_index, options.num_threads, options.label_smoothing, options.z_loss_weight,
+            options.reduction) == (-7, 2**31 - 1, 1.0, 0.5, vpce.Reduction.SUM)
+
+
+# A collective that keeps the views it was given (and an array over one of them) and writes
+# through them after forward() has returned: that must raise or be harmless, never reach
+# vpce's freed buffers. The payload is large (20000 tokens, 320 KB) so that on a build that
+# handed out its own buffers the write lands in unmapped memory and crashes.
+LATE_WRITE = """
+import numpy as np, vpce
+kept = []
+def gather(send, recv):
+    recv[:] = send
+    kept.extend([send, recv, np.frombuffer(recv, dtype=np.uint8)])
+n, vocab = 20000, 8
+logits = np.random.default_rng(0).standard_normal((n, vocab)).astype(np.float32)
+target = np.zeros(n, np.int64)
+loss, lse = np.zeros(n, np.float32), np.zeros(n, np.float32)
+vpce.forward(logits, target, 0, vocab, vocab, vpce.LossOptions(), loss, lse, size=1, all_gather=gather)
+for view in kept[:2]:
+    try:
+        view[:] = b"\\xff" * len(view)
+        print("written")
+    except ValueError as error:
+        print("refused:", error)
+kept[2][:] = 255  # an array over the view: it keeps Python-owned memory alive
+print("array written")
+want = np.log(np.exp(logits.astype(np.float64)).sum(axis=1)) - logits[:, 0]
+assert np.abs(loss - want).max() < 1e-5 * np.abs(want).max()
+print("ok")
+"""
+
+
+def test_collective_that_keeps_its_views_cannot_write_into_freed_memory():
+    result = subprocess.run([sys.executable, "-c", LATE_WRITE], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stdout, result.stderr)
+    assert result.stdout.splitlines()[:2] == ["refused: operation forbidden on released memoryview object"] * 2
+    assert result.stdout.splitlines()[-2:] == ["array written", "ok"]
