@@ -216,13 +216,63 @@ TEST_F(Cli, BadInputsExitWithStatusTwoAndWriteNothing) {
                      "magic", out);
 }
 
+TEST_F(Cli, OutOfRangeIntegersNameTheFlagTheRangeAndTheValue) {
+  const fs::path out = dir_ / "out";
+  const std::string tail = " --out " + out.string();
+  expect_usage_error(run_cli("run " + inputs() + " --ignore-index 99999999999999999999" + tail, dir_),
+                     "--ignore-index: expected an integer in [-9223372036854775808, 9223372036854775807], got "
+                     "99999999999999999999", out);
+  expect_usage_error(run_cli("run " + inputs() + " --valid-vocab-size 1.5" + tail, dir_),
+                     "--valid-vocab-size: expected an integer in [0, 9223372036854775807], got 1.5", out);
+  expect_usage_error(run_cli("run " + inputs() + " --vocab-splits 10,-1,28" + tail, dir_), "--vocab-splits: expected",
+                     out);
+  expect_usage_error(run_cli("gen --seed -1" + tail, dir_), "--seed: expected an integer in [0, 2^64 - 1], got -1", out);
+  expect_usage_error(run_cli("gen --tokens 99999999999999999999" + tail, dir_),
+                     "--tokens: expected an integer in [1, 16777216], got 99999999999999999999", out);
+  expect_usage_error(run_cli("perf -n 0", dir_), "--iters: expected an integer in [1, 100000], got 0", out);
+}
+
+TEST_F(Cli, GenRefusesNonsensicalValues) {
+  const fs::path out = dir_ / "out";
+  for (const char* stddev : {"nan", "inf", "-1", "0", "1e39"}) {
+    const Command c = run_cli(std::string("gen --tokens 2 --vocab 3 --std ") + stddev + " --out " + out.string(), dir_);
+    expect_usage_error(c, (std::string("--std: expected a finite number > 0, got ") + stddev).c_str(), out);
+    EXPECT_FALSE(fs::exists(out / "logits.npy")) << stddev;
+  }
+}
+
+TEST_F(Cli, ThreadAndRankCountsAreBounded) {
+  const fs::path out = dir_ / "out";
+  const std::string tail = " --out " + out.string();
+  expect_usage_error(run_cli("run " + inputs() + " --threads 100000" + tail, dir_),
+                     "--threads: expected threads per rank in [0, ", out);
+  expect_usage_error(run_cli("run " + inputs() + " --tp 1025" + tail, dir_),
+                     "--tp: expected an integer in [1, 1024], got 1025", out);
+  expect_usage_error(run_cli("perf --threads 100000", dir_), "--threads: expected threads per rank in [0, ", out);
+}
+
+TEST_F(Cli, PerfChecksItsOptionsBeforeRunning) {
+  const Command c = run_cli("perf -b 16 -e 16 -V 1000 --label-smoothing 2", dir_);
+  expect_usage_error(c, "--label-smoothing: options.label_smoothing: expected a value in [0, 1), got 2", dir_);
+  EXPECT_EQ(c.err.find("internal error"), std::string::npos) << c.err;
+  EXPECT_TRUE(c.out.empty()) << "expected no table before the error: " << c.out;
+  expect_usage_error(run_cli("perf -b 16 -e 16 -f nan", dir_), "a finite f > 1", dir_);
+}
+
+TEST_F(Cli, OverflowingNpyDimensionSaysItOverflows) {
+  write_npy(dir_ / "huge.npy", "<f4", "(99999999999999999999, 37)", logits_.data(), 16);
+  expect_usage_error(run_cli("run --logits " + (dir_ / "huge.npy").string() + " --targets x --out " +
+                                 (dir_ / "out").string(), dir_),
+                     "shape: expected dimensions of at most 2^63 - 1, got 99999999999999999999, which overflows", dir_);
+}
+
 TEST_F(Cli, HelpListsEveryFlag) {
   const Command c = run_cli("run --help", dir_);
   EXPECT_EQ(c.status, 0);
   for (const char* flag : {"--logits", "--targets", "--tp", "--vocab-splits", "--label-smoothing", "--grad-output",
                            "--in-place", "--dtype", "--out", "--smoothing-semantics", "--ignore-index", "--reduction",
                            "--z-loss", "--logit-scale", "--softcap", "--valid-vocab-size", "--weights", "--extras",
-                           "--threads"}) {
+                           "--threads", "--timeout"}) {
     EXPECT_NE(c.out.find(flag), std::string::npos) << flag;
   }
 }

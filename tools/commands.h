@@ -25,6 +25,7 @@ struct RunConfig {
   bool in_place = false;
   std::string dtype;  // "fp32", "bf16", "fp16", or empty for the file's own
   std::string backend = "threads";  // "threads" (in-process) or "mpi" (one process per rank)
+  int timeout_s = 300;              // --timeout: how long a rank waits for the others
 };
 
 // Splits the vocabulary, runs the ranks, writes DIR/loss.npy, lse.npy, grad_logits.npy

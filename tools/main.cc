@@ -2,14 +2,29 @@
 // a subcommand. Every error is one line on stderr and exit status 2.
 #include <CLI/CLI.hpp>
 
+#include <csignal>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <string>
 
+#include "checks.h"
 #include "commands.h"
 #include "vpce/version.h"
 
+namespace {
+
+constexpr int64_t kInt64Min = std::numeric_limits<int64_t>::min();
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  // A file-size limit (ulimit -f) makes write() fail with EFBIG, reported as an error,
+  // instead of killing the process with SIGXFSZ.
+  std::signal(SIGXFSZ, SIG_IGN);
+  using vpce::tools::integer_in;
   CLI::App app{"vpce " VPCE_VERSION_STRING
                ": exact vocab-parallel cross-entropy (loss and gradient) on .npy files",
                "vpce"};
@@ -24,9 +39,10 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--targets", run.targets_path, "int32 or int64 .npy with the leading shape")
       ->required();
   CLI::Option* tp = run_cmd->add_option("--tp", run.ranks, "number of ranks R, even split (default 1)")
-                        ->check(CLI::Range(1, 4096));
+                        ->check(integer_in(1, vpce::tools::kMaxRanks));
   run_cmd->add_option("--vocab-splits", run.vocab_splits, "shard sizes a,b,... summing to V (uneven split)")
       ->delimiter(',')
+      ->check(integer_in(0, kInt64Max))
       ->excludes(tp);
   run_cmd->add_option("--label-smoothing", run.loss.label_smoothing, "label smoothing in [0, 1) (default 0)");
   run_cmd
@@ -35,7 +51,8 @@ int main(int argc, char** argv) {
       ->transform(CLI::CheckedTransformer(
           std::map<std::string, vpce::SmoothingSemantics>{{"megatron", vpce::SmoothingSemantics::kMegatron},
                                                           {"pytorch", vpce::SmoothingSemantics::kPyTorch}}));
-  run_cmd->add_option("--ignore-index", run.loss.ignore_index, "targets equal to this are ignored (default -100)");
+  run_cmd->add_option("--ignore-index", run.loss.ignore_index, "targets equal to this are ignored (default -100)")
+      ->check(integer_in(kInt64Min, kInt64Max));
   run_cmd
       ->add_option("--reduction", run.loss.reduction, "none, sum, or mean over counted tokens (default none)")
       ->transform(CLI::CheckedTransformer(std::map<std::string, vpce::Reduction>{
@@ -44,7 +61,8 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--logit-scale", run.loss.logit_scale, "multiply the logits by this first (default 1)");
   run_cmd->add_option("--softcap", run.loss.softcap, "soft-cap: z = c * tanh(z / c) (default 0: off)");
   run_cmd->add_option("--valid-vocab-size", run.loss.valid_vocab_size,
-                      "real classes; columns from here to V are padding (default 0: all)");
+                      "real classes; columns from here to V are padding (default 0: all)")
+      ->check(integer_in(0, kInt64Max));
   run_cmd->add_option("--weights", run.weights_path, "float32 .npy of per-token loss weights, the targets' shape");
   run_cmd->add_option("--grad-output", run.grad_output_path,
                       "float32 .npy upstream gradient: the targets' shape, or one value with --reduction sum/mean");
@@ -52,8 +70,10 @@ int main(int argc, char** argv) {
   run_cmd->add_flag("--in-place", run.in_place, "write the gradient into the logits buffer");
   run_cmd->add_option("--dtype", run.dtype, "compute on logits converted to this type (default: the file's)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
-  run_cmd->add_option("--threads", run.loss.num_threads, "threads per rank (default: cores / R)")
-      ->check(CLI::Range(0, 1024));
+  run_cmd->add_option("--threads", run.loss.num_threads, "threads per rank (default: cores / R; at most 4 x cores)")
+      ->check(integer_in(0, kIntMax));
+  run_cmd->add_option("--timeout", run.timeout_s, "seconds a rank waits for the others at a collective (default 300)")
+      ->check(integer_in(1, 86400));
   run_cmd->add_option("--out", run.out_dir, "output directory")->required();
   run_cmd
       ->add_option("--backend", run.backend,
@@ -62,10 +82,10 @@ int main(int argc, char** argv) {
 
   vpce::tools::GenConfig gen;
   CLI::App* gen_cmd = app.add_subcommand("gen", "Write a random example: logits.npy and targets.npy");
-  gen_cmd->add_option("--tokens", gen.tokens, "number of tokens N")->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
-  gen_cmd->add_option("--vocab", gen.vocab, "vocabulary size V")->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
-  gen_cmd->add_option("--seed", gen.seed, "random seed");
-  gen_cmd->add_option("--std", gen.stddev, "standard deviation of the logits")->check(CLI::PositiveNumber);
+  gen_cmd->add_option("--tokens", gen.tokens, "number of tokens N")->check(integer_in(1, int64_t{1} << 24));
+  gen_cmd->add_option("--vocab", gen.vocab, "vocabulary size V")->check(integer_in(1, int64_t{1} << 24));
+  gen_cmd->add_option("--seed", gen.seed, "random seed")->check(vpce::tools::unsigned_integer());
+  gen_cmd->add_option("--std", gen.stddev, "standard deviation of the logits")->check(vpce::tools::finite_positive());
   gen_cmd->add_option("--dtype", gen.dtype, "float32 or float16")->check(CLI::IsMember({"float32", "float16"}));
   gen_cmd->add_option("--out", gen.out_dir, "output directory")->required();
 
@@ -73,21 +93,22 @@ int main(int argc, char** argv) {
   CLI::App* perf_cmd = app.add_subcommand(
       "perf", "Benchmark forward and backward (nccl-tests style): time, bandwidth, % of the machine's bound, #wrong");
   perf_cmd->add_option("-b,--min-tokens", perf.min_tokens, "smallest number of tokens (default 1024)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+      ->check(integer_in(1, int64_t{1} << 24));
   perf_cmd->add_option("-e,--max-tokens", perf.max_tokens, "largest number of tokens (default 4096)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+      ->check(integer_in(1, int64_t{1} << 24));
   perf_cmd->add_option("-f,--factor", perf.factor, "multiply the tokens by this between rows (default 2)");
   perf_cmd->add_option("-V,--vocab", perf.vocab, "global vocabulary sizes, comma-separated (default 32000)")
       ->delimiter(',')
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
-  perf_cmd->add_option("-t,--ranks", perf.ranks, "in-process ranks R (default 1)")->check(CLI::Range(1, 256));
+      ->check(integer_in(1, int64_t{1} << 24));
+  perf_cmd->add_option("-t,--ranks", perf.ranks, "in-process ranks R (default 1)")->check(integer_in(1, 256));
   perf_cmd->add_option("-d,--dtype", perf.dtype, "fp32, bf16, fp16 or all (default fp32)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16", "all"}));
-  perf_cmd->add_option("-n,--iters", perf.iterations, "timed iterations per row (default 10)")->check(CLI::Range(1, 100000));
-  perf_cmd->add_option("-w,--warmup", perf.warmup, "warm-up iterations per row (default 2)")->check(CLI::Range(0, 100000));
+  perf_cmd->add_option("-n,--iters", perf.iterations, "timed iterations per row (default 10)")->check(integer_in(1, 100000));
+  perf_cmd->add_option("-w,--warmup", perf.warmup, "warm-up iterations per row (default 2)")->check(integer_in(0, 100000));
   perf_cmd->add_option("-c,--check", perf.check, "1: count wrong elements against the fp64 oracle (default 1)")
-      ->check(CLI::Range(0, 1));
-  perf_cmd->add_option("--threads", perf.threads, "threads per rank (default: cores / R)")->check(CLI::Range(0, 1024));
+      ->check(integer_in(0, 1));
+  perf_cmd->add_option("--threads", perf.threads, "threads per rank (default: cores / R; at most 4 x cores)")
+      ->check(integer_in(0, kIntMax));
   perf_cmd->add_option("--label-smoothing", perf.label_smoothing, "Megatron label smoothing (default 0)");
 
   try {
@@ -101,19 +122,27 @@ int main(int argc, char** argv) {
   run.ranks_given = tp->count() > 0;
   vpce::Status status;
   bool reports = true;
-  if (run_cmd->parsed() && run.backend == "mpi") {
+  // Each command catches its own allocation failures with what it was doing; this is the
+  // last resort, so that nothing escapes main as an abort.
+  try {
+    if (run_cmd->parsed() && run.backend == "mpi") {
 #ifdef VPCE_CLI_HAVE_MPI
-    status = vpce::tools::run_mpi_command(run, &reports);
+      status = vpce::tools::run_mpi_command(run, &reports);
 #else
-    status = {vpce::Code::kUnsupported,
-              "--backend: expected threads (this vpce was built without MPI; configure with -DVPCE_WITH_MPI=ON), got mpi"};
+      status = {vpce::Code::kUnsupported,
+                "--backend: expected threads (this vpce was built without MPI; configure with -DVPCE_WITH_MPI=ON), got mpi"};
 #endif
-  } else if (run_cmd->parsed()) {
-    status = vpce::tools::run_command(run);
-  } else if (perf_cmd->parsed()) {
-    status = vpce::tools::perf_command(perf);
-  } else {
-    status = vpce::tools::gen_command(gen);
+    } else if (run_cmd->parsed()) {
+      status = vpce::tools::run_command(run);
+    } else if (perf_cmd->parsed()) {
+      status = vpce::tools::perf_command(perf);
+    } else {
+      status = vpce::tools::gen_command(gen);
+    }
+  } catch (const std::bad_alloc&) {
+    status = {vpce::Code::kSystemError, "out of memory (an allocation failed)"};
+  } catch (const std::exception& e) {
+    status = {vpce::Code::kInternalError, std::string("unexpected exception: ") + e.what()};
   }
   if (!status.ok()) {
     if (!reports) return 2;

@@ -57,17 +57,19 @@ class HeaderParser {
     *out = text_.substr(start, pos_ - start);
     return !out->empty();
   }
-  bool integer(int64_t* out) {
+  // A non-negative integer; false if there is none. `*overflow` is set when its digits
+  // (kept in `*digits`) exceed int64.
+  bool integer(int64_t* out, bool* overflow, std::string* digits) {
     skip_space();
     const std::size_t start = pos_;
     int64_t value = 0;
+    *overflow = false;
     while (pos_ < text_.size() && std::isdigit(static_cast<unsigned char>(text_[pos_]))) {
-      if (__builtin_mul_overflow(value, 10, &value) ||
-          __builtin_add_overflow(value, text_[pos_] - '0', &value)) {
-        return false;
-      }
+      *overflow = *overflow || __builtin_mul_overflow(value, 10, &value) ||
+                  __builtin_add_overflow(value, text_[pos_] - '0', &value);
       ++pos_;
     }
+    *digits = text_.substr(start, pos_ - start);
     if (pos_ < text_.size() && text_[pos_] == 'L') ++pos_;  // Python 2 long suffix
     *out = value;
     return pos_ > start;
@@ -129,7 +131,12 @@ Status parse_header(const std::string& text, const std::string& name, Dtype* dty
       shape->clear();
       while (!p.eat(')')) {
         int64_t dim = 0;
-        if (!p.integer(&dim)) return bad(name, "shape: expected non-negative integers");
+        bool overflow = false;
+        std::string digits;
+        if (!p.integer(&dim, &overflow, &digits)) return bad(name, "shape: expected non-negative integers");
+        if (overflow) {
+          return bad(name, "shape: expected dimensions of at most 2^63 - 1, got " + digits + ", which overflows int64");
+        }
         if (shape->size() == static_cast<std::size_t>(kMaxDims)) {
           return bad(name, "shape: expected at most 32 dimensions");
         }
@@ -302,52 +309,39 @@ Status read_columns(const std::string& path, int64_t begin, int64_t end, Array* 
   return {};
 }
 
-std::vector<std::byte> serialize(Dtype dtype, const std::vector<int64_t>& shape, const void* data) {
-  std::string header = "{'descr': '" + std::string(descr(dtype)) + "', 'fortran_order': False, 'shape': (";
-  int64_t numel = 1;
+std::string header(Dtype dtype, const std::vector<int64_t>& shape) {
+  std::string text = "{'descr': '" + std::string(descr(dtype)) + "', 'fortran_order': False, 'shape': (";
   for (std::size_t d = 0; d < shape.size(); ++d) {
-    header += std::to_string(shape[d]);
-    if (shape.size() == 1 || d + 1 < shape.size()) header += ",";
-    if (d + 1 < shape.size()) header += " ";
-    numel *= shape[d];
+    text += std::to_string(shape[d]);
+    if (shape.size() == 1 || d + 1 < shape.size()) text += ",";
+    if (d + 1 < shape.size()) text += " ";
   }
-  header += "), }";
+  text += "), }";
   // Pad with spaces so that magic + version + length + header + '\n' is a multiple of 64.
-  const std::size_t unpadded = 10 + header.size() + 1;
-  header.append((64 - unpadded % 64) % 64, ' ');
-  header += '\n';
-  std::vector<std::byte> out;
-  const auto body = static_cast<std::size_t>(numel) * static_cast<std::size_t>(item_bytes(dtype));
-  out.reserve(10 + header.size() + body);
-  for (std::size_t i = 0; i < kMagicBytes; ++i) out.push_back(static_cast<std::byte>(kMagic[i]));
-  out.push_back(std::byte{1});
-  out.push_back(std::byte{0});
-  out.push_back(static_cast<std::byte>(header.size() & 0xff));
-  out.push_back(static_cast<std::byte>(header.size() >> 8));
-  for (char c : header) out.push_back(static_cast<std::byte>(c));
-  const auto* p = static_cast<const std::byte*>(data);
-  out.insert(out.end(), p, p + body);
-  return out;
+  const std::size_t unpadded = 10 + text.size() + 1;
+  text.append((64 - unpadded % 64) % 64, ' ');
+  text += '\n';
+  std::string out(kMagic, kMagicBytes);
+  out += '\x01';
+  out += '\x00';
+  out += static_cast<char>(text.size() & 0xff);
+  out += static_cast<char>(text.size() >> 8);
+  return out + text;
 }
 
-Status write(const std::string& path, Dtype dtype, const std::vector<int64_t>& shape,
-             const void* data) {
-  const std::vector<std::byte> image = serialize(dtype, shape, data);
-  const std::string temporary = path + ".partial";
-  {
-    std::ofstream file(temporary, std::ios::binary | std::ios::trunc);
-    if (!file) return {Code::kSystemError, temporary + ": cannot open for writing"};
-    file.write(reinterpret_cast<const char*>(image.data()), static_cast<std::streamsize>(image.size()));
-    if (!file) {
-      std::remove(temporary.c_str());
-      return {Code::kSystemError, temporary + ": write error"};
-    }
-  }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
-    std::remove(temporary.c_str());
-    return {Code::kSystemError, path + ": cannot rename the written file into place"};
-  }
-  return {};
+uint64_t body_bytes(Dtype dtype, const std::vector<int64_t>& shape) {
+  uint64_t bytes = static_cast<uint64_t>(item_bytes(dtype));
+  for (int64_t d : shape) bytes *= static_cast<uint64_t>(d);
+  return bytes;
+}
+
+std::vector<std::byte> serialize(Dtype dtype, const std::vector<int64_t>& shape, const void* data) {
+  const std::string head = header(dtype, shape);
+  const auto* p = static_cast<const std::byte*>(data);
+  std::vector<std::byte> out(reinterpret_cast<const std::byte*>(head.data()),
+                             reinterpret_cast<const std::byte*>(head.data()) + head.size());
+  out.insert(out.end(), p, p + body_bytes(dtype, shape));
+  return out;
 }
 
 }  // namespace vpce::npy

@@ -50,11 +50,26 @@ Status read_info(const std::string& path, Info* out);
 // tensor-parallel group reads its own vocabulary shard: shape [..., end - begin].
 Status read_columns(const std::string& path, int64_t begin, int64_t end, Array* out);
 
+// The header of a version 1.0 file (magic, version, length, padded dict), and the number
+// of data bytes that follow it.
+std::string header(Dtype dtype, const std::vector<int64_t>& shape);
+uint64_t body_bytes(Dtype dtype, const std::vector<int64_t>& shape);
 // The complete file image (header and data) of an array.
 std::vector<std::byte> serialize(Dtype dtype, const std::vector<int64_t>& shape, const void* data);
-// Writes the file at `path` (through a temporary file and a rename, so that a reader never
-// sees a half-written file).
-Status write(const std::string& path, Dtype dtype, const std::vector<int64_t>& shape,
-             const void* data);
+
+// One array of a set that write_all writes.
+struct OutputFile {
+  std::string name;  // a file name inside the directory, such as "loss.npy"
+  Dtype dtype = Dtype::kFloat32;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+};
+
+// Writes every file into `dir` (created if missing), or none of them: each goes to a
+// temporary file in `dir` with every write checked, is fsync'ed and closed (checked too),
+// and only when all are complete are they renamed into place. On failure every temporary
+// is removed, the files already in `dir` are left as they were, and the kSystemError
+// message names the file and the system's error text.
+Status write_all(const std::string& dir, const std::vector<OutputFile>& files);
 
 }  // namespace vpce::npy

@@ -20,10 +20,15 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>
+
+#include "checks.h"
 #include "commands.h"
 #include "cpu/dtype.h"
 #include "cpu/simd_rows.h"
+#include "rank_threads.h"
 #include "reference/reference.h"
+#include "validate.h"
 #include "vpce/vpce.h"
 
 namespace vpce::tools {
@@ -125,18 +130,16 @@ struct Row {
 };
 
 struct Timing {
-  static Timing failed(std::string why) {
+  static Timing failed(Status why) {
     Timing t;
-    t.ok = false;
-    t.error = std::move(why);
+    t.status = std::move(why);
     return t;
   }
   double forward_ms = 0.0, backward_ms = 0.0;
   double percent_of_bound = 0.0;  // median over the iterations of bound time / time
   MachineBound bound;             // medians of the samples
   int64_t wrong = 0;
-  bool ok = true;
-  std::string error;
+  Status status;
 };
 
 // The median: robust to the spikes other tenants of a shared machine cause.
@@ -221,11 +224,12 @@ Timing time_row(const Row& row, const PerfConfig& config, bool in_place, const B
   std::vector<std::vector<float>> lse = loss;
   std::unique_ptr<ThreadGroup> group;
   Timing timing;
-  if (Status s = ThreadGroup::create(ranks, &group); !s.ok()) return Timing::failed(s.to_string());
+  if (Status s = ThreadGroup::create(ranks, &group); !s.ok()) return Timing::failed(s);
   std::vector<double> forward_seconds, backward_seconds, percents, copy_samples, exp_samples;
   const double elements = static_cast<double>(row.tokens * row.vocab);
   const double bytes = elements * (2.0 * row.dtype.bytes() + (in_place ? row.dtype.bytes() : 4.0));
-  const auto results = group->run([&](Communicator& comm) -> Status {
+  std::vector<Status> results;
+  const Status started = run_on_threads(*group, [&](Communicator& comm) -> Status {
     const auto r = static_cast<std::size_t>(comm.rank());
     const VocabShard& shard = shards[r];
     const int64_t cols = shard.vocab_end - shard.vocab_begin;
@@ -273,9 +277,10 @@ Timing time_row(const Row& row, const PerfConfig& config, bool in_place, const B
       if (Status s = barrier(); !s.ok()) return s;
     }
     return {};
-  });
+  }, "-t", &results);
+  if (!started.ok()) return Timing::failed(started);
   for (const Status& s : results) {
-    if (!s.ok()) return Timing::failed(s.to_string());
+    if (!s.ok()) return Timing::failed({Code::kInternalError, s.to_string()});
   }
   timing.forward_ms = 1e3 * median(forward_seconds);
   timing.backward_ms = 1e3 * median(backward_seconds);
@@ -288,16 +293,46 @@ Timing time_row(const Row& row, const PerfConfig& config, bool in_place, const B
   return timing;
 }
 
-}  // namespace
-
-Status perf_command(const PerfConfig& config) {
-  if (config.min_tokens < 1 || config.max_tokens < config.min_tokens || config.factor <= 1.0) {
-    return {Code::kInvalidArgument, "-b, -e, -f: expected 1 <= b <= e and f > 1, got b " + std::to_string(config.min_tokens) +
-                                        ", e " + std::to_string(config.max_tokens) + ", f " + std::to_string(config.factor)};
+// Every option checked before anything is allocated or timed: the library's own checks of
+// the loss options for each -V, and the largest row against this machine's memory.
+Status check_config(const PerfConfig& config) {
+  if (config.min_tokens < 1 || config.max_tokens < config.min_tokens || !(config.factor > 1.0) ||
+      !std::isfinite(config.factor)) {
+    return {Code::kInvalidArgument, "-b, -e, -f: expected 1 <= b <= e and a finite f > 1, got b " +
+                                        std::to_string(config.min_tokens) + ", e " + std::to_string(config.max_tokens) +
+                                        ", f " + std::to_string(config.factor)};
   }
   if (config.iterations < 1 || config.warmup < 0) {
     return {Code::kInvalidArgument, "-n, -w: expected n >= 1 and w >= 0"};
   }
+  if (config.ranks < 1 || config.ranks > kMaxRanks) {
+    return {Code::kInvalidArgument, "-t: expected 1 to " + std::to_string(kMaxRanks) + " ranks, got " +
+                                        std::to_string(config.ranks)};
+  }
+  if (Status s = check_threads("--threads", config.threads); !s.ok()) return s;
+  const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  for (int64_t vocab : config.vocab) {
+    LossOptions options;
+    options.label_smoothing = config.label_smoothing;
+    if (Status s = detail::check_options(options, vocab); !s.ok()) {
+      return {s.code(), "--label-smoothing: " + s.message()};
+    }
+    // Logits, their pristine copy and an fp32 gradient, at 4 bytes per element at most.
+    const double bytes = 12.0 * static_cast<double>(config.max_tokens) * static_cast<double>(vocab);
+    if (bytes > memory) {
+      char text[256];
+      std::snprintf(text, sizeof(text),
+                    "-e, -V: expected rows that fit in this machine's %.1f GiB of memory, got %lld tokens x V %lld, "
+                    "which needs %.1f GiB",
+                    memory / 1073741824.0, static_cast<long long>(config.max_tokens), static_cast<long long>(vocab),
+                    bytes / 1073741824.0);
+      return {Code::kInvalidArgument, text};
+    }
+  }
+  return {};
+}
+
+Status sweep(const PerfConfig& config) {
   std::vector<DataType> dtypes;
   if (config.dtype == "fp32" || config.dtype == "all") dtypes.push_back(kFloat32);
   if (config.dtype == "bf16" || config.dtype == "all") dtypes.push_back(kBFloat16);
@@ -345,7 +380,7 @@ Status perf_command(const PerfConfig& config) {
         for (bool in_place : {false, true}) {
           const Timing timing =
               time_row(row, config, in_place, meter, logits.get(), pristine.get(), grad.get(), targets, ones);
-          if (!timing.ok) return {Code::kInternalError, timing.error};
+          if (!timing.status.ok()) return timing.status;
           const double bytes = static_cast<double>(count) * (2.0 * dtype.bytes() + (in_place ? dtype.bytes() : 4.0));
           const double seconds = (timing.forward_ms + timing.backward_ms) / 1e3;
           bound_sum += timing.percent_of_bound;
@@ -364,6 +399,14 @@ Status perf_command(const PerfConfig& config) {
               static_cast<long long>(wrong_total));
   if (wrong_total > 0) return {Code::kInternalError, "perf: " + std::to_string(wrong_total) + " wrong elements"};
   return {};
+}
+
+}  // namespace
+
+Status perf_command(const PerfConfig& config) {
+  if (Status s = check_config(config); !s.ok()) return s;
+  return catch_out_of_memory("perf: rows of up to " + std::to_string(config.max_tokens) + " tokens",
+                             [&] { return sweep(config); });
 }
 
 }  // namespace vpce::tools

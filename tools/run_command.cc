@@ -8,7 +8,9 @@
 #include <cstring>
 #include <thread>
 
+#include "checks.h"
 #include "cpu/dtype.h"
+#include "rank_threads.h"
 #include "run_io.h"
 
 namespace vpce::tools {
@@ -29,11 +31,7 @@ double max_rank_difference(const std::vector<RankOutputs>& outputs) {
   return worst;
 }
 
-}  // namespace
-
-Status run_command(const RunConfig& config) {
-  npy::Info info;
-  if (Status s = read_logits_info(config, &info); !s.ok()) return s;
+Status run_threads(const RunConfig& config, const npy::Info& info) {
   const std::vector<int64_t> leading(info.shape.begin(), info.shape.end() - 1);
   TokenInputs in;
   if (Status s = read_token_inputs(config, leading, &in); !s.ok()) return s;
@@ -61,10 +59,11 @@ Status run_command(const RunConfig& config) {
   if (options.num_threads == 0) options.num_threads = std::max(1, hardware / ranks);
 
   std::unique_ptr<ThreadGroup> group;
-  if (Status s = ThreadGroup::create(ranks, &group); !s.ok()) return s;
+  if (Status s = ThreadGroup::create(ranks, &group, std::chrono::seconds(config.timeout_s)); !s.ok()) return s;
   const int element = logits.dtype.bytes();
   const auto start = std::chrono::steady_clock::now();
-  const std::vector<Status> results = group->run([&](Communicator& comm) -> Status {
+  std::vector<Status> results;
+  const Status started = run_on_threads(*group, [&](Communicator& comm) -> Status {
     const auto r = static_cast<std::size_t>(comm.rank());
     RankOutputs& out = outputs[r];
     const VocabShard& shard = shards[r];
@@ -78,7 +77,8 @@ Status run_command(const RunConfig& config) {
                                             : TensorView::matrix(grad_out_of_place.data() + shard.vocab_begin, kFloat32,
                                                                  tokens, cols, vocab);
     return backward(x, y, views.lse, g, shard, options, grad, views.extras.weights);
-  });
+  }, config.vocab_splits.empty() ? "--tp" : "--vocab-splits", &results);
+  if (!started.ok()) return started;
   const double elapsed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   for (const Status& s : results) {
     if (!s.ok()) return s;
@@ -98,6 +98,15 @@ Status run_command(const RunConfig& config) {
                 max_rank_difference(outputs), elapsed_ms);
   return write_outputs(config, info.shape, outputs[0], grad_data,
                        "R " + std::to_string(ranks) + "  dtype " + to_string(logits.dtype), tail);
+}
+
+}  // namespace
+
+Status run_command(const RunConfig& config) {
+  if (Status s = check_threads("--threads", config.loss.num_threads); !s.ok()) return s;
+  npy::Info info;
+  if (Status s = read_logits_info(config, &info); !s.ok()) return s;
+  return catch_out_of_memory("run: " + memory_needed(config, info), [&] { return run_threads(config, info); });
 }
 
 }  // namespace vpce::tools

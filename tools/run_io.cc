@@ -3,7 +3,6 @@
 #include "run_io.h"
 
 #include <cstdio>
-#include <filesystem>
 
 #include "cpu/dtype.h"
 
@@ -57,6 +56,18 @@ Status read_logits_info(const RunConfig& config, npy::Info* info) {
   }
   if (info->shape.back() < 1) return usage(config.logits_path + ": shape: expected V >= 1, got 0");
   return {};
+}
+
+std::string memory_needed(const RunConfig& config, const npy::Info& info) {
+  // The file as read, its compute copy, the fp32 gradient (or its fp32 copy in place).
+  const double elements = static_cast<double>(info.data_bytes) / npy::item_bytes(info.dtype);
+  const double bytes = static_cast<double>(info.data_bytes) + elements * (4.0 + 4.0);
+  char text[64];
+  std::snprintf(text, sizeof(text), "about %.1f MiB in all", bytes / 1048576.0);
+  std::string dims;
+  for (int64_t d : info.shape) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+  return config.logits_path + " ([" + dims + "] " + (info.dtype == npy::Dtype::kFloat16 ? "float16" : "float32") +
+         " logits; " + text + ")";
 }
 
 Status read_token_inputs(const RunConfig& config, const std::vector<int64_t>& leading, TokenInputs* in) {
@@ -143,21 +154,15 @@ Status write_outputs(const RunConfig& config, const std::vector<int64_t>& logits
                      const float* grad, const std::string& summary_head, const std::string& summary_tail) {
   const bool reduced = config.loss.reduction != Reduction::kNone;
   const std::vector<int64_t> token_shape(logits_shape.begin(), logits_shape.end() - 1);
-  std::error_code error;
-  std::filesystem::create_directories(config.out_dir, error);
-  if (error) return {Code::kSystemError, config.out_dir + ": cannot create the directory: " + error.message()};
-  const std::string dir = config.out_dir + "/";
   const std::vector<int64_t> loss_shape = reduced ? std::vector<int64_t>{} : token_shape;
-  if (Status s = npy::write(dir + "loss.npy", npy::Dtype::kFloat32, loss_shape, first.loss.data()); !s.ok()) return s;
-  if (Status s = npy::write(dir + "lse.npy", npy::Dtype::kFloat32, token_shape, first.lse.data()); !s.ok()) return s;
-  if (Status s = npy::write(dir + "grad_logits.npy", npy::Dtype::kFloat32, logits_shape, grad); !s.ok()) return s;
+  std::vector<npy::OutputFile> files = {{"loss.npy", npy::Dtype::kFloat32, loss_shape, first.loss.data()},
+                                        {"lse.npy", npy::Dtype::kFloat32, token_shape, first.lse.data()},
+                                        {"grad_logits.npy", npy::Dtype::kFloat32, logits_shape, grad}};
   if (config.extras) {
-    if (Status s = npy::write(dir + "target_is_argmax.npy", npy::Dtype::kFloat32, token_shape, first.target_is_argmax.data());
-        !s.ok()) {
-      return s;
-    }
-    if (Status s = npy::write(dir + "entropy.npy", npy::Dtype::kFloat32, token_shape, first.entropy.data()); !s.ok()) return s;
+    files.push_back({"target_is_argmax.npy", npy::Dtype::kFloat32, token_shape, first.target_is_argmax.data()});
+    files.push_back({"entropy.npy", npy::Dtype::kFloat32, token_shape, first.entropy.data()});
   }
+  if (Status s = npy::write_all(config.out_dir, files); !s.ok()) return s;
   const int64_t tokens = static_cast<int64_t>(first.lse.size());
   double loss_value = 0.0;  // the reduced loss, or the mean of the per-token losses
   for (float l : first.loss) loss_value += static_cast<double>(l);

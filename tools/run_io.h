@@ -16,6 +16,10 @@ namespace vpce::tools {
 // The logits file's header, checked: float32 or float16, shape [..., V] with V >= 1.
 Status read_logits_info(const RunConfig& config, npy::Info* info);
 
+// What a run on these logits holds in memory, for an out-of-memory message:
+// "L.npy ([4096, 32000] float32 logits; about 1.5 GiB in all)".
+std::string memory_needed(const RunConfig& config, const npy::Info& info);
+
 // Targets, and the optional upstream gradient and weights, checked against the logits'
 // leading shape.
 struct TokenInputs {

@@ -1,0 +1,65 @@
+// tools/checks.cc: validators and bounds shared by the subcommands (see checks.h).
+#include "checks.h"
+
+#include <charconv>
+#include <cmath>
+#include <thread>
+
+namespace vpce::tools {
+namespace {
+
+// The value of `text` as T, or false when it is not a decimal T (including out of range).
+template <class T>
+bool parse_integer(const std::string& text, T* value) {
+  const char* begin = text.data();
+  const char* end = text.data() + text.size();
+  if (begin != end && *begin == '+') ++begin;
+  const auto [stop, error] = std::from_chars(begin, end, *value);
+  return error == std::errc() && stop == end && begin != end;
+}
+
+}  // namespace
+
+CLI::Validator integer_in(int64_t min, int64_t max) {
+  const std::string range = "an integer in [" + std::to_string(min) + ", " + std::to_string(max) + "]";
+  return CLI::Validator(
+      [min, max, range](std::string& text) -> std::string {
+        int64_t value = 0;
+        if (parse_integer(text, &value) && value >= min && value <= max) return {};
+        return "expected " + range + ", got " + text;
+      },
+      "INT in [" + std::to_string(min) + ", " + std::to_string(max) + "]");
+}
+
+CLI::Validator unsigned_integer() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        uint64_t value = 0;
+        if (parse_integer(text, &value)) return {};
+        return "expected an integer in [0, 2^64 - 1], got " + text;
+      },
+      "UINT64");
+}
+
+CLI::Validator finite_positive() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        float value = 0.0f;  // as the flags hold it: 1e39 is infinite
+        const bool number = CLI::detail::lexical_cast(text, value);
+        if (number && std::isfinite(value) && value > 0.0f) return {};
+        return "expected a finite number > 0, got " + text;
+      },
+      "FLOAT > 0");
+}
+
+int max_threads_per_rank() { return 4 * static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
+Status check_threads(const char* flag, int threads) {
+  const int most = max_threads_per_rank();
+  if (threads >= 0 && threads <= most) return {};
+  return {Code::kInvalidArgument, std::string(flag) + ": expected threads per rank in [0, " + std::to_string(most) +
+                                      "] (0: the default; at most 4 x this machine's " + std::to_string(most / 4) +
+                                      " hardware threads), got " + std::to_string(threads)};
+}
+
+}  // namespace vpce::tools
