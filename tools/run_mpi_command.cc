@@ -3,8 +3,9 @@
 // Every rank reads the targets (and weights, upstream gradient) and only its own columns
 // of the logits, runs the forward (one MPI all-gather) and the backward on them, and sends
 // its gradient columns to rank 0, which writes every output. Any rank's failure (a file it
-// cannot read, a bad option) becomes the same error on every rank: the ranks agree on a
-// status before each step that could otherwise leave one waiting for another.
+// cannot read, a bad option, memory it cannot allocate) becomes the same error on every
+// rank: the ranks first agree on every flag, then on a status before each step that could
+// otherwise leave one waiting for another; each of these waits is bounded by --timeout.
 #include <mpi.h>
 
 #include <algorithm>
@@ -13,7 +14,9 @@
 #include <cstring>
 #include <thread>
 
+#include "checks.h"
 #include "cpu/dtype.h"
+#include "mpi_collectives.h"
 #include "run_io.h"
 #include "vpce/mpi.h"
 
@@ -42,35 +45,23 @@ class MpiSession {
   bool started_ = false;
 };
 
-// The first failing rank's status, the same on every rank (a collective).
-Status agree(const Status& local, int rank, int ranks) {
-  int failed = local.ok() ? ranks : rank;  // the lowest failing rank wins
-  int first = ranks;
-  MPI_Allreduce(&failed, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-  if (first == ranks) return {};
-  // That rank broadcasts its code and message.
-  int code = static_cast<int>(local.code());
-  char message[512] = {};
-  std::snprintf(message, sizeof(message), "rank %d: %s", rank, local.message().c_str());
-  MPI_Bcast(&code, 1, MPI_INT, first, MPI_COMM_WORLD);
-  MPI_Bcast(message, sizeof(message), MPI_CHAR, first, MPI_COMM_WORLD);
-  return {static_cast<Code>(code), message};
-}
-
 // Rank 0 receives every rank's [tokens, cols] float32 gradient block into the columns of
 // the [tokens, vocab] matrix `full`; the others send theirs. Rows travel in chunks that
-// keep each message's count within an int.
-void gather_gradient(const std::vector<float>& mine, const std::vector<VocabShard>& shards, int rank, int64_t tokens,
-                     int64_t vocab, std::vector<float>* full) {
+// keep each message's count within an int; every wait is bounded.
+Status gather_gradient(const ToolCollectives& world, const std::vector<float>& mine, const std::vector<VocabShard>& shards,
+                       int64_t tokens, int64_t vocab, std::vector<float>* full) {
   constexpr int kTag = 7;
   const auto chunk_rows = [](int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 28) / std::max<int64_t>(cols, 1)); };
+  const int rank = world.rank();
   if (rank != 0) {
     const int64_t cols = shards[static_cast<std::size_t>(rank)].vocab_end - shards[static_cast<std::size_t>(rank)].vocab_begin;
     for (int64_t row = 0; row < tokens && cols > 0; row += chunk_rows(cols)) {
       const int64_t rows = std::min(chunk_rows(cols), tokens - row);
-      MPI_Send(mine.data() + row * cols, static_cast<int>(rows * cols), MPI_FLOAT, 0, kTag, MPI_COMM_WORLD);
+      MPI_Request request = MPI_REQUEST_NULL;
+      MPI_Isend(mine.data() + row * cols, static_cast<int>(rows * cols), MPI_FLOAT, 0, kTag, MPI_COMM_WORLD, &request);
+      if (Status s = world.wait(&request, "sending the gradient to rank 0"); !s.ok()) return s;
     }
-    return;
+    return {};
   }
   std::vector<float> block;
   for (std::size_t r = 0; r < shards.size(); ++r) {
@@ -81,8 +72,10 @@ void gather_gradient(const std::vector<float>& mine, const std::vector<VocabShar
       const float* source = mine.data() + row * cols;
       if (r != 0) {
         block.resize(static_cast<std::size_t>(rows * cols));
-        MPI_Recv(block.data(), static_cast<int>(rows * cols), MPI_FLOAT, static_cast<int>(r), kTag, MPI_COMM_WORLD,
-                 MPI_STATUS_IGNORE);
+        MPI_Request request = MPI_REQUEST_NULL;
+        MPI_Irecv(block.data(), static_cast<int>(rows * cols), MPI_FLOAT, static_cast<int>(r), kTag, MPI_COMM_WORLD,
+                  &request);
+        if (Status s = world.wait(&request, "receiving the gradient"); !s.ok()) return s;
         source = block.data();
       }
       for (int64_t i = 0; i < rows; ++i) {
@@ -90,6 +83,7 @@ void gather_gradient(const std::vector<float>& mine, const std::vector<VocabShar
       }
     }
   }
+  return {};
 }
 
 // This rank's part of the run: read, forward, backward. Fills `out` and `grad` ([tokens,
@@ -103,8 +97,8 @@ struct RankRun {
   double elapsed_ms = 0.0;
 };
 
+// Reads this rank's inputs; run->info is the logits' header, read and checked already.
 Status prepare(const RunConfig& config, int rank, int ranks, RankRun* run, TokenInputs* in, ComputeBuffer* logits) {
-  if (Status s = read_logits_info(config, &run->info); !s.ok()) return s;
   const std::vector<int64_t> leading(run->info.shape.begin(), run->info.shape.end() - 1);
   if (Status s = read_token_inputs(config, leading, in); !s.ok()) return s;
   const int64_t vocab = run->info.shape.back();
@@ -123,8 +117,8 @@ Status prepare(const RunConfig& config, int rank, int ranks, RankRun* run, Token
   return make_compute_buffer(columns, config.dtype, logits);
 }
 
-Status compute(const RunConfig& config, MpiCommunicator& comm, const TokenInputs& in, ComputeBuffer& logits,
-               RankRun* run) {
+Status compute(const RunConfig& config, MpiCommunicator& comm, int ranks_on_host, const TokenInputs& in,
+               ComputeBuffer& logits, RankRun* run) {
   const VocabShard& shard = run->shards[static_cast<std::size_t>(comm.rank())];
   const int64_t tokens = static_cast<int64_t>(in.targets.numel());
   const int64_t cols = shard.vocab_end - shard.vocab_begin;
@@ -136,15 +130,8 @@ Status compute(const RunConfig& config, MpiCommunicator& comm, const TokenInputs
   const float* upstream = config.grad_output_path.empty() ? ones.data() : in.grad_output.as<float>();
   const TensorView weights = TensorView::contiguous(in.weights.data.data(), kFloat32, {tokens});
   LossOptions options = config.loss;
-  if (options.num_threads == 0) {
-    // The cores of this host, shared among the ranks that run on it.
-    MPI_Comm host = MPI_COMM_NULL;
-    int on_host = 1;
-    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, comm.rank(), MPI_INFO_NULL, &host) == MPI_SUCCESS) {
-      MPI_Comm_size(host, &on_host);
-      MPI_Comm_free(&host);
-    }
-    options.num_threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / on_host);
+  if (options.num_threads == 0) {  // the cores of this host, shared among its ranks
+    options.num_threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / ranks_on_host);
   }
 
   RankOutputs& out = run->out;
@@ -167,24 +154,45 @@ Status compute(const RunConfig& config, MpiCommunicator& comm, const TokenInputs
 }
 
 
-// The run on every rank; returns the same status everywhere.
-Status run_ranks(const RunConfig& config, int rank, int ranks) {
+// The run on every rank; returns the same status everywhere, except kTimeout, which only
+// the ranks that waited in vain return.
+Status run_ranks(const RunConfig& config, const ToolCollectives& world) {
+  const int rank = world.rank();
+  const int ranks = world.size();
+  int ranks_on_host = 1;
+  if (Status s = world.agree_flags(config, &ranks_on_host); !s.ok()) return s;
   RankRun run;
   TokenInputs in;
   ComputeBuffer logits;
-  if (Status s = agree(prepare(config, rank, ranks, &run, &in, &logits), rank, ranks); !s.ok()) return s;
+  const auto prepared = [&] {
+    if (Status s = check_threads("--threads", config.loss.num_threads); !s.ok()) return s;
+    if (Status s = read_logits_info(config, &run.info); !s.ok()) return s;
+    return catch_out_of_memory("run: " + memory_needed(config, run.info),
+                               [&] { return prepare(config, rank, ranks, &run, &in, &logits); });
+  };
+  if (Status s = world.agree(prepared()); !s.ok()) return s;
   std::unique_ptr<MpiCommunicator> comm;
-  if (Status s = agree(MpiCommunicator::create(MPI_COMM_WORLD, &comm), rank, ranks); !s.ok()) return s;
+  MpiOptions options;
+  options.timeout = std::chrono::seconds(config.timeout_s);
+  if (Status s = world.agree(MpiCommunicator::create(MPI_COMM_WORLD, &comm, options)); !s.ok()) return s;
   // The forward's errors are the same on every rank already; the backward's are local.
-  if (Status s = agree(compute(config, *comm, in, logits, &run), rank, ranks); !s.ok()) return s;
+  const Status computed = catch_out_of_memory("run: " + memory_needed(config, run.info), [&] {
+    return compute(config, *comm, ranks_on_host, in, logits, &run);
+  });
+  if (Status s = world.agree(computed); !s.ok()) return s;
   comm.reset();
 
   const int64_t vocab = run.info.shape.back();
   const int64_t tokens = static_cast<int64_t>(run.out.lse.size());
-  std::vector<float> full(rank == 0 ? static_cast<std::size_t>(tokens * vocab) : 0);
-  gather_gradient(run.grad, run.shards, rank, tokens, vocab, &full);
+  std::vector<float> full;
+  const Status allocated = catch_out_of_memory("run: rank 0's whole gradient", [&] {
+    full.resize(rank == 0 ? static_cast<std::size_t>(tokens * vocab) : 0);
+    return Status();
+  });
+  if (Status s = world.agree(allocated); !s.ok()) return s;
+  if (Status s = world.agree(gather_gradient(world, run.grad, run.shards, tokens, vocab, &full)); !s.ok()) return s;
   double slowest_ms = 0.0;
-  MPI_Reduce(&run.elapsed_ms, &slowest_ms, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+  if (Status s = world.max(run.elapsed_ms, &slowest_ms); !s.ok()) return s;
   Status written;
   if (rank == 0) {
     char tail[96];
@@ -192,7 +200,7 @@ Status run_ranks(const RunConfig& config, int rank, int ranks) {
     written = write_outputs(config, run.info.shape, run.out, full.data(),
                             "R " + std::to_string(ranks) + "  dtype " + to_string(run.dtype) + "  backend mpi", tail);
   }
-  return agree(written, rank, ranks);
+  return world.agree(written);
 }
 
 }  // namespace
@@ -207,14 +215,24 @@ Status run_mpi_command(const RunConfig& config, bool* reports) {
   int ranks = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &ranks);
-  const Status status = run_ranks(config, rank, ranks);
+  const ToolCollectives world(rank, ranks, std::chrono::seconds(config.timeout_s));
+  Status status = run_ranks(config, world);
   // Every rank has the same status; rank 0 prints it before any rank exits, since the
   // launcher ends the whole job as soon as one process exits with an error.
-  if (!status.ok() && rank == 0) {
+  if (!status.ok() && rank == 0 && status.code() != Code::kTimeout) {
     std::fprintf(stderr, "vpce: error: %s\n", status.to_string().c_str());
     std::fflush(stderr);
   }
-  MPI_Barrier(MPI_COMM_WORLD);
+  if (status.code() != Code::kTimeout) {
+    if (Status s = world.barrier(); !s.ok()) status = s;
+  }
+  if (status.code() == Code::kTimeout) {
+    // A rank that never arrived cannot be waited for, nor MPI finalised with it: this rank
+    // reports and ends the job (the launcher stops the others, the absent one included).
+    std::fprintf(stderr, "vpce: error: rank %d: %s\n", rank, status.to_string().c_str());
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 2);
+  }
   *reports = false;
   return status;
 }
