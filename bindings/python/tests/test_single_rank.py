@@ -5,7 +5,7 @@ import torch
 
 import vpce
 import vpce.torch as vt
-from reference import loss_and_grad, relative_error
+from reference import loss_and_grad, megatron_legacy, relative_error
 
 torch.manual_seed(0)
 
@@ -156,3 +156,191 @@ def test_group_of_several_ranks_needs_a_collective():
     loss = torch.empty(target.shape)
     with pytest.raises(vpce.Error, match="all_gather: expected a callable"):
         vpce.forward(logits, target, 0, 10, 20, vpce.LossOptions(), loss, torch.empty(target.shape), rank=0, size=2)
+
+
+def pytorch_loss_and_grad(base, make_logits, target, grad_loss):
+    """float64 loss and gradient with respect to `base` of F.cross_entropy on
+    make_logits(base): the reference for logits that are a view (expanded, overlapping)."""
+    full = base.detach().double().requires_grad_()
+    logits = make_logits(full)
+    vocab = logits.shape[-1]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1), reduction="none")
+    (grad,) = torch.autograd.grad(loss, full, grad_loss.double().reshape(-1))
+    return loss.detach().view(target.shape), grad
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("layout", ["expanded rows", "expanded inner rows", "overlapping rows"])
+def test_expanded_and_overlapping_logits_are_copied(layout, inplace):
+    # Views that PyTorch's own ops read by copying: vpce.torch copies them too (and writes an
+    # in-place gradient into that copy, never into the expanded tensor).
+    make, base = {
+        "expanded rows": (lambda b: b.expand(12, 10), torch.randn(1, 10)),
+        "expanded inner rows": (lambda b: b.expand(4, 3, 10), torch.randn(4, 1, 10)),
+        "overlapping rows": (lambda b: b.as_strided((12, 10), (5, 1)), torch.randn(70)),
+    }[layout]
+    shape = make(base).shape[:-1]
+    target = torch.randint(0, 10, shape)
+    grad_loss = torch.rand(shape) + 0.5
+    want_loss, want_grad = pytorch_loss_and_grad(base, make, target, grad_loss)
+    leaf = base.clone().requires_grad_()
+    loss = vt.vocab_parallel_cross_entropy(make(leaf * 1), target, inplace_backward=inplace)
+    loss.backward(grad_loss)
+    assert relative_error(loss.detach(), want_loss) < 1e-6
+    assert relative_error(leaf.grad, want_grad) < 1e-6
+
+
+@pytest.mark.parametrize("layout", ["transposed", "expanded", "strided"])
+def test_transposed_expanded_and_strided_targets_are_copied(layout):
+    logits, _, grad_loss = problem(shape=(4, 3), vocab=20)
+    target = {
+        "transposed": torch.randint(0, 20, (3, 4)).t(),
+        "expanded": torch.randint(0, 20, (1, 3)).expand(4, 3),
+        "strided": torch.randint(0, 20, (4, 6))[:, ::2],
+    }[layout]
+    loss, grad = run(logits, target, grad_loss)
+    want_loss, want_grad = loss_and_grad(logits, target.contiguous(), grad_loss)
+    assert relative_error(loss, want_loss) < 1e-6 and relative_error(grad, want_grad) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.float64, torch.float16])
+def test_float_and_bool_targets_are_refused(dtype):
+    logits, target, _ = problem(vocab=20)
+    bad = (target % 20).to(dtype) + 0.99 if dtype.is_floating_point else target > 5
+    with pytest.raises(TypeError, match=rf"target\.dtype: expected int32 or int64.*got {dtype}"):
+        vt.vocab_parallel_cross_entropy(logits, bad)
+    if dtype == torch.float32:
+        with pytest.raises(TypeError, match="target.dtype"):
+            vt.vocab_parallel_cross_entropy(logits, torch.full(target.shape, float("nan")))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_narrow_integer_targets_are_widened(dtype):
+    logits, target, grad_loss = problem(vocab=100)
+    loss, grad = run(logits, target.to(dtype), grad_loss)
+    want_loss, want_grad = loss_and_grad(logits, target, grad_loss)
+    assert relative_error(loss, want_loss) < 1e-6 and relative_error(grad, want_grad) < 1e-6
+
+
+def in_place_problem():
+    logits, target, grad_loss = problem(vocab=50)
+    x = logits.clone().requires_grad_()
+    return x, x * 1, target % 50, grad_loss
+
+
+def test_in_place_second_backward_raises():
+    x, y, target, grad_loss = in_place_problem()
+    loss = vt.vocab_parallel_cross_entropy(y, target, inplace_backward=True)
+    loss.backward(grad_loss, retain_graph=True)
+    want_loss, want_grad = loss_and_grad(x, target, grad_loss)
+    assert relative_error(x.grad, want_grad) < 1e-6
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward(grad_loss)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_in_place_into_a_copy_second_backward_raises(dtype):
+    # float64 logits, and transposed ones, are copied: the gradient overwrites the copy, which
+    # the graph saved, so a second backward must raise too.
+    x, _, target, grad_loss = in_place_problem()
+    y = x.to(dtype) * 1 if dtype == torch.float64 else (x * 1).transpose(0, 1).contiguous().transpose(0, 1)
+    loss = vt.vocab_parallel_cross_entropy(y, target, inplace_backward=True)
+    loss.backward(grad_loss, retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward(grad_loss)
+
+
+@pytest.mark.parametrize("square_first", [True, False])
+def test_in_place_with_another_op_that_saved_the_logits_raises_or_is_right(square_first):
+    # (y ** 2) saves y for its backward; the in-place gradient overwrites y. PyTorch's rule:
+    # that backward raises (unless it runs before the write: then it is right).
+    x, y, target, grad_loss = in_place_problem()
+    square = (y**2).sum() if square_first else None
+    loss = vt.vocab_parallel_cross_entropy(y, target, inplace_backward=True)
+    total = (loss * grad_loss).sum() + (square if square_first else (y**2).sum())
+    try:
+        total.backward()
+    except RuntimeError as error:
+        assert "modified by an inplace operation" in str(error)
+        return
+    _, want_grad = loss_and_grad(x, target, grad_loss)
+    assert relative_error(x.grad, want_grad + 2 * x.detach().double()) < 1e-6
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_in_place_on_a_leaf_that_requires_grad_is_refused(view):
+    logits, target, _ = problem(vocab=50)
+    leaf = logits.clone().requires_grad_()
+    with pytest.raises(ValueError, match="inplace_backward: expected logits that autograd lets be overwritten.*"
+                                         + ("a view of a leaf" if view else "got a leaf")):
+        vt.vocab_parallel_cross_entropy(leaf[:, :, :25] if view else leaf, target % 25, inplace_backward=True)
+
+
+@pytest.mark.parametrize("value", [1.5, -0.5, float("nan"), 1.0])
+def test_legacy_smoothing_outside_its_range_is_refused(value):
+    logits, target, _ = problem(vocab=50)
+    with pytest.raises(ValueError, match=r"label_smoothing: expected a value in \[0, 1\), got"):
+        vt.vocab_parallel_cross_entropy(logits, target % 50, value, megatron_legacy_label_smoothing=True)
+
+
+def test_legacy_smoothing_needs_two_columns():
+    logits, target, _ = problem(vocab=1)
+    with pytest.raises(ValueError, match="megatron_legacy_label_smoothing: expected a shard of at least 2 columns"):
+        vt.vocab_parallel_cross_entropy(logits, target * 0, 0.1, megatron_legacy_label_smoothing=True)
+    loss = vt.vocab_parallel_cross_entropy(logits, target * 0, 0.0, megatron_legacy_label_smoothing=True)
+    assert (loss.abs() < 1e-6).all()  # one class, no smoothing: the plain loss, log(1)
+
+
+def test_legacy_smoothing_ignores_ignored_tokens():
+    logits, target, grad_loss = problem(vocab=50)
+    target %= 50
+    target[0, :] = -100
+    target[4, 2] = -100
+    ignored = target == -100
+    loss, grad = run(logits, target, grad_loss, 0.1, megatron_legacy_label_smoothing=True)
+    want_loss, want_grad = megatron_legacy(logits, target.masked_fill(ignored, 0), 0, 50, grad_loss, 0.1)
+    assert (loss[ignored] == 0).all() and (grad[ignored] == 0).all()
+    assert relative_error(loss[~ignored], want_loss[~ignored]) < 1e-6
+    assert relative_error(grad[~ignored], want_grad[~ignored]) < 1e-6
+
+
+@pytest.mark.parametrize("logits, error, fragment", [
+    (torch.tensor(1.0), ValueError, r"vocab_parallel_logits\.dim\(\): expected 1 to 8 dimensions.*got 0"),
+    (torch.zeros([1] * 9 + [4]), ValueError, r"vocab_parallel_logits\.dim\(\): expected 1 to 8 dimensions.*got 10"),
+    (torch.zeros(3, 4, dtype=torch.bool), TypeError,
+     r"vocab_parallel_logits\.dtype: expected float32, bfloat16, float16 or float64, got torch\.bool"),
+    (torch.zeros(3, 4, dtype=torch.int32), TypeError, r"vocab_parallel_logits\.dtype: .* got torch\.int32"),
+    (torch.zeros(3, 4, device="meta"), ValueError, r"vocab_parallel_logits\.device: expected cpu or cuda, got meta"),
+    (torch.zeros(3, 4).to_sparse(), TypeError,
+     r"vocab_parallel_logits\.layout: expected torch\.strided \(a dense tensor\), got torch\.sparse_coo"),
+])
+def test_bad_logits_name_the_argument(logits, error, fragment):
+    target = torch.zeros(logits.shape[:-1], dtype=torch.long)
+    with pytest.raises(error, match=fragment):
+        vt.vocab_parallel_cross_entropy(logits, target)
+
+
+@pytest.mark.parametrize("name, value, error, fragment", [
+    ("ignore_index", 2**70, ValueError, r"options\.ignore_index: expected an integer in \[-9223372036854775808, "
+                                        r"9223372036854775807\], got 1180591620717411303424"),
+    ("num_threads", 2**40, ValueError, r"options\.num_threads: expected an integer in \[-2147483648, 2147483647\], "
+                                       r"got 1099511627776"),
+    ("ignore_index", "x", TypeError, r"options\.ignore_index: expected an integer, got str 'x'"),
+    ("num_threads", 1.5, TypeError, r"options\.num_threads: expected an integer, got float 1\.5"),
+    ("z_loss_weight", "big", TypeError, r"options\.z_loss_weight: expected a number, got str 'big'"),
+    ("smoothing_semantics", ["pytorch"], ValueError, r"smoothing_semantics: expected 'megatron' or 'pytorch', got"),
+])
+def test_options_of_the_wrong_type_or_range_name_the_option(name, value, error, fragment):
+    logits, target, _ = problem(vocab=50)
+    with pytest.raises(error, match=fragment):
+        vt.vocab_parallel_cross_entropy(logits, target % 50, **{name: value})
+
+
+def test_raw_api_names_tensors_it_cannot_import():
+    logits, target, _ = problem(vocab=10)
+    loss, lse = torch.empty(target.shape), torch.empty(target.shape)
+    for bad, fragment in [(logits > 0, "dtype torch.bool"), (logits.to("meta"), "device meta"),
+                          (logits.to_sparse(), "layout torch.sparse_coo")]:
+        with pytest.raises(TypeError, match=rf"^logits: expected an array that exports through DLPack.*got a "
+                                            rf"torch\.Tensor \(.*{fragment}.*\) whose DLPack export fails"):
+            vpce.forward(bad, target, 0, 10, 10, vpce.LossOptions(), loss, lse)
