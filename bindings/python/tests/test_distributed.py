@@ -1,10 +1,15 @@
-"""vpce.torch on real torch.distributed groups: 1, 2 and 4 processes over gloo, each holding
+"""vpce.torch on real torch.distributed groups: 1, 2, 3 and 4 processes over gloo, each holding
 its shard of the vocabulary, against the float64 PyTorch reference; exactly one collective
-per forward and none per backward, counted; the same loss on every rank; ranks that
-disagree get the same error; Megatron's legacy smoothing reproduced on request."""
+per forward and none per backward, counted (two when the payload first outgrows the agreed
+blocks); the same loss on every rank; ranks that disagree (on V, the number of tokens, the
+legacy smoothing) and a rank that fails before the gather all give every rank the same
+error; Megatron's legacy smoothing reproduced on request. Every group has a 60 s timeout and
+every test a deadline, so a regression fails instead of hanging."""
+import datetime
 import functools
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -14,6 +19,9 @@ import torch.multiprocessing as mp
 import vpce
 import vpce.torch as vt
 from reference import loss_and_grad, megatron_legacy, relative_error
+
+GROUP_TIMEOUT = datetime.timedelta(seconds=60)  # gloo's own, per collective
+TEST_DEADLINE_S = 240  # per spawned test, start-up included
 
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce", "reduce_scatter",
                "barrier", "gather", "scatter", "all_to_all", "send", "recv", "isend", "irecv")
@@ -112,10 +120,31 @@ def check_disagreement(group, rank, size):
     assert "vocabulary size" in messages[0] or "ranges" in messages[0], messages[0]
 
 
-def worker(rank, size, init_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+def init_group(rank, size, init_file):
+    """This process's gloo group of `size` ranks (a group object, as Megatron passes), with
+    a bounded timeout."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size,
+                            timeout=GROUP_TIMEOUT)
     torch.set_num_threads(1)
-    group = dist.new_group(list(range(size)))  # a group object, as Megatron passes
+    return dist.new_group(list(range(size)), timeout=GROUP_TIMEOUT)
+
+
+def spawn(worker, size, **kwargs):
+    """Runs worker(rank, size=size, init_file=..., **kwargs) in `size` processes; fails past
+    TEST_DEADLINE_S (killing them) rather than hanging."""
+    with tempfile.TemporaryDirectory() as directory:
+        context = mp.spawn(functools.partial(worker, size=size, init_file=os.path.join(directory, "init"), **kwargs),
+                           nprocs=size, join=False)
+        deadline = time.monotonic() + TEST_DEADLINE_S
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"{worker.__name__} with {size} ranks did not finish within {TEST_DEADLINE_S} s")
+
+
+def worker(rank, size, init_file):
+    group = init_group(rank, size, init_file)
     cases = [
         (torch.float32, 0.0, False, {}),
         (torch.float32, 0.1, False, {}),
@@ -134,6 +163,141 @@ def worker(rank, size, init_file):
 
 @pytest.mark.parametrize("size", [1, 2, 4])
 def test_gloo_group(size):
-    with tempfile.TemporaryDirectory() as directory:
-        mp.spawn(functools.partial(worker, size=size, init_file=os.path.join(directory, "init")), nprocs=size,
-                 join=True)
+    spawn(worker, size)
+
+
+def same_outcome_on_every_rank(group, size, call):
+    """(exception class name, text) of what call() raised here, ("", "") if nothing, after
+    checking that every rank of the group got exactly the same."""
+    try:
+        call()
+        outcome = ("", "")
+    except Exception as error:  # noqa: BLE001 (any error must be the same everywhere)
+        outcome = (type(error).__name__, str(error))
+    outcomes = [None] * size
+    dist.all_gather_object(outcomes, outcome, group=group)
+    assert all(other == outcomes[0] for other in outcomes), outcomes
+    return outcome
+
+
+def one_rank_fails(x, target):
+    """(what, the failing rank's arguments, exception class, message fragment): every error
+    one rank can raise before the gather, for vocab_parallel_cross_entropy(logits, target,
+    label_smoothing, **options)."""
+    return [
+        ("an unknown option", (x, target, 0.0, {"colour": "red"}), "TypeError", "unexpected options ['colour']"),
+        ("an unknown smoothing semantics", (x, target, 0.1, {"smoothing_semantics": "nemo"}), "ValueError",
+         "smoothing_semantics: expected 'megatron' or 'pytorch', got 'nemo'"),
+        ("an option of the wrong type", (x, target, 0.0, {"ignore_index": "x"}), "TypeError",
+         "options.ignore_index: expected an integer, got str 'x'"),
+        ("an option out of range", (x, target, 0.0, {"num_threads": 2**40}), "ValueError",
+         "options.num_threads: expected an integer in [-2147483648, 2147483647], got 1099511627776"),
+        ("the legacy flag with another option",
+         (x, target, 0.1, {"megatron_legacy_label_smoothing": True, "z_loss_weight": 0.1}), "ValueError",
+         "megatron_legacy_label_smoothing: expected no other options"),
+        ("legacy smoothing out of range", (x, target, 1.5, {"megatron_legacy_label_smoothing": True}), "ValueError",
+         "label_smoothing: expected a value in [0, 1), got 1.5"),
+        ("0-d logits", (torch.tensor(1.0), target, 0.0, {}), "ValueError",
+         "vocab_parallel_logits.dim(): expected 1 to 8 dimensions ([..., V/R]), got 0"),
+        ("9-d logits", (x.reshape(*[1] * 6, *x.shape), target.reshape(*[1] * 6, *target.shape), 0.0, {}),
+         "ValueError", "vocab_parallel_logits.dim(): expected 1 to 8 dimensions ([..., V/R]), got 9"),
+        ("bool logits", (x > 0, target, 0.0, {}), "TypeError",
+         "vocab_parallel_logits.dtype: expected float32, bfloat16, float16 or float64, got torch.bool"),
+        ("meta logits", (x.to("meta"), target, 0.0, {}), "ValueError",
+         "vocab_parallel_logits.device: expected cpu or cuda, got meta"),
+        ("float targets", (x, target.float(), 0.0, {}), "TypeError",
+         "target.dtype: expected int32 or int64 (or a narrower integer type, widened), got torch.float32"),
+        ("in place over a leaf", (x.clone().requires_grad_(), target, 0.0, {"inplace_backward": True}), "ValueError",
+         "inplace_backward: expected logits that autograd lets be overwritten"),
+    ]
+
+
+def check_one_rank_fails(group, rank, size):
+    logits, target, _ = global_problem(seed=5)
+    x = logits[..., rank * (logits.shape[-1] // size):(rank + 1) * (logits.shape[-1] // size)]
+    for number, (what, bad, kind, fragment) in enumerate(one_rank_fails(x, target)):
+        failing = number % size
+        args = bad if rank == failing else (x, target, 0.0, {})
+        started = time.monotonic()
+        outcome = same_outcome_on_every_rank(
+            group, size, lambda: vt.vocab_parallel_cross_entropy(*args[:3], tp_group=group, **args[3]))
+        assert outcome[0] == kind, (what, outcome)
+        assert outcome[1].startswith(f"rank {failing} of {size}: ") and fragment in outcome[1], (what, outcome)
+        assert time.monotonic() - started < 10, what  # at once, not after gloo's timeout
+
+
+def check_token_counts_disagree(group, rank, size):
+    # Rank 1 has more tokens than the others; in the second case its payload also outgrows
+    # the agreed blocks (400 tokens: 6656 bytes > 4096).
+    for tokens in (6, 400):
+        logits, target, _ = global_problem(seed=9, shape=(tokens if rank == 1 else 5,), vocab=60)
+        x = logits[..., rank * (60 // size):(rank + 1) * (60 // size)]
+        outcome = same_outcome_on_every_rank(group, size,
+                                             lambda: vt.vocab_parallel_cross_entropy(x, target, tp_group=group))
+        assert outcome[0] == "Error" and "ranks disagree on the number of tokens" in outcome[1], outcome
+
+
+def check_legacy_smoothing_disagrees(group, rank, size):
+    logits, target, _ = global_problem(seed=13)
+    x = logits[..., rank * (logits.shape[-1] // size):(rank + 1) * (logits.shape[-1] // size)]
+    outcome = same_outcome_on_every_rank(group, size, lambda: vt.vocab_parallel_cross_entropy(
+        x, target, 0.1 if rank == 0 else 0.2, tp_group=group, megatron_legacy_label_smoothing=True))
+    assert outcome == ("Error", "invalid usage: ranks disagree on label_smoothing (with megatron_legacy_label_"
+                                "smoothing): expected rank 0's 0.1 on every rank, got 0.2 on rank 1"), outcome
+
+
+def check_still_one_collective(group, rank, size):
+    # After the failures above the group still agrees on its blocks: one gather, right loss.
+    logits, target, grad_loss = global_problem(seed=19, vocab=60)
+    local = 60 // size
+    with CollectiveCounter() as calls:
+        loss = vt.vocab_parallel_cross_entropy(logits[..., rank * local:(rank + 1) * local], target, 0.1,
+                                               tp_group=group)
+    assert calls.calls == ["all_gather"], calls.calls
+    want_loss, _ = loss_and_grad(logits, target, grad_loss, label_smoothing=0.1)
+    assert relative_error(loss, want_loss) < 1e-6
+
+
+def failure_worker(rank, size, init_file, check):
+    group = init_group(rank, size, init_file)
+    check(group, rank, size)
+    check_still_one_collective(group, rank, size)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_rank_that_fails_before_the_gather_gives_every_rank_its_error(size):
+    spawn(failure_worker, size, check=check_one_rank_fails)
+
+
+def test_ranks_with_different_token_counts_all_get_the_disagreement():
+    spawn(failure_worker, 2, check=check_token_counts_disagree)
+
+
+def test_ranks_with_different_legacy_smoothing_all_get_the_disagreement():
+    spawn(failure_worker, 2, check=check_legacy_smoothing_disagrees)
+
+
+def growth_worker(rank, size, init_file):
+    # 600 tokens: a 9856-byte payload outgrows the first 4096-byte blocks. The first forward
+    # agrees the new size in one extra gather; the next ones make one gather each, and a
+    # small call after them (blocks shrunk back) one too.
+    group = init_group(rank, size, init_file)
+    logits, target, grad_loss = global_problem(seed=17, shape=(600,), vocab=4 * 25)
+    local = logits.shape[-1] // size
+    x = logits[..., rank * local:(rank + 1) * local]
+    want_loss, want_grad = loss_and_grad(logits, target, grad_loss)
+    for expected in (["all_gather"] * 2, ["all_gather"]):
+        leaf = x.clone().requires_grad_()
+        with CollectiveCounter() as calls:
+            loss = vt.vocab_parallel_cross_entropy(leaf, target, tp_group=group)
+        assert calls.calls == expected, calls.calls
+        loss.backward(grad_loss)
+        assert relative_error(loss.detach(), want_loss) < 1e-6
+        assert relative_error(leaf.grad, want_grad[..., rank * local:(rank + 1) * local]) < 1e-6
+    check_case(group, rank, size, torch.float32, 0.0, False, {})  # counts one gather
+    dist.destroy_process_group()
+
+
+def test_payload_that_outgrows_the_blocks_costs_one_more_gather_once():
+    spawn(growth_worker, 2)
