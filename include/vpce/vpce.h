@@ -3,6 +3,7 @@
 
 #include "vpce/communicator.h"  // IWYU pragma: export
 #include "vpce/loss.h"          // IWYU pragma: export
+#include "vpce/rows.h"          // IWYU pragma: export
 #include "vpce/status.h"        // IWYU pragma: export
 #include "vpce/tensor.h"        // IWYU pragma: export
 #include "vpce/threads.h"       // IWYU pragma: export

@@ -12,33 +12,13 @@
 #include <limits>
 
 #include "dtype.h"
+#include "parallel.h"
 #include "simd_rows.h"
-
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 
 namespace vpce::detail {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Runs body(i) for i in [0, n) over OpenMP threads, statically scheduled.
-template <class Body>
-void parallel_rows(int64_t n, int num_threads, const Body& body) {
-#if defined(_OPENMP)
-  if (num_threads == 1 || n < 2) {
-    for (int64_t i = 0; i < n; ++i) body(i);
-    return;
-  }
-  const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t i = 0; i < n; ++i) body(i);
-#else
-  (void)num_threads;
-  for (int64_t i = 0; i < n; ++i) body(i);
-#endif
-}
 
 StorageType storage_of(DataType dtype) {
   return dtype == kFloat32 ? StorageType::kFloat32 : dtype == kBFloat16 ? StorageType::kBFloat16 : StorageType::kFloat16;

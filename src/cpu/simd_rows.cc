@@ -187,7 +187,8 @@ HWY_INLINE VF Exp2(DF d, VF t) {
   const VF exp2_f = hn::MulAdd(q, f, hn::Set(d, 1.0f));
   return VF{_mm512_scalef_ps(exp2_f.raw, t.raw)};  // times 2^floor(t)
 }
-#else
+#endif
+
 // exp(x) in fp32 lanes, 0 for x below about -103.3, +inf above about 88.72, NaN for NaN.
 //   x = n ln2 + r, n = round(x / ln2) by adding 1.5 * 2^23, |r| <= ln2 / 2 with ln2 in two
 //   parts (n times the first is exact); exp(r) = 1 + r (1 + r P(r)), P of degree 4 by
@@ -224,7 +225,6 @@ HWY_INLINE VF Exponential(DF d, VF x) {
   return result;
 #endif
 }
-#endif
 
 // The shift s of e^(z - s) as the lanes take it.
 struct LaneShift {
@@ -562,6 +562,81 @@ void BlockGradientImpl(const void* row, int32_t in, void* grad, int32_t out, int
   }
 }
 
+// ---- whole rows, for the composable row kernels (vpce/rows.h) -------------------------------
+
+// row: [cols] of T -> its max (NaN when an element is NaN, as torch.max gives; -inf for no
+// column), and the row widened to fp32 into `widened` when it is not null, in one read.
+template <class T>
+float RowMax(const T* row, int64_t cols, float* widened) {
+  const DF d;
+  const auto lanes = static_cast<int64_t>(hn::Lanes(d));
+  const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+  VF max0 = neg_inf, max1 = neg_inf;
+  auto nan = hn::IsNaN(neg_inf);  // no lane
+  int64_t v = 0;
+  for (; v + 2 * lanes <= cols; v += 2 * lanes) {
+    const VF x0 = LoadFull(d, row + v), x1 = LoadFull(d, row + v + lanes);
+    if (widened != nullptr) {
+      hn::StoreU(x0, d, widened + v);
+      hn::StoreU(x1, d, widened + v + lanes);
+    }
+    max0 = hn::Max(max0, x0);
+    max1 = hn::Max(max1, x1);
+    nan = hn::Or(nan, hn::Or(hn::IsNaN(x0), hn::IsNaN(x1)));
+  }
+  for (; v < cols; v += lanes) {
+    const auto count = static_cast<size_t>(std::min(lanes, cols - v));
+    const VF x = hn::IfThenElse(hn::FirstN(d, count), LoadPartial(d, row + v, count), neg_inf);
+    if (widened != nullptr) StorePartial(d, x, widened + v, count);
+    max0 = hn::Max(max0, x);
+    nan = hn::Or(nan, hn::IsNaN(x));
+  }
+  if (!hn::AllFalse(d, nan)) return std::numeric_limits<float>::quiet_NaN();
+  return hn::GetLane(hn::MaxOfLanes(d, hn::Max(max0, max1)));
+}
+
+float RowMaxImpl(const void* row, int32_t type, int64_t cols, float* widened) {
+  switch (static_cast<StorageType>(type)) {
+    case StorageType::kFloat32: return RowMax(static_cast<const float*>(row), cols, widened);
+    case StorageType::kBFloat16: return RowMax(static_cast<const BFloat16*>(row), cols, widened);
+    case StorageType::kFloat16: return RowMax(static_cast<const Float16*>(row), cols, widened);
+  }
+  return 0.0f;
+}
+
+// row: [cols] fp32, in place: row[v] <- exp(row[v] - shift), the difference rounded to fp32
+// first (as `x -= max` then `exp` would), the exp the Cody-Waite one on every target;
+// returns the sum of the new values, in fp32 lanes over a chunk of 64 vectors and fp64
+// across chunks.
+double ExpRowInPlaceImpl(float* row, int64_t cols, float shift) {
+  const DF d;
+  const auto lanes = static_cast<int64_t>(hn::Lanes(d));
+  const VF s = hn::Set(d, shift);
+  const int64_t chunk = 64 * lanes;
+  double total = 0.0;
+  for (int64_t begin = 0; begin < cols; begin += chunk) {
+    const int64_t end = std::min(cols, begin + chunk);
+    VF sum0 = hn::Zero(d), sum1 = hn::Zero(d);
+    int64_t v = begin;
+    for (; v + 2 * lanes <= end; v += 2 * lanes) {
+      const VF y0 = Exponential(d, hn::Sub(hn::LoadU(d, row + v), s));
+      const VF y1 = Exponential(d, hn::Sub(hn::LoadU(d, row + v + lanes), s));
+      hn::StoreU(y0, d, row + v);
+      hn::StoreU(y1, d, row + v + lanes);
+      sum0 = hn::Add(sum0, y0);
+      sum1 = hn::Add(sum1, y1);
+    }
+    for (; v < end; v += lanes) {
+      const auto count = static_cast<size_t>(std::min(lanes, end - v));
+      const VF y = Exponential(d, hn::Sub(LoadPartial(d, row + v, count), s));
+      StorePartial(d, y, row + v, count);
+      sum0 = hn::Add(sum0, hn::IfThenElseZero(hn::FirstN(d, count), y));
+    }
+    total += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, hn::Add(sum0, sum1))));
+  }
+  return total;
+}
+
 // ---- single values, with the blocks' arithmetic ---------------------------------------------
 
 float TransformOneImpl(float x, const TransformParams& t) {
@@ -633,6 +708,8 @@ HWY_EXPORT(SlopeOneImpl);
 HWY_EXPORT(ExpShiftedOneImpl);
 HWY_EXPORT(ExpShiftedImpl);
 HWY_EXPORT(StreamCopyImpl);
+HWY_EXPORT(RowMaxImpl);
+HWY_EXPORT(ExpRowInPlaceImpl);
 HWY_EXPORT(TargetNameImpl);
 
 void fold_block(BlockStats& a, const BlockStats& b, int64_t offset) {
@@ -682,6 +759,12 @@ void stream_copy(void* destination, const void* source, int64_t bytes) {
   HWY_DYNAMIC_DISPATCH(StreamCopyImpl)(destination, source, bytes);
 }
 const char* simd_target_name() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }
+float row_max(const void* row, StorageType type, int64_t cols, float* widened) {
+  return HWY_DYNAMIC_DISPATCH(RowMaxImpl)(row, static_cast<int32_t>(type), cols, widened);
+}
+double exp_row_in_place(float* row, int64_t cols, float shift) {
+  return HWY_DYNAMIC_DISPATCH(ExpRowInPlaceImpl)(row, cols, shift);
+}
 
 }  // namespace vpce::detail
 #endif  // HWY_ONCE

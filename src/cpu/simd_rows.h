@@ -56,6 +56,13 @@ void exp_shifted_lanes(const float* x, float s, float* y, int64_t n);
 // destination[0, bytes) = source[0, bytes) with non-temporal stores (the lines go to memory,
 // not to the caches, and are not read first), for `vpce perf`.
 void stream_copy(void* destination, const void* source, int64_t bytes);
+// row: [cols] of `type` -> its max (NaN if any element is NaN, -inf for cols = 0), writing
+// the row widened to fp32 into `widened` (when not null) in the same read.
+float row_max(const void* row, StorageType type, int64_t cols, float* widened);
+// row: [cols] fp32, in place: row[v] <- exp(row[v] - shift) (the difference rounded to fp32,
+// then vpce's Cody-Waite exp on every target); returns the sum of the new values (fp64
+// across chunks of 64 vectors).
+double exp_row_in_place(float* row, int64_t cols, float shift);
 // The name of the SIMD target the kernels run on ("AVX3", "AVX2", ...).
 const char* simd_target_name();
 

@@ -1,0 +1,31 @@
+// cpu/parallel.h: the CPU kernels' one threading primitive: body(i) for i in [0, n) over
+// OpenMP threads, statically scheduled (so each index's work never depends on the thread
+// count), or in order on this thread.
+#pragma once
+
+#include <cstdint>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace vpce::detail {
+
+// num_threads: 0 for OpenMP's default, 1 for this thread alone.
+template <class Body>
+void parallel_rows(int64_t n, int num_threads, const Body& body) {
+#if defined(_OPENMP)
+  if (num_threads == 1 || n < 2) {
+    for (int64_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+  const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < n; ++i) body(i);
+#else
+  (void)num_threads;
+  for (int64_t i = 0; i < n; ++i) body(i);
+#endif
+}
+
+}  // namespace vpce::detail
