@@ -4,7 +4,12 @@
 // gives a timeout, not a hang.
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <functional>
 
@@ -181,6 +186,43 @@ TEST(Group, OneRankWithBadArgumentsFailsEveryRank) {
   EXPECT_EQ(results[2].code(), Code::kInvalidArgument);
   EXPECT_EQ(results[0].code(), Code::kRemoteError);
 }
+
+#ifndef VPCE_SANITIZED_ADDRESS_SPACE  // a sanitizer's shadow memory needs an unlimited address space
+// A group whose threads cannot all be started (4096 ranks' stacks in a 1 GiB address space,
+// in a child process): no rank runs, every rank gets kSystemError saying how many started,
+// at once, not after the group's timeout of 100 s (ranks once waited for it at their first
+// collective).
+TEST(Group, ThreadsThatCannotStartFailEveryRankAtOnce) {
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    alarm(60);  // a hang fails the test instead of blocking it
+    const rlimit limit{1u << 30, 1u << 30};
+    if (setrlimit(RLIMIT_AS, &limit) != 0) _exit(3);
+    std::unique_ptr<ThreadGroup> group;
+    if (!ThreadGroup::create(4096, &group, std::chrono::seconds(100)).ok()) _exit(4);
+    std::atomic<int> ran{0};
+    const auto start = std::chrono::steady_clock::now();
+    const std::vector<Status> results = group->run([&](Communicator& comm) {
+      ++ran;
+      char byte = 0, all[4096];
+      return comm.all_gather(&byte, all, 1);
+    });
+    const auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    for (const Status& s : results) {
+      if (s.code() != Code::kSystemError || s.message().rfind(ThreadGroup::kCouldNotStart, 0) != 0 ||
+          s.message().find("expected 4096 rank threads, could start only") == std::string::npos) {
+        _exit(5);
+      }
+    }
+    _exit(ran == 0 && seconds < 20.0 ? 0 : 6);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child was killed (signal " << WTERMSIG(status) << "): it hung or crashed";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "3: setrlimit, 4: create, 5: a rank's status, 6: a rank ran or it took >= 20 s";
+}
+#endif
 
 TEST(Group, MissingRankTimesOutAndBreaksTheGroup) {
   std::unique_ptr<ThreadGroup> group;

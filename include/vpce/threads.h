@@ -40,9 +40,12 @@ class ThreadGroup {
 
   // Runs fn(communicator(r)) for every r on its own thread and waits for all of them.
   // Returns each rank's Status, in rank order; an exception thrown by fn becomes
-  // kInternalError for that rank. If the threads cannot be started, every entry is
-  // kSystemError.
+  // kInternalError for that rank. Every thread is started before any rank runs: if one
+  // cannot be started, no rank runs and every entry is kSystemError, its message starting
+  // with kCouldNotStart ("could not start rank threads: expected 4 rank threads, could
+  // start only 2: ..."), at once rather than after the group's timeout.
   std::vector<Status> run(const std::function<Status(Communicator&)>& fn);
+  static constexpr const char* kCouldNotStart = "could not start rank threads: ";
 
  private:
   struct Shared;

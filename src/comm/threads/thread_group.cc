@@ -177,11 +177,24 @@ Communicator& ThreadGroup::communicator(int rank) {
 std::vector<Status> ThreadGroup::run(const std::function<Status(Communicator&)>& fn) {
   const auto n = static_cast<size_t>(size());
   std::vector<Status> results(n);
+  // Every rank's thread waits at this gate until all are started, so a thread that cannot
+  // be started cancels the run before any rank reaches a collective (which would otherwise
+  // make the started ranks wait out the group's timeout).
+  enum class Gate { kClosed, kOpen, kCancelled };
+  Gate gate = Gate::kClosed;
+  std::mutex mutex;
+  std::condition_variable opened;
   std::vector<std::thread> threads;
+  std::string failure;
   try {
     threads.reserve(n);
     for (size_t r = 0; r < n; ++r) {
       threads.emplace_back([&, r] {
+        {
+          std::unique_lock<std::mutex> lock(mutex);
+          opened.wait(lock, [&] { return gate != Gate::kClosed; });
+          if (gate == Gate::kCancelled) return;
+        }
         try {
           results[r] = fn(*ranks_[r]);
         } catch (const std::exception& e) {
@@ -191,13 +204,20 @@ std::vector<Status> ThreadGroup::run(const std::function<Status(Communicator&)>&
         }
       });
     }
-  } catch (const std::system_error& e) {
-    // Ranks already started will time out at their first collective and return.
-    for (std::thread& t : threads) t.join();
-    return std::vector<Status>(n, Status(Code::kSystemError,
-                                         std::string("could not start rank threads: ") + e.what()));
+  } catch (const std::exception& e) {  // std::system_error, or bad_alloc for a thread's state
+    failure = e.what();
   }
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    gate = failure.empty() ? Gate::kOpen : Gate::kCancelled;
+  }
+  opened.notify_all();
   for (std::thread& t : threads) t.join();
+  if (!failure.empty()) {
+    return std::vector<Status>(n, Status(Code::kSystemError, std::string(kCouldNotStart) + "expected " +
+                                                                 std::to_string(n) + " rank threads, could start only " +
+                                                                 std::to_string(threads.size()) + ": " + failure));
+  }
   return results;
 }
 
