@@ -5,11 +5,13 @@
 // interface); ranks that disagree all return the same error; a rank that never arrives
 // gives the others a timeout; tensor-parallel groups split out of the job work alone.
 #include <gtest/gtest.h>
+
 #include <mpi.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <ctime>
 #include <functional>
 #include <thread>
 
@@ -410,6 +412,13 @@ TEST(MpiCreate, RanksWithDifferentTimeouts) {
   }
 }
 
+// CPU time of the calling thread (OpenMP's idle workers may spin in the process's time).
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
 TEST(MpiFailure, RankThatNeverArrivesGivesTimeoutNotHang) {
   const int ranks = size_of(MPI_COMM_WORLD);
   if (ranks < 2) GTEST_SKIP() << "needs two ranks or more";
@@ -430,8 +439,13 @@ TEST(MpiFailure, RankThatNeverArrivesGivesTimeoutNotHang) {
     static_cast<void>(forward_with(*comm, no_change, &untouched));
   } else {
     const auto start = std::chrono::steady_clock::now();
+    const double cpu_start = thread_cpu_seconds();
     const Status s = forward_with(*comm, no_change, &untouched);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // The wait sleeps once the straggler is late: it must not keep a core busy (it spun
+    // at 100 % until the timeout).
+    const double cpu = thread_cpu_seconds() - cpu_start;
+    EXPECT_LT(cpu, 0.1 * seconds) << cpu << " s of CPU in " << seconds << " s";
     EXPECT_EQ(s.code(), Code::kTimeout) << s.to_string();
     EXPECT_TRUE(untouched);
     EXPECT_GE(seconds, 0.9);

@@ -80,7 +80,9 @@ Status MpiCommunicator::State::wait(MPI_Request* request, const char* call) {
     }
     return {};
   }
-  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + options.timeout;
+  auto pause = std::chrono::microseconds(20);
   for (int spins = 0;;) {
     int done = 0;
     if (const int rc = MPI_Test(request, &done, MPI_STATUS_IGNORE); rc != MPI_SUCCESS) {
@@ -92,12 +94,20 @@ Status MpiCommunicator::State::wait(MPI_Request* request, const char* call) {
       ++spins;
       continue;
     }
-    if (std::chrono::steady_clock::now() > deadline) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now > deadline) {
       pending = *request;
       return fail(Code::kTimeout, std::string("mpi: ") + call + ": not every rank of the group arrived within " +
                                       std::to_string(options.timeout.count()) + " ms");
     }
-    std::this_thread::yield();
+    // Yield for the first millisecond; past it a rank is late (stopped, or far behind), so
+    // sleep between polls, growing to 1 ms, rather than keep a core busy until the timeout.
+    if (now - start < std::chrono::milliseconds(1)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(pause);
+      pause = std::min<std::chrono::microseconds>(2 * pause, std::chrono::milliseconds(1));
+    }
   }
 }
 
