@@ -334,6 +334,39 @@ NB_MODULE(_vpce, m) {
       },
       nb::arg("address"), nb::arg("bytes"));
 
+  // Row kernels for Megatron's static helpers (vpce/rows.h): CPU arrays [..., K] whose leading
+  // dimensions collapse to one row stride, the last dimension contiguous.
+  m.def(
+      "row_max",
+      [](nb::handle logits, nb::handle max, nb::handle widened, int num_threads) {
+        const auto logits_array = as_array<Array>(logits, "logits");
+        const auto max_array = as_array<MutableArray>(max, "max");
+        const auto widened_array = optional_array<MutableArray>(widened, "widened");
+        const vpce::TensorView x = view(logits_array, "logits");
+        const vpce::TensorView m_view = view(max_array, "max");
+        const auto w = optional_view(widened_array, "widened");
+        nb::gil_scoped_release release;
+        check(vpce::row_max(x, m_view, w ? &*w : nullptr, num_threads));
+      },
+      nb::arg("logits").none(), nb::arg("max").none(), nb::arg("widened").none() = nb::none(),
+      nb::arg("num_threads") = 0,
+      "max[...] <- each row's max of logits [..., K] (NaN-propagating); widened, when given, <- the logits as "
+      "float32, in the same read.");
+  m.def(
+      "exp_rows_in_place",
+      [](nb::handle x, nb::handle shift, nb::handle sums, int num_threads) {
+        const auto x_array = as_array<MutableArray>(x, "x");
+        const auto shift_array = as_array<Array>(shift, "shift");
+        const auto sums_array = optional_array<MutableArray>(sums, "sums");
+        const vpce::TensorView xv = view(x_array, "x");
+        const vpce::TensorView s = view(shift_array, "shift");
+        const auto sv = optional_view(sums_array, "sums");
+        nb::gil_scoped_release release;
+        check(vpce::exp_rows_in_place(xv, s, sv ? &*sv : nullptr, num_threads));
+      },
+      nb::arg("x").none(), nb::arg("shift").none(), nb::arg("sums").none() = nb::none(), nb::arg("num_threads") = 0,
+      "x[i, v] <- exp(x[i, v] - shift[i]) in place (float32); sums, when given, <- each row's sum of the new x.");
+
   m.attr("STATS_WIDTH") = vpce::kStatsWidth;
   m.attr("STATS_WIDTH_WITH_EXTRAS") = vpce::kStatsWidthWithExtras;
 

@@ -301,3 +301,37 @@ def growth_worker(rank, size, init_file):
 
 def test_payload_that_outgrows_the_blocks_costs_one_more_gather_once():
     spawn(growth_worker, 2)
+
+
+def default_group_worker(rank, size, init_file):
+    # torch.distributed initialised, no Megatron, no group passed: tp_group=None means the
+    # default group (torch's convention), so the loss is the size-rank loss, not a one-rank
+    # loss of the local shard (which would be wrong, or an error for a target outside it).
+    init_group(rank, size, init_file)
+    logits, target, grad_loss = global_problem(seed=23)
+    local = logits.shape[-1] // size
+    begin, end = rank * local, (rank + 1) * local
+    assert ((target < begin) | (target >= end)).any()  # targets on the other ranks too
+    want_loss, want_grad = loss_and_grad(logits, target, grad_loss)
+    calls = [
+        lambda x: vt.vocab_parallel_cross_entropy(x, target),
+        lambda x: vt.vocab_parallel_cross_entropy(x, target, 0.0, None),
+        lambda x: vt.unfused_cross_entropy(x, target),
+        lambda x: vt._VocabParallelCrossEntropy.apply(x, target),
+        lambda x: vt._VocabParallelCrossEntropy.apply(x, target, 0.0, None),
+        lambda x: vt.fused_vocab_parallel_cross_entropy(x, target, dist.group.WORLD),
+    ]
+    for number, call in enumerate(calls):
+        leaf = logits[..., begin:end].clone().requires_grad_()
+        with CollectiveCounter() as counted:
+            loss = call(leaf)
+        assert counted.calls == ["all_gather"], (number, counted.calls)
+        loss.backward(grad_loss)
+        assert relative_error(loss.detach(), want_loss) < 1e-6, number
+        assert relative_error(leaf.grad, want_grad[..., begin:end]) < 1e-6, number
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("size", [2])
+def test_tp_group_none_means_the_default_group_without_megatron(size):
+    spawn(default_group_worker, size)

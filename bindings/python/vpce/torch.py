@@ -25,18 +25,34 @@ timeout.
 
 CPU tensors with a gloo (or any CPU-capable) process group; GPU tensors arrive with vpce's
 CUDA build.
+
+The module is also the whole of ``megatron.core.tensor_parallel.cross_entropy`` (every name
+of its API): ``VocabParallelCrossEntropy`` and its static helpers (on vpce's SIMD row kernels
+for CPU tensors, Megatron's torch operations elsewhere and under torch.compile),
+``_VocabParallelCrossEntropy``, ``vocab_parallel_cross_entropy``, ``unfused_cross_entropy``,
+and Megatron's fused branch, ``fused_vocab_parallel_cross_entropy``; so
+``sys.modules["megatron.core.tensor_parallel.cross_entropy"] = vpce.torch`` before Megatron
+is imported replaces it wholesale. On PyTorch >= 2.4 the loss is a torch.library custom
+op (``vpce::cross_entropy_forward`` and ``vpce::cross_entropy_backward``, with fake
+implementations and registered autograd), so ``torch.compile(fullgraph=True)`` traces it
+without a graph break.
 """
 from __future__ import annotations
 
+import json
 import struct
+import sys
 import weakref
+from typing import Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import _vpce
 
-__all__ = ["vocab_parallel_cross_entropy", "unfused_cross_entropy"]
+__all__ = ["VocabParallelCrossEntropy", "_VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
+           "unfused_cross_entropy", "fused_vocab_parallel_cross_entropy", "get_tensor_model_parallel_group",
+           "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size"]
 
 _SEMANTICS = {"megatron": _vpce.SmoothingSemantics.MEGATRON, "pytorch": _vpce.SmoothingSemantics.PYTORCH}
 _OPTION_NAMES = ("ignore_index", "z_loss_weight", "logit_scale", "softcap", "valid_vocab_size",
@@ -48,27 +64,83 @@ _WIDENED_TARGET_DTYPES = tuple(getattr(torch, name) for name in ("int8", "int16"
 _LEGACY_IGNORE_INDEX = -100  # the legacy path takes no options, so ignore_index keeps its default
 
 
-def _megatron_tp_group():
-    """Megatron's current tensor-parallel group, when Megatron is there and initialised."""
+def _parallel_state():
+    """Megatron's parallel_state when Megatron has been imported (it cannot be initialised
+    otherwise, so vpce never imports Megatron itself); else None."""
+    return sys.modules.get("megatron.core.parallel_state")
+
+
+def _megatron_state():
+    state = _parallel_state()
+    if state is None:
+        raise RuntimeError("megatron.core.parallel_state: expected Megatron to be imported and initialised, got "
+                           "no Megatron")
+    return state
+
+
+# Megatron's module imports these three from parallel_state; code (and Megatron's own tests)
+# that patches them on this module changes what tp_group=None means here too.
+def get_tensor_model_parallel_group(check_initialized=True):
+    """Megatron's parallel_state.get_tensor_model_parallel_group."""
+    return _megatron_state().get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+
+def get_tensor_model_parallel_rank():
+    """Megatron's parallel_state.get_tensor_model_parallel_rank."""
+    return _megatron_state().get_tensor_model_parallel_rank()
+
+
+def get_tensor_model_parallel_world_size():
+    """Megatron's parallel_state.get_tensor_model_parallel_world_size."""
+    return _megatron_state().get_tensor_model_parallel_world_size()
+
+
+def _megatron_initialised():
+    state = _parallel_state()
     try:
-        from megatron.core import parallel_state  # noqa: PLC0415 (optional dependency)
-    except ImportError:
-        return None
-    try:
-        if parallel_state.model_parallel_is_initialized():
-            return parallel_state.get_tensor_model_parallel_group()
-    except (AssertionError, RuntimeError):
-        return None
+        return state is not None and bool(state.model_parallel_is_initialized())
+    except (AssertionError, RuntimeError, AttributeError):
+        return False
+
+
+def _default_group():
+    """What tp_group=None means: Megatron's tensor-parallel group when Megatron is
+    initialised, else torch.distributed's default group when it is initialised (torch's
+    convention for group=None), else None (one rank)."""
+    if _megatron_initialised():
+        return get_tensor_model_parallel_group()
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
     return None
 
 
+def _rank_and_size(group):
+    """(rank, size) of an explicit group: a torch.distributed ProcessGroup, or any object
+    with .rank() and .size() (Megatron's convention, get_pg_rank / get_pg_size)."""
+    if hasattr(group, "rank") and hasattr(group, "size") and callable(group.size):
+        return int(group.rank()), int(group.size())
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group=group), dist.get_world_size(group=group)
+    raise TypeError(f"tp_group: expected a torch.distributed.ProcessGroup (or an object with .rank() and .size()), "
+                    f"got {type(group).__name__}")
+
+
 def _group(tp_group):
-    """(group, rank, size); a missing group or torch.distributed means one rank."""
+    """(group, rank, size): an explicit tp_group as given (one of size 1 needs nothing of
+    torch.distributed), None as _default_group says; group None means one rank."""
     if tp_group is None:
-        tp_group = _megatron_tp_group()
-    if tp_group is None or not (dist.is_available() and dist.is_initialized()):
+        tp_group = _default_group()
+        if tp_group is None:
+            return None, 0, 1
+    rank, size = _rank_and_size(tp_group)
+    if size == 1:
         return None, 0, 1
-    return tp_group, dist.get_rank(group=tp_group), dist.get_world_size(group=tp_group)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"tp_group: expected an initialised torch.distributed for a group of {size} ranks, got "
+                         "none initialised")
+    if not 0 <= rank < size:
+        raise ValueError(f"tp_group: expected a group this process belongs to, got rank {rank} of {size}")
+    return tp_group, rank, size
 
 
 # The forward's all-gather: one block per rank, [header][payload or its prefix][padding].
@@ -317,47 +389,94 @@ def _increment_version(tensor):
         tensor.detach().narrow(-1, 0, 0).zero_()
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
+def _function_forward(ctx, logits, target, label_smoothing, tp_group, inplace_backward, legacy_smoothing, options):
+    """The autograd.Function forward (both classes): the group, then _forward with its one
+    collective, any error agreed across the group."""
+    group, rank, size = _group(tp_group)
+    if (size > 1 and isinstance(logits, torch.Tensor) and logits.device.type == "cpu"
+            and dist.get_backend(group) == "nccl"):
+        raise ValueError("tp_group: expected a process group that can gather CPU tensors (gloo), got NCCL "
+                         "with CPU logits")
+    collective = _Collective(group, rank, size) if size > 1 else None
+    try:
+        return _forward(ctx, collective, rank, size, logits, target, label_smoothing, inplace_backward,
+                        legacy_smoothing, options)
+    except Exception as error:
+        agreed = error if collective is None else collective.agreed(error)
+        if agreed is error:
+            raise
+        raise agreed from error
+
+
+def _function_backward(ctx, grad_loss):
+    x, y, lse = ctx.saved_tensors
+    g = grad_loss.to(torch.float32).contiguous()
+    grad = _gradient(x, y, lse, g, ctx.shard, ctx.smoothing, ctx.options, ctx.legacy_smoothing, ctx.inplace)
+    if ctx.inplace and not ctx.legacy_smoothing:
+        _increment_version(x)
+    if ctx.input_dtype != grad.dtype:
+        grad = grad.to(ctx.input_dtype)
+    return grad
+
+
+def _gradient(x, y, lse, g, shard, smoothing, options, legacy_smoothing, inplace):
+    """The gradient of vpce's forward (no collective): over x when in place, else new."""
+    opts = _options(smoothing, options)
+    if legacy_smoothing:
+        grad = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        _vpce.backward(x, y, lse, g, *shard, opts, grad)
+        _legacy_grad(grad, y, g, shard, legacy_smoothing)
+        return grad.to(x.dtype)
+    grad = x if inplace else _new_gradient(x)
+    _vpce.backward(x, y, lse, g, *shard, opts, grad)
+    return grad
+
+
+class _VpceCrossEntropy(torch.autograd.Function):
+    """vocab_parallel_cross_entropy with vpce's options (the path on PyTorch < 2.4, and for
+    the in-place gradient, which overwrites a tensor autograd saved)."""
+
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, tp_group, inplace_backward, legacy_smoothing, options):
-        group, rank, size = _group(tp_group)
-        if (size > 1 and isinstance(logits, torch.Tensor) and logits.device.type == "cpu"
-                and dist.get_backend(group) == "nccl"):
-            raise ValueError("tp_group: expected a process group that can gather CPU tensors (gloo), got NCCL "
-                             "with CPU logits")
-        collective = _Collective(group, rank, size) if size > 1 else None
-        try:
-            return _forward(ctx, collective, rank, size, logits, target, label_smoothing, inplace_backward,
-                            legacy_smoothing, options)
-        except Exception as error:
-            agreed = error if collective is None else collective.agreed(error)
-            if agreed is error:
-                raise
-            raise agreed from error
+        return _function_forward(ctx, logits, target, label_smoothing, tp_group, inplace_backward, legacy_smoothing,
+                                 options)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        x, y, lse = ctx.saved_tensors
-        g = grad_loss.to(torch.float32).contiguous()
-        opts = _options(ctx.smoothing, ctx.options)
-        if ctx.legacy_smoothing:
-            grad = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-            _vpce.backward(x, y, lse, g, *ctx.shard, opts, grad)
-            _legacy_grad(grad, y, g, ctx.shard, ctx.legacy_smoothing)
-            grad = grad.to(x.dtype)
-        else:
-            grad = x if ctx.inplace else _new_gradient(x)
-            _vpce.backward(x, y, lse, g, *ctx.shard, opts, grad)
-            if ctx.inplace:
-                _increment_version(x)
-        if ctx.input_dtype != grad.dtype:
-            grad = grad.to(ctx.input_dtype)
-        return grad, None, None, None, None, None, None
+        return _function_backward(ctx, grad_loss), None, None, None, None, None, None
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron's autograd function, with its signature: apply(vocab_parallel_logits, target,
+    label_smoothing=0.0, tp_group=None). vpce's exact loss and gradient (label smoothing
+    exact across ranks; see vocab_parallel_cross_entropy for the options), a new gradient."""
+
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):
+        """Vocab parallel cross entropy forward function."""
+        return _function_forward(ctx, vocab_parallel_logits, target, label_smoothing, tp_group, False, False, {})
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        """Vocab parallel cross entropy backward function."""
+        return _function_backward(ctx, grad_output), None, None, None
 
 
 def _forward(ctx, collective, rank, size, logits, target, label_smoothing, inplace, legacy, options):
     """The autograd forward: every check, then vpce's forward (its one collective through
     `collective`, None for one rank). Any error raised here reaches the other ranks."""
+    loss, x, y, lse, shard, smoothing, alpha = _loss(collective, rank, size, logits, target, label_smoothing, inplace,
+                                                     legacy, options)
+    ctx.save_for_backward(x, y, lse)
+    ctx.shard, ctx.smoothing, ctx.options = shard, smoothing, options  # plain values, not bound objects
+    ctx.inplace = inplace
+    ctx.legacy_smoothing = alpha
+    ctx.input_dtype = logits.dtype
+    return loss
+
+
+def _loss(collective, rank, size, logits, target, label_smoothing, inplace, legacy, options):
+    """Checks, then vpce's forward: (loss, x read, y read, lse, shard, smoothing, legacy alpha)."""
     _check_logits(logits)
     y = _as_targets(target, logits)
     alpha = _legacy_smoothing(label_smoothing, options, logits) if legacy else 0.0
@@ -375,27 +494,28 @@ def _forward(ctx, collective, rank, size, logits, target, label_smoothing, inpla
     _vpce.forward(x, y, *shard, opts, loss, lse, rank=rank, size=size, all_gather=collective)
     if alpha > 0:
         loss = _legacy_loss(x, y, lse, loss, alpha)
-    ctx.save_for_backward(x, y, lse)
-    ctx.shard, ctx.smoothing, ctx.options = shard, smoothing, options  # plain values, not bound objects
-    ctx.inplace = inplace
-    ctx.legacy_smoothing = alpha
-    ctx.input_dtype = logits.dtype
-    return loss.double() if logits.dtype == torch.float64 else loss
+    loss = loss.double() if logits.dtype == torch.float64 else loss
+    return loss, x, y, lse, shard, smoothing, alpha
 
 
-_HUGE_PAGES_FROM = 64 << 20  # bytes
+_HUGE_PAGE = 2 << 20  # bytes
 
 
 def _new_gradient(x):
-    """A new tensor like x for the gradient. A large CPU one is advised onto transparent
-    huge pages before the kernel first writes it: PyTorch's CPU allocator hands out fresh
-    pages on every call, and faulting them in 4 KiB at a time costs more than the backward
-    itself (docs/performance.md)."""
-    grad = torch.empty_like(x)
-    nbytes = grad.numel() * grad.element_size()
-    if grad.device.type == "cpu" and grad.is_contiguous() and nbytes >= _HUGE_PAGES_FROM:
-        _vpce.advise_huge_pages(grad.data_ptr(), nbytes)
-    return grad
+    """A new contiguous tensor like x for the gradient. A CPU one of 2 MiB or more is placed
+    on 2 MiB boundaries and advised onto transparent huge pages before the kernel first
+    writes it: PyTorch's CPU allocator hands out fresh pages on every call, and faulting
+    them in 4 KiB at a time costs far more than the backward itself (docs/performance.md).
+    The tensor is a view of a slightly larger uint8 buffer (at most 4 MiB more address
+    space, never touched)."""
+    nbytes = x.numel() * x.element_size()
+    if x.device.type != "cpu" or nbytes < _HUGE_PAGE:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rounded = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+    buffer = torch.empty(rounded + _HUGE_PAGE, dtype=torch.uint8)
+    offset = -buffer.data_ptr() % _HUGE_PAGE
+    _vpce.advise_huge_pages(buffer.data_ptr() + offset, rounded)
+    return buffer[offset:offset + nbytes].view(x.dtype).view(x.shape)
 
 
 def _legacy_loss(x, y, lse, loss, alpha):
@@ -425,6 +545,290 @@ def _legacy_grad(grad, y, g, shard, alpha):
     rows[index, flat_y[index] - begin] += flat_g[index] * s
 
 
+class VocabParallelCrossEntropy:
+    """Computes the Cross Entropy Loss splitting the Vocab size across tensor parallel ranks.
+    This implementation is used in both fused and unfused cross entropy implementations.
+
+    Megatron's static helpers, each with Megatron's signature, in-place effects, return
+    values, shapes and dtypes. On CPU tensors (dense rows, outside autograd recording and
+    torch.compile) the max and the exponential run on vpce's SIMD row kernels (vpce/rows.h):
+    the max widening bf16/fp16 to float32 in the same read, exp(x - max) in place with the
+    row sums in the same pass (accumulated in float64, so the sums are at least as close to
+    exact as torch's float32 sum). Anywhere else they are Megatron's torch operations."""
+
+    @staticmethod
+    def calculate_logits_max(vocab_parallel_logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Calculates logits_max: (the logits as float32, the same tensor when they are
+        float32 already, a new one otherwise; their max over the last dimension, float32)."""
+        x = vocab_parallel_logits
+        if _row_kernel_fits(x, (torch.float32, torch.bfloat16, torch.float16)):
+            logits_max = torch.empty(x.shape[:-1], dtype=torch.float32)
+            if x.dtype == torch.float32:
+                _vpce.row_max(x, logits_max)
+                return x, logits_max
+            widened = torch.empty(x.shape, dtype=torch.float32)
+            _vpce.row_max(x, logits_max, widened)
+            return widened, logits_max
+        vocab_parallel_logits = vocab_parallel_logits.float()
+        logits_max = torch.max(vocab_parallel_logits, dim=-1)[0]
+        return vocab_parallel_logits, logits_max
+
+    @staticmethod
+    def gather_predicted_logits(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, logits_max: torch.Tensor,
+                                vocab_start_index: int, vocab_end_index: int
+                                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Read-only part of the forward: (target_mask, masked_target_1d,
+        predicted_logits): the mask of targets outside [vocab_start_index,
+        vocab_end_index), the local target ids flattened (0 where masked), and
+        logits[target] - logits_max with target's shape (0 where masked). Does not modify
+        vocab_parallel_logits."""
+        target_mask = (target < vocab_start_index) | (target >= vocab_end_index)
+        masked_target = target.clone() - vocab_start_index
+        masked_target[target_mask] = 0
+        partition_vocab_size = vocab_parallel_logits.size()[-1]
+        logits_2d = vocab_parallel_logits.reshape(-1, partition_vocab_size)
+        masked_target_1d = masked_target.view(-1)
+        arange_1d = torch.arange(start=0, end=logits_2d.size()[0], device=logits_2d.device)
+        predicted_logits_1d = logits_2d[arange_1d, masked_target_1d] - logits_max.reshape(-1)
+        predicted_logits = predicted_logits_1d.contiguous().view_as(target)
+        predicted_logits[target_mask] = 0.0
+        return target_mask, masked_target_1d, predicted_logits
+
+    @staticmethod
+    def exp_logits_inplace(vocab_parallel_logits: torch.Tensor, logits_max: torch.Tensor) -> None:
+        """In place: vocab_parallel_logits <- exp(vocab_parallel_logits - logits_max).
+        Pointwise only; returns None."""
+        if _row_kernel_fits(vocab_parallel_logits, (torch.float32,)) and _shift_fits(logits_max, vocab_parallel_logits):
+            _vpce.exp_rows_in_place(vocab_parallel_logits, logits_max)
+            return
+        vocab_parallel_logits -= logits_max.unsqueeze(dim=-1)
+        torch.exp(vocab_parallel_logits, out=vocab_parallel_logits)
+
+    @staticmethod
+    def calculate_predicted_logits(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
+                                   logits_max: torch.Tensor, vocab_start_index: int, vocab_end_index: int
+                                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Calculates predicted logits: (target_mask, masked_target_1d, predicted_logits,
+        sum_exp_logits, exp_logits). vocab_parallel_logits is overwritten in place with
+        exp(logits - logits_max) and returned as exp_logits."""
+        x = vocab_parallel_logits
+        if _row_kernel_fits(x, (torch.float32,)) and _shift_fits(logits_max, x) and target.shape == x.shape[:-1]:
+            target_mask, masked_target_1d, predicted_logits = VocabParallelCrossEntropy.gather_predicted_logits(
+                x, target, logits_max, vocab_start_index, vocab_end_index)
+            sum_exp_logits = torch.empty(x.shape[:-1], dtype=torch.float32)
+            _vpce.exp_rows_in_place(x, logits_max, sum_exp_logits)
+            return target_mask, masked_target_1d, predicted_logits, sum_exp_logits, x
+        vocab_parallel_logits -= logits_max.unsqueeze(dim=-1)
+        target_mask = (target < vocab_start_index) | (target >= vocab_end_index)
+        masked_target = target.clone() - vocab_start_index
+        masked_target[target_mask] = 0
+        partition_vocab_size = vocab_parallel_logits.size()[-1]
+        logits_2d = vocab_parallel_logits.view(-1, partition_vocab_size)
+        masked_target_1d = masked_target.view(-1)
+        arange_1d = torch.arange(start=0, end=logits_2d.size()[0], device=logits_2d.device)
+        predicted_logits_1d = logits_2d[arange_1d, masked_target_1d]
+        predicted_logits_1d = predicted_logits_1d.clone().contiguous()
+        predicted_logits = predicted_logits_1d.view_as(target)
+        predicted_logits[target_mask] = 0.0
+        exp_logits = vocab_parallel_logits
+        torch.exp(vocab_parallel_logits, out=exp_logits)
+        sum_exp_logits = exp_logits.sum(dim=-1)
+        return target_mask, masked_target_1d, predicted_logits, sum_exp_logits, exp_logits
+
+    @staticmethod
+    def calculate_cross_entropy_loss(exp_logits: torch.Tensor, predicted_logits: torch.Tensor,
+                                     sum_exp_logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Calculates cross entropy loss: (exp_logits divided in place by sum_exp_logits,
+        so the softmax, the same tensor; log(sum_exp_logits) - predicted_logits)."""
+        loss = torch.log(sum_exp_logits) - predicted_logits
+        exp_logits.div_(sum_exp_logits.unsqueeze(dim=-1))
+        return exp_logits, loss
+
+    @staticmethod
+    def prepare_gradient_calculation_operands(softmax: torch.Tensor, target_mask: torch.Tensor
+                                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prepare gradient calculation operands: (grad_2d, a [N, K] view of softmax;
+        arange_1d; softmax_update = 1 - target_mask as float32; grad_input, softmax itself)."""
+        grad_input = softmax
+        partition_vocab_size = softmax.size()[-1]
+        grad_2d = grad_input.view(-1, partition_vocab_size)
+        arange_1d = torch.arange(start=0, end=grad_2d.size()[0], device=grad_2d.device)
+        softmax_update = 1.0 - target_mask.view(-1).float()
+        return grad_2d, arange_1d, softmax_update, grad_input
+
+    @staticmethod
+    def scale_gradients_inplace(grad_input: torch.Tensor, grad_output: torch.Tensor) -> None:
+        """In place: grad_input <- grad_input * grad_output (per row). Pointwise only;
+        returns None."""
+        grad_input.mul_(grad_output.unsqueeze(dim=-1))
+
+    @staticmethod
+    def calculate_gradients(grad_2d: torch.Tensor, arange_1d: torch.Tensor, masked_target_1d: torch.Tensor,
+                            softmax_update: torch.Tensor, grad_input: torch.Tensor, grad_output: torch.Tensor
+                            ) -> torch.Tensor:
+        """Calculates gradients in place in grad_input (grad_2d is a view of it): subtracts
+        softmax_update at each row's target, scales rows by grad_output; returns grad_input."""
+        grad_2d[arange_1d, masked_target_1d] -= softmax_update
+        grad_input.mul_(grad_output.unsqueeze(dim=-1))
+        return grad_input
+
+
+def _row_kernel_fits(x, dtypes):
+    """Whether vpce's row kernels take x: a contiguous CPU tensor of one of `dtypes` with at
+    least one dimension and a non-empty last one, outside torch.compile and autograd
+    recording (anything else gets Megatron's torch operations)."""
+    return (isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dtype in dtypes and x.dim() >= 1
+            and x.shape[-1] > 0 and x.is_contiguous() and x.layout == torch.strided
+            and not (x.requires_grad and torch.is_grad_enabled()) and not _compiling())
+
+
+def _shift_fits(shift, x):
+    """A per-row float32 shift of shape x.shape[:-1], contiguous on the CPU."""
+    return (isinstance(shift, torch.Tensor) and shift.dtype == torch.float32 and shift.device.type == "cpu"
+            and shift.shape == x.shape[:-1] and shift.is_contiguous()
+            and not (shift.requires_grad and torch.is_grad_enabled()))
+
+
+def _compiling():
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return compiler.is_compiling()
+    dynamo = getattr(torch, "_dynamo", None)
+    return bool(dynamo is not None and hasattr(dynamo, "is_compiling") and dynamo.is_compiling())
+
+
+# ---- torch.library custom ops (PyTorch >= 2.4) ------------------------------------------
+# The group cannot be an operator argument: the ops take an integer key, 0 for tp_group=None
+# (resolved when the op runs), others from _GROUP_KEYS (groups live as long as the process).
+_GROUP_KEYS = {}
+_KEYED_GROUPS = {}
+_CUSTOM_OPS = hasattr(torch, "library") and hasattr(torch.library, "custom_op") and hasattr(
+    torch.library, "register_autograd")
+
+
+def _constant(function):
+    """Called once while torch.compile traces, its result a constant of the graph."""
+    dynamo = getattr(torch, "_dynamo", None) if _CUSTOM_OPS else None
+    return dynamo.assume_constant_result(function) if dynamo is not None else function
+
+
+@_constant
+def _group_key(tp_group):
+    if tp_group is None:
+        return 0
+    key = _GROUP_KEYS.get(tp_group)
+    if key is None:
+        key = _GROUP_KEYS[tp_group] = len(_GROUP_KEYS) + 1
+        _KEYED_GROUPS[key] = tp_group
+    return key
+
+
+@_constant
+def _encode_options(options):
+    return json.dumps(options, sort_keys=True) if options else ""
+
+
+def _decode_options(text):
+    return json.loads(text) if text else {}
+
+
+def _op_forward_impl(logits, target, label_smoothing, group_key, inplace, legacy, options):
+    """(loss, lse): what _VpceCrossEntropy's forward computes, errors agreed across the group."""
+    del inplace  # for the autograd context only
+    tp_group = _KEYED_GROUPS[group_key] if group_key else None
+    ctx = _Saved()
+    loss = _function_forward(ctx, logits, target, label_smoothing, tp_group, False, legacy, _decode_options(options))
+    return loss, ctx.lse
+
+
+class _Saved:
+    """A stand-in autograd context for _function_forward inside the custom op."""
+
+    def save_for_backward(self, x, y, lse):
+        self.lse = lse
+
+
+def _op_shard(logits, group_key):
+    tp_group = _KEYED_GROUPS[group_key] if group_key else None
+    _, rank, size = _group(tp_group)
+    local = logits.shape[-1]
+    return rank * local, (rank + 1) * local, size * local
+
+
+def _op_backward_impl(logits, target, lse, grad_loss, label_smoothing, group_key, legacy, options):
+    options = _decode_options(options)
+    x = _as_rows(logits)
+    y = _as_targets(target, logits)
+    alpha = _legacy_smoothing(label_smoothing, options, logits) if legacy else 0.0
+    smoothing = 0.0 if legacy else label_smoothing
+    g = grad_loss.to(torch.float32).contiguous()
+    grad = _gradient(x, y, lse, g, _op_shard(logits, group_key), smoothing, options, alpha, False)
+    if grad.dtype != logits.dtype:
+        grad = grad.to(logits.dtype)
+    if grad.shape != logits.shape or not grad.is_contiguous():
+        grad = grad.contiguous().view(logits.shape)
+    return grad
+
+
+if _CUSTOM_OPS:
+    from torch import Tensor  # noqa: E402
+
+    @torch.library.custom_op("vpce::cross_entropy_forward", mutates_args=())
+    def _op_forward(logits: Tensor, target: Tensor, label_smoothing: float, group_key: int, inplace: bool,
+                    legacy: bool, options: str) -> Tuple[Tensor, Tensor]:
+        """vpce's forward: (per-token loss, lse); the one all-gather on the keyed group."""
+        loss, lse = _op_forward_impl(logits, target, label_smoothing, group_key, inplace, legacy, options)
+        return loss, lse
+
+    @_op_forward.register_fake
+    def _(logits, target, label_smoothing, group_key, inplace, legacy, options):
+        loss_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        return (logits.new_empty(target.shape, dtype=loss_dtype), logits.new_empty(target.shape, dtype=torch.float32))
+
+    @torch.library.custom_op("vpce::cross_entropy_backward", mutates_args=())
+    def _op_backward(logits: Tensor, target: Tensor, lse: Tensor, grad_loss: Tensor, label_smoothing: float,
+                     group_key: int, legacy: bool, options: str) -> Tensor:
+        """vpce's backward: the gradient of the loss for the logits, a new contiguous tensor
+        in their dtype; no collective."""
+        return _op_backward_impl(logits, target, lse, grad_loss, label_smoothing, group_key, legacy, options)
+
+    @_op_backward.register_fake
+    def _(logits, target, lse, grad_loss, label_smoothing, group_key, legacy, options):
+        return logits.new_empty(logits.shape)
+
+    def _setup_context(ctx, inputs, output):
+        logits, target, label_smoothing, group_key, _inplace, legacy, options = inputs
+        ctx.save_for_backward(logits, target, output[1])
+        ctx.arguments = (label_smoothing, group_key, legacy, options)
+
+    def _op_autograd(ctx, grad_loss, grad_lse):
+        del grad_lse  # lse is an implementation detail: no gradient flows through it
+        logits, target, lse = ctx.saved_tensors
+        grad = torch.ops.vpce.cross_entropy_backward(logits, target, lse, grad_loss, *ctx.arguments)
+        return grad, None, None, None, None, None, None
+
+    torch.library.register_autograd("vpce::cross_entropy_forward", _op_autograd, setup_context=_setup_context)
+
+
+def _fits_op(logits, target, label_smoothing, options):
+    """Whether the custom op takes these arguments: dense CPU or CUDA tensors of the dtypes
+    vpce reads, a float smoothing, JSON options. Anything else takes the autograd.Function
+    path, whose checks raise (the same error on every rank)."""
+    if not (isinstance(logits, torch.Tensor) and isinstance(target, torch.Tensor)):
+        return False
+    if logits.layout != torch.strided or target.layout != torch.strided:
+        return False
+    if logits.device.type not in ("cpu", "cuda") or target.device != logits.device:
+        return False
+    if logits.dtype not in _LOGITS_DTYPES or not 1 <= logits.dim() <= 8:
+        return False
+    if target.dtype not in _TARGET_DTYPES + _WIDENED_TARGET_DTYPES:
+        return False
+    if not isinstance(label_smoothing, (float, int)) or isinstance(label_smoothing, bool):
+        return False
+    return all(isinstance(v, (int, float, str)) for v in options.values())
+
+
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None, *,
                                  inplace_backward=False, megatron_legacy_label_smoothing=False, **options):
     """Per-token cross-entropy of logits split over the vocabulary across `tp_group`.
@@ -438,14 +842,17 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     label_smoothing: in [0, 1); Megatron's meaning (target 1 - a, every other class
         a / (V - 1)) over the global vocabulary; smoothing_semantics="pytorch" for
         F.cross_entropy's.
-    tp_group: the tensor-parallel process group; None means Megatron's current group when
-        Megatron is initialised, else a single rank.
+    tp_group: the tensor-parallel process group, used as given (any object with .rank()
+        and .size() when its size is 1); None means Megatron's tensor-parallel group when
+        Megatron is initialised, else torch.distributed's default group when it is
+        initialised, else a single rank.
     inplace_backward: write the gradient over the logits (as Megatron does) instead of a
         new tensor; only when nothing else needs the logits afterwards: autograd's version
         counter is bumped, so a backward that still needs them (a second one, or another
         op's that saved them) raises. Refused for a leaf that requires grad (or a view of
         one). Where the logits had to be copied (float64, transposed, expanded), the
-        gradient is written into that copy, which saves no memory.
+        gradient is written into that copy, which saves no memory. Under torch.compile the
+        gradient is a new tensor (a compiled graph does not overwrite what it saved).
     megatron_legacy_label_smoothing: reproduce Megatron's smoothed values (shard size and
         shard mean, different on every rank) for parity with a past run; no other options,
         label_smoothing in [0, 1) and the same on every rank, at least 2 columns per shard;
@@ -456,10 +863,28 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     Returns the float32 loss with target's shape, the same on every rank. An error on any
     rank is raised on every rank, with the same text.
     """
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, tp_group,
-                                            inplace_backward, megatron_legacy_label_smoothing, options)
+    compiling = _CUSTOM_OPS and _compiling()
+    if (_CUSTOM_OPS and (compiling or not inplace_backward)
+            and _fits_op(vocab_parallel_logits, target, label_smoothing, options)):
+        loss, _ = torch.ops.vpce.cross_entropy_forward(vocab_parallel_logits, target, float(label_smoothing),
+                                                       _group_key(tp_group), bool(inplace_backward),
+                                                       bool(megatron_legacy_label_smoothing),
+                                                       _encode_options(options))
+        return loss
+    return _VpceCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, tp_group, inplace_backward,
+                                   megatron_legacy_label_smoothing, options)
 
 
 def unfused_cross_entropy(logits, labels, tp_group=None):
-    """Megatron's unfused_cross_entropy: vocab_parallel_cross_entropy without smoothing."""
+    """Adapt vocab-parallel cross entropy to the backend target signature: Megatron's
+    unfused_cross_entropy, vocab_parallel_cross_entropy without smoothing (the group by
+    keyword, since the kernel's third positional argument is label_smoothing)."""
     return vocab_parallel_cross_entropy(logits, labels, tp_group=tp_group)
+
+
+def fused_vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group):
+    """Megatron's fused branch (megatron.core.fusions.fused_cross_entropy), with its
+    signature: the plain loss over tp_group. vpce is one fused pass already, so this is
+    vocab_parallel_cross_entropy(vocab_parallel_logits, target, 0.0, tp_group); the gradient
+    comes in the logits' dtype (Megatron's fused backward always rounds it to bfloat16)."""
+    return vocab_parallel_cross_entropy(vocab_parallel_logits, target, 0.0, tp_group)
