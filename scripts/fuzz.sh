@@ -13,7 +13,7 @@ for target in npy api differential; do
   work="$build/corpus-$target"
   mkdir -p "$work"
   echo "fuzz: ${target}_fuzzer for ${VPCE_FUZZ_SECONDS:-60} s"
-  "$build/fuzz/${target}_fuzzer" -max_total_time="${VPCE_FUZZ_SECONDS:-60}" -print_final_stats=1 \
+  "$build/fuzz/${target}_fuzzer" -max_total_time="${VPCE_FUZZ_SECONDS:-60}" -timeout=60 -print_final_stats=1 \
     -max_len=4096 -artifact_prefix="$build/" "$work" "fuzz/corpus/$target" 2>&1 | tail -n 12
 done
 echo "fuzz: no crash, no sanitizer report"

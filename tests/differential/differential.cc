@@ -39,9 +39,11 @@ struct Case {
 
 std::vector<int64_t> drawn_splits(Choices& c, int64_t vocab, int ranks) {
   std::vector<int64_t> cuts{0, vocab};
-  while (static_cast<int>(cuts.size()) < ranks + 1) {
-    const auto cut = static_cast<int64_t>(1 + c.below(static_cast<uint64_t>(vocab - 1)));
-    if (std::find(cuts.begin(), cuts.end(), cut) == cuts.end()) cuts.push_back(cut);
+  while (static_cast<int>(cuts.size()) < ranks + 1) {  // ranks <= vocab: a free cut exists
+    auto cut = static_cast<int64_t>(1 + c.below(static_cast<uint64_t>(vocab - 1)));
+    // Taken (a fuzzer's input may have run out, so every choice is 0): the next free one.
+    while (std::find(cuts.begin(), cuts.end(), cut) != cuts.end()) cut = 1 + cut % (vocab - 1);
+    cuts.push_back(cut);
   }
   std::sort(cuts.begin(), cuts.end());
   std::vector<int64_t> sizes;
