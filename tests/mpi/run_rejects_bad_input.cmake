@@ -2,11 +2,7 @@
 # on every rank with one error line (from rank 0) and write nothing. Arguments: VPCE,
 # MPIRUN (;-separated, ends with the rank-count flag), WORK_DIR.
 cmake_minimum_required(VERSION 3.22)
-file(REMOVE_RECURSE ${WORK_DIR})
-execute_process(COMMAND ${VPCE} gen --tokens 16 --vocab 50 --out ${WORK_DIR}/in RESULT_VARIABLE result)
-if(NOT result EQUAL 0)
-  message(FATAL_ERROR "vpce gen failed")
-endif()
+include(${CMAKE_CURRENT_LIST_DIR}/fresh_inputs.cmake)
 set(logits --logits ${WORK_DIR}/in/logits.npy)
 set(targets --targets ${WORK_DIR}/in/targets.npy)
 foreach(case "missing;--targets;${WORK_DIR}/in/none.npy" "splits;${targets};--vocab-splits;10,40")

@@ -3,11 +3,7 @@
 # naming that flag, and write nothing. Arguments: VPCE, MPIRUN (;-separated, ends with the
 # rank-count flag), WRAPPER (rank_one_adds.sh), WORK_DIR.
 cmake_minimum_required(VERSION 3.22)
-file(REMOVE_RECURSE ${WORK_DIR})
-execute_process(COMMAND ${VPCE} gen --tokens 16 --vocab 50 --out ${WORK_DIR}/in RESULT_VARIABLE result)
-if(NOT result EQUAL 0)
-  message(FATAL_ERROR "vpce gen failed")
-endif()
+include(${CMAKE_CURRENT_LIST_DIR}/fresh_inputs.cmake)
 file(WRITE ${WORK_DIR}/in/one.txt "")
 set(inputs --logits ${WORK_DIR}/in/logits.npy --targets ${WORK_DIR}/in/targets.npy)
 # name; the flag the message must name; how many arguments rank 1 adds; the arguments

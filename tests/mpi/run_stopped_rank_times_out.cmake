@@ -4,11 +4,7 @@
 # (;-separated, ends with the rank-count flag), WRAPPER (stop_rank_one.sh), PRELOAD (the
 # stop_after_init library), WORK_DIR.
 cmake_minimum_required(VERSION 3.22)
-file(REMOVE_RECURSE ${WORK_DIR})
-execute_process(COMMAND ${VPCE} gen --tokens 16 --vocab 50 --out ${WORK_DIR}/in RESULT_VARIABLE result)
-if(NOT result EQUAL 0)
-  message(FATAL_ERROR "vpce gen failed")
-endif()
+include(${CMAKE_CURRENT_LIST_DIR}/fresh_inputs.cmake)
 string(TIMESTAMP start "%s")
 execute_process(COMMAND ${MPIRUN} 3 sh ${WRAPPER} ${PRELOAD} ${VPCE} run --backend mpi --timeout 2
                         --logits ${WORK_DIR}/in/logits.npy --targets ${WORK_DIR}/in/targets.npy --out ${WORK_DIR}/out
