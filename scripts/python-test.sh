@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The Python package: `pip install .` into a fresh virtual environment with nothing but
 # NumPy and pytest (the DLPack API without PyTorch), then into one that also sees Debian's
-# PyTorch (python3-torch, CPU), and pytest in each.
+# PyTorch (python3-torch 1.13, CPU), then into one with PyPI's torch 2.15 and the real
+# megatron-core (scripts/torch-venv.sh, made once and kept), and pytest in each. On torch
+# 2.15 nothing may skip: the custom-op, torch.compile and megatron-core tests must run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -19,3 +21,14 @@ rm -rf "$with_torch"
 "$python" -m venv --system-site-packages "$with_torch"
 "$with_torch/bin/pip" install --quiet --disable-pip-version-check . --config-settings=build-dir="$build/python"
 "$with_torch/bin/python" -m pytest -q bindings/python/tests
+
+today="$build/venv-torch2.15"
+scripts/torch-venv.sh "$today"
+"$today/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps . \
+  --config-settings=build-dir="$build/python"
+log="$build/pytest-torch2.15.log"
+"$today/bin/python" -m pytest -q -rs bindings/python/tests 2>&1 | tee "$log"
+if grep -qiE "[0-9]+ skipped|^SKIPPED" "$log"; then
+  echo "python-test: tests skipped on torch 2.15 (they must run there)" >&2
+  exit 1
+fi
