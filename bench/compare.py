@@ -1,8 +1,10 @@
 """bench/compare.py: vpce side by side with what users run today, on the same inputs, on
 the same machine, in one run: PyTorch's F.cross_entropy forward and backward (with the
-fp32 upcast users do), Megatron-LM's vocab_parallel_cross_entropy for one rank (from
-megatron-core if it imports, otherwise its sequence of tensor operations written out as
-in megatron/core/tensor_parallel/cross_entropy.py), and vpce. Each runs in a fresh process
+fp32 upcast users do), Megatron-LM's vocab_parallel_cross_entropy for one rank (the real
+megatron-core if it imports, unfused and its native fused branch, on a gloo group of one
+rank; otherwise its sequence of tensor operations written out as in
+megatron/core/tensor_parallel/cross_entropy.py), and vpce (its C++ API through a shim,
+and vpce.torch with a new gradient and in place). Each runs in a fresh process
 so that its peak memory is its own; prints the median time, the ratios, the peak memory
 beyond the inputs, and the largest loss difference from a float64 reference.
 
@@ -94,16 +96,45 @@ class MegatronSequence(torch.autograd.Function):
         return grad_input, None
 
 
-def run_megatron(logits, targets):
-    try:  # the real package, when the installed PyTorch is recent enough for it
-        from megatron.core.tensor_parallel import cross_entropy as megatron_ce  # noqa: F401
-        raise ImportError("megatron-core needs an initialised tensor-parallel group; using the written-out sequence")
-    except ImportError:
-        pass
-    x = logits.detach().requires_grad_(True)
-    loss = MegatronSequence.apply(x, targets)
-    loss.backward(torch.ones_like(loss))
-    return loss.detach(), x.grad
+_MEGATRON = {}
+
+
+def megatron_core():
+    """(vocab_parallel_cross_entropy, fused_vocab_parallel_cross_entropy, tp group) of the real
+    megatron-core on a gloo world of one rank with parallel_state initialised; None when it
+    does not import (PyTorch < 2.6)."""
+    if "state" not in _MEGATRON:
+        try:
+            import torch.distributed as dist  # noqa: PLC0415
+            from megatron.core import parallel_state  # noqa: PLC0415
+            from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy  # noqa: PLC0415
+            from megatron.core.tensor_parallel import vocab_parallel_cross_entropy  # noqa: PLC0415
+        except ImportError:
+            _MEGATRON["state"] = None
+            return None
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        _MEGATRON["state"] = (vocab_parallel_cross_entropy, fused_vocab_parallel_cross_entropy,
+                              parallel_state.get_tensor_model_parallel_group())
+    return _MEGATRON["state"]
+
+
+def run_megatron(logits, targets, scratch=None, fused=False):
+    """megatron-core's own function when it imports (its forward overwrites fp32 logits, so
+    they are `scratch`, refilled by the caller outside the timing, as the LM head's output
+    would be); otherwise its sequence of tensor operations written out."""
+    state = megatron_core()
+    if state is None:
+        x = logits.detach().requires_grad_(True)
+        loss = MegatronSequence.apply(x, targets)
+        loss.backward(torch.ones_like(loss))
+        return loss.detach(), x.grad
+    unfused, fused_function, group = state
+    x = scratch.detach().requires_grad_(True)
+    loss = fused_function(x, targets, group) if fused else unfused(x, targets)
+    (grad,) = torch.autograd.grad(loss, x, torch.ones_like(loss))
+    return loss.detach(), grad
 
 
 def run_vpce(logits, targets, shim, threads, in_place, buffer=None):
@@ -140,6 +171,19 @@ def run_vpce_torch(logits, targets, in_place, scratch=None):
     return loss.detach(), grad
 
 
+def megatron_available():
+    try:
+        import megatron.core.fusions.fused_cross_entropy  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
+def megatron_version():
+    import megatron.core  # noqa: PLC0415
+    return megatron.core.__version__
+
+
 def have_vpce_package():
     try:
         import vpce.torch  # noqa: F401, PLC0415
@@ -152,7 +196,10 @@ def worker(args):
     torch.set_num_threads(args.threads)
     logits, targets = load_inputs(args.input, args.dtype)
     in_place = args.worker.endswith("in-place")
-    scratch = logits.clone() if in_place else None  # refilled before each timed call
+    overwrites = in_place or args.worker.startswith("megatron")
+    if args.worker.startswith("megatron"):
+        megatron_core()  # set up outside the measurement
+    scratch = logits.clone() if overwrites else None  # refilled before each timed call
     reused = torch.empty(logits.shape, dtype=torch.float32) if args.worker == "vpce-reused" else None
     if reused is not None:
         reused.zero_()  # a buffer kept from call to call, as a framework's allocator would
@@ -166,7 +213,8 @@ def worker(args):
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     runs = {
         "pytorch": lambda: run_pytorch(logits, targets),
-        "megatron": lambda: run_megatron(logits, targets),
+        "megatron": lambda: run_megatron(logits, targets, scratch),
+        "megatron-fused": lambda: run_megatron(logits, targets, scratch, fused=True),
         "vpce": lambda: run_vpce(logits, targets, shim, args.threads, False),
         "vpce-reused": lambda: run_vpce(logits, targets, shim, args.threads, False, reused),
         "vpce-in-place": lambda: run_vpce(logits, targets, shim, args.threads, True, scratch),
@@ -175,18 +223,23 @@ def worker(args):
     }
     run = runs[args.worker]
     times = []
+    peaks = []
     loss = None
     for _ in range(args.warmup + args.repeat):
         if scratch is not None:
             scratch.copy_(logits)  # the gradient overwrote it
+        loss = None
+        reset_peak()  # per call: the peak beyond what was resident just before it
+        before = status_mb("VmRSS")
         start = time.perf_counter()
         loss, grad = run()
         times.append(time.perf_counter() - start)
+        peaks.append(status_mb("VmHWM") - before)
         del grad
     reference = np.load(os.path.join(args.input, "reference_loss.npy"))
     print(json.dumps({
         "ms": 1e3 * statistics.median(times[args.warmup:]),
-        "extra_peak_mb": status_mb("VmHWM") - baseline,
+        "extra_peak_mb": max(peaks[args.warmup:]),
         "loss_error": float(np.abs(loss.double().numpy() - reference).max()),
     }))
 
@@ -218,7 +271,8 @@ def main():
         np.save(os.path.join(directory, "reference_loss.npy"), reference.numpy())
         del logits, x
         results = {}
-        names = ["pytorch", "megatron", "vpce", "vpce-reused", "vpce-in-place"]
+        names = ["pytorch", "megatron"] + (["megatron-fused"] if megatron_available() else []) + [
+            "vpce", "vpce-reused", "vpce-in-place"]
         if have_vpce_package():
             names += ["vpce.torch", "vpce.torch-in-place"]
         for name in names:
@@ -231,6 +285,8 @@ def main():
           f"torch {torch.__version__}; median of {args.repeat} forward+backward after {args.warmup} warm-up")
     print("# vpce: a new fp32 gradient each call; vpce-reused: into a kept fp32 buffer; vpce-in-place: over the logits")
     print("# vpce.torch: the Python package's autograd function (gradient in the logits' dtype; -in-place: over them)")
+    print(f"# megatron: {'megatron-core ' + megatron_version() + ' (unfused; -fused: its native fused branch)' if megatron_available() else 'its sequence written out (megatron-core does not import)'}")
+    print("# extra peak MiB: the largest per-call peak of resident memory beyond what was resident before the call")
     print(f"# {'implementation':<20} {'fwd+bwd ms':>11} {'pytorch/x':>10} {'megatron/x':>11} {'extra peak MiB':>15} "
           f"{'x logits':>9} {'max |loss err|':>15}")
     for name, r in results.items():
