@@ -158,13 +158,28 @@ def run_vpce(logits, targets, shim, threads, in_place, buffer=None):
     return loss, (x if in_place else grad)
 
 
+class Output(torch.autograd.Function):
+    """The identity, whose result is an operation's output sharing the input's memory."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = x.new_empty(0)
+        return out.set_(x)  # the same memory, not a view autograd knows of
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def run_vpce_torch(logits, targets, in_place, scratch=None):
     """vpce's Python package (vpce.torch), as a Megatron user would call it: an autograd
     function; in place, the gradient overwrites the logits (`scratch`, refilled by the
     caller outside the timing), as Megatron's does."""
     import vpce.torch as vt  # noqa: PLC0415 (only in the workers that need it)
     x = (scratch if in_place else logits).detach().requires_grad_(True)
-    loss = vt.vocab_parallel_cross_entropy(x, targets, inplace_backward=in_place)
+    # In place, the logits must be an operation's output (the LM head's in a model): an
+    # identity autograd function makes one without a copy.
+    loss = vt.vocab_parallel_cross_entropy(Output.apply(x) if in_place else x, targets, inplace_backward=in_place)
     # The gradient goes on to the LM head's backward, as in a model: autograd.grad hands it
     # over (backward() into a leaf's .grad would copy a gradient that aliases the leaf).
     (grad,) = torch.autograd.grad(loss, x, torch.ones_like(loss))
