@@ -169,49 +169,105 @@ HWY_INLINE void StorePartial(DF d, VF v, G* p, size_t count) {
 constexpr double kLog2eExact = 1.4426950408889634;  // log2(e) in fp64
 constexpr auto kLog2e = static_cast<float>(kLog2eExact);  // L
 
+// How exact an exponential must be, which sets its polynomial's degree:
+//   kFull: everything kept in fp32 (fp32 gradients, the bound's exp, the tests' exp).
+//   kSums: the forward's sums over bf16 or fp16 logits, where the arithmetic rather than the
+//     memory limits: on AVX-512 a polynomial of degree 5 (1.6 x 2^-24 relative against 0.22;
+//     a sum's terms are positive, so its relative error is at most its terms'; the loss keeps
+//     its 1e-6, docs/design.md); elsewhere kFull.
+//   kFp16, kBf16: a gradient rounded to fp16 or bf16 anyway, degree 4 or 3: relative error
+//     below 2e-5 and 1.4e-4 all told, against the 2^-12 and 2^-9 that half of their spacing
+//     is at least, so the rounded gradient is the correctly rounded value or its neighbour
+//     (docs/design.md, "Exponentials for half-precision gradients"; tests/exp_test.cc).
+enum class ExpPrecision { kFull, kSums, kFp16, kBf16 };
+
+// The polynomials' coefficients, highest degree first, in one Horner sequence that ends with
+// the constant term(s) 1: minimax fits for the relative error (scripts/fit_exp_polynomial.py).
+//   Exp2 (AVX-512): 2^f = 1 + f Q(f), f in [0, 1): Q of degree 5 (0.22 x 2^-24 once rounded
+//   to fp32), 4 (1.6 x 2^-24), 3 (2.9e-6) or 2 (8.6e-5).
+//   Exponential (Cody-Waite): e^r = 1 + r (1 + r P(r)), |r| <= ln2 / 2: P of degree 4
+//   (0.07 ulp), 2 (5.4e-6) or 1 (1.2e-4).
+constexpr float kExp2Full[] = {0x1.c5417ap-13f, 0x1.46d64ap-10f, 0x1.3d0b92p-7f, 0x1.c68912p-5f,
+                               0x1.ebfd58p-3f,  0x1.62e42cp-1f,  1.0f};
+constexpr float kExp2Sums[] = {0x1.e97502p-10f, 0x1.277852p-7f, 0x1.c91ce6p-5f, 0x1.ebdb56p-3f, 0x1.62e4bap-1f, 1.0f};
+constexpr float kExp2Fp16[] = {0x1.b7f73ap-7f, 0x1.abf864p-5f, 0x1.ee2452p-3f, 0x1.62d6c6p-1f, 1.0f};
+constexpr float kExp2Bf16[] = {0x1.3baaaep-4f, 0x1.d23784p-3f, 0x1.63e65ap-1f, 1.0f};
+constexpr float kExpFull[] = {0x1.6a2164p-10f, 0x1.123b96p-7f, 0x1.5558fcp-5f, 0x1.55549p-3f, 0x1.fffffcp-2f, 1.0f, 1.0f};
+constexpr float kExpFp16[] = {0x1.522100p-5f, 0x1.571f5cp-3f, 0x1.0006c8p-1f, 1.0f, 1.0f};
+constexpr float kExpBf16[] = {0x1.5540aep-3f, 0x1.020786p-1f, 1.0f, 1.0f};
+
+// The polynomial's coefficients as vectors, each times k: the polynomial then gives k times
+// the exponential, so that a gradient's factor rides in it (one multiplication fewer per
+// vector; each coefficient rounds once to fp32, and the terms being positive, that adds at
+// most 2^-24 relative). kBase2: Exp2's polynomial, else Exponential's.
+template <ExpPrecision kPrecision, bool kBase2>
+struct ExpPolynomial {
+  static constexpr ExpPrecision kKind = !kBase2 && kPrecision == ExpPrecision::kSums ? ExpPrecision::kFull : kPrecision;
+  static constexpr const float* Table() {
+    if constexpr (kBase2) {
+      return kKind == ExpPrecision::kFull   ? kExp2Full
+             : kKind == ExpPrecision::kSums ? kExp2Sums
+             : kKind == ExpPrecision::kFp16 ? kExp2Fp16
+                                            : kExp2Bf16;
+    } else {
+      return kKind == ExpPrecision::kFull ? kExpFull : kKind == ExpPrecision::kFp16 ? kExpFp16 : kExpBf16;
+    }
+  }
+  static constexpr int kTerms = kKind == ExpPrecision::kFull ? 7
+                                : kKind == ExpPrecision::kSums ? 6
+                                : kKind == ExpPrecision::kFp16 ? 5
+                                                               : 4;
+  VF c[kTerms];
+  explicit ExpPolynomial(DF d, double k = 1.0) {
+    for (int i = 0; i < kTerms; ++i) c[i] = hn::Set(d, static_cast<float>(k * static_cast<double>(Table()[i])));
+  }
+  HWY_INLINE VF Horner(VF x) const {
+    VF q = c[0];
+    for (int i = 1; i < kTerms; ++i) q = hn::MulAdd(q, x, c[i]);
+    return q;
+  }
+};
+
+// Which polynomial ExpShifted takes on this target.
+constexpr bool kShiftedBase2 = HWY_TARGET == HWY_AVX3;
+template <ExpPrecision kPrecision>
+using ShiftedPolynomial = ExpPolynomial<kPrecision, kShiftedBase2>;
+
 #if HWY_TARGET == HWY_AVX3
-// 2^t in fp32 lanes, 0 for t = -inf or below -150, +inf above 128, NaN for NaN (accuracy:
-// tests/exp_test.cc measures e^(x - s) on every target).
-//   t = n + f with n = floor(t) and f in [0, 1) (VREDUCEPS: exact; 0 for +-inf); 2^f = 1 +
-//   f Q(f), Q of degree 5 by Horner, its coefficients the minimax fit for the relative error
-//   of 2^f (scripts/fit_exp_polynomial.py: 0.11 ulp once rounded to fp32); times 2^n by
-//   VSCALEFPS.
-HWY_INLINE VF Exp2(DF d, VF t) {
+// k 2^t in fp32 lanes (k from the polynomial, 1 unless a gradient's factor rides in it), 0
+// for t = -inf or below -150, +inf above 128, NaN for NaN (accuracy: tests/exp_test.cc
+// measures e^(x - s) on every target).
+//   t = n + f with n = floor(t) and f in [0, 1) (VREDUCEPS: exact; 0 for +-inf); k 2^f by
+//   Horner; times 2^n by VSCALEFPS (one rounding, into the subnormals too).
+template <ExpPrecision kPrecision>
+HWY_INLINE VF Exp2(VF t, const ExpPolynomial<kPrecision, true>& poly) {
   const VF f{_mm512_reduce_ps(t.raw, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)};
-  VF q = hn::Set(d, 0x1.c5417ap-13f);
-  q = hn::MulAdd(q, f, hn::Set(d, 0x1.46d64ap-10f));
-  q = hn::MulAdd(q, f, hn::Set(d, 0x1.3d0b92p-7f));
-  q = hn::MulAdd(q, f, hn::Set(d, 0x1.c68912p-5f));
-  q = hn::MulAdd(q, f, hn::Set(d, 0x1.ebfd58p-3f));
-  q = hn::MulAdd(q, f, hn::Set(d, 0x1.62e42cp-1f));
-  const VF exp2_f = hn::MulAdd(q, f, hn::Set(d, 1.0f));
-  return VF{_mm512_scalef_ps(exp2_f.raw, t.raw)};  // times 2^floor(t)
+  return VF{_mm512_scalef_ps(poly.Horner(f).raw, t.raw)};  // times 2^floor(t)
 }
 #endif
 
-// exp(x) in fp32 lanes, 0 for x below about -103.3, +inf above about 88.72, NaN for NaN.
+// k exp(x) in fp32 lanes (k as above), 0 for x below about -103.3, +inf above about 88.72,
+// NaN for NaN.
 //   x = n ln2 + r, n = round(x / ln2) by adding 1.5 * 2^23, |r| <= ln2 / 2 with ln2 in two
-//   parts (n times the first is exact); exp(r) = 1 + r (1 + r P(r)), P of degree 4 by
-//   Horner, its coefficients the minimax fit of (e^r - 1 - r) / r^2 for the relative error
-//   of e^r (scripts/fit_exp_polynomial.py: 0.07 ulp once rounded to fp32); then times 2^n
-//   by two exponent multiplications (so that results below 2^-126 round once into the
-//   subnormals).
-HWY_INLINE VF Exponential(DF d, VF x) {
+//   parts (n times the first is exact), or in one for kFp16 and kBf16 (n ln2_f is off by at
+//   most 150 x 1.9e-9); k e^r by Horner; then times 2^n by two exponent multiplications (so
+//   that results below 2^-126 round once into the subnormals).
+template <ExpPrecision kPrecision>
+HWY_INLINE VF Exponential(DF d, VF x, const ExpPolynomial<kPrecision, false>& poly) {
   const VF kRoundingShift = hn::Set(d, 0x1.8p23f);
   // The constant first: x86's MINPS and MAXPS return their second operand when either is
   // NaN, so NaN passes through the clamp (and on to the result) without a blend.
   const VF clamped = hn::Min(hn::Set(d, 89.0f), hn::Max(hn::Set(d, -104.0f), x));
   const VF shifted = hn::MulAdd(clamped, hn::Set(d, kLog2e), kRoundingShift);
   const VF n = hn::Sub(shifted, kRoundingShift);
-  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), clamped);  // ln2 to 15 bits
-  r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);        // the rest of ln2
-  VF poly = hn::Set(d, 0x1.6a2164p-10f);
-  poly = hn::MulAdd(poly, r, hn::Set(d, 0x1.123b96p-7f));
-  poly = hn::MulAdd(poly, r, hn::Set(d, 0x1.5558fcp-5f));
-  poly = hn::MulAdd(poly, r, hn::Set(d, 0x1.55549p-3f));
-  poly = hn::MulAdd(poly, r, hn::Set(d, 0x1.fffffcp-2f));
-  const VF one = hn::Set(d, 1.0f);
-  const VF exp_r = hn::MulAdd(hn::MulAdd(poly, r, one), r, one);
+  VF r;
+  if constexpr (kPrecision == ExpPrecision::kFull || kPrecision == ExpPrecision::kSums) {
+    r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), clamped);  // ln2 to 15 bits
+    r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);    // the rest of ln2
+  } else {
+    r = hn::MulAdd(n, hn::Set(d, -0x1.62e430p-1f), clamped);  // ln2 rounded to fp32
+  }
+  const VF exp_r = poly.Horner(r);
   const hn::RebindToSigned<DF> di;
   const auto n_int = hn::Sub(hn::BitCast(di, shifted), hn::BitCast(di, kRoundingShift));
   const auto half = hn::ShiftRight<1>(n_int);
@@ -225,6 +281,8 @@ HWY_INLINE VF Exponential(DF d, VF x) {
   return result;
 #endif
 }
+
+HWY_INLINE VF Exponential(DF d, VF x) { return Exponential(d, x, ExpPolynomial<ExpPrecision::kFull, false>(d)); }
 
 // The shift s of e^(z - s) as the lanes take it.
 struct LaneShift {
@@ -243,13 +301,19 @@ HWY_INLINE LaneShift MakeLaneShift(DF d, float s) {
 #endif
 }
 
+// k e^(z - s) up to the factor shift.correction (k from the polynomial).
+template <ExpPrecision kPrecision>
+HWY_INLINE VF ExpShifted(DF d, VF z, const LaneShift& shift, const ShiftedPolynomial<kPrecision>& poly) {
+#if HWY_TARGET == HWY_AVX3
+  return Exp2(hn::MulSub(z, hn::Set(d, kLog2e), shift.value), poly);
+#else
+  return Exponential(d, hn::Sub(z, shift.value), poly);
+#endif
+}
+
 // e^(z - s) up to the factor shift.correction.
 HWY_INLINE VF ExpShifted(DF d, VF z, const LaneShift& shift) {
-#if HWY_TARGET == HWY_AVX3
-  return Exp2(d, hn::MulSub(z, hn::Set(d, kLog2e), shift.value));
-#else
-  return Exponential(d, hn::Sub(z, shift.value));
-#endif
+  return ExpShifted(d, z, shift, ShiftedPolynomial<ExpPrecision::kFull>(d));
 }
 
 // ---- the logit transform ----------------------------------------------------------------
@@ -277,6 +341,51 @@ HWY_INLINE VF Slope(DF d, VF z, const TransformParams& t) {
   }
 }
 
+// ---- the max of bf16 and fp16 logits on their bit patterns --------------------------------
+
+// The max of groups * 4 * lanes bf16 or fp16 values at p (2 * lanes per 16-bit vector), read
+// as signed 16-bit integers: one integer max per 2 * lanes logits, no widening. Sign and
+// magnitude order them: among patterns with the sign clear (+0 up to +inf, then NaN) the
+// integer order is the values' order, and every one of them exceeds every pattern with the
+// sign set; so when the largest integer has the sign clear it is the max (or a NaN, which
+// then becomes the max and reaches the sums), and when it has the sign set every value is
+// negative and the max is the smallest magnitude, the smallest integer (a second pass; a
+// NaN with the sign set has the largest magnitude and is never picked unless all are NaN).
+// Returns the groups read (all of them); *max the max as fp32, -inf for none.
+#if HWY_TARGET != HWY_SCALAR
+template <class T>
+int64_t RawMax16(const T* p, int64_t groups, float* max) {
+  const hn::Repartition<int16_t, DF> d16;
+  const auto lanes16 = static_cast<int64_t>(hn::Lanes(d16));
+  const auto* bits = reinterpret_cast<const int16_t*>(p);
+  auto decode = [](int16_t pattern) {
+    T value;
+    std::memcpy(&value, &pattern, sizeof(value));
+    return to_float(value);
+  };
+  if (groups == 0) return 0;
+  const auto lowest = hn::Set(d16, std::numeric_limits<int16_t>::min());
+  auto max0 = lowest, max1 = lowest;
+  for (int64_t g = 0; g < groups; ++g) {
+    max0 = hn::Max(max0, hn::LoadU(d16, bits + 2 * g * lanes16));
+    max1 = hn::Max(max1, hn::LoadU(d16, bits + (2 * g + 1) * lanes16));
+  }
+  const int16_t top = hn::GetLane(hn::MaxOfLanes(d16, hn::Max(max0, max1)));
+  if (top >= 0) {
+    *max = decode(top);
+    return groups;
+  }
+  const auto highest = hn::Set(d16, std::numeric_limits<int16_t>::max());
+  auto min0 = highest, min1 = highest;
+  for (int64_t g = 0; g < groups; ++g) {
+    min0 = hn::Min(min0, hn::LoadU(d16, bits + 2 * g * lanes16));
+    min1 = hn::Min(min1, hn::LoadU(d16, bits + (2 * g + 1) * lanes16));
+  }
+  *max = decode(hn::GetLane(hn::MinOfLanes(d16, hn::Min(min0, min1))));
+  return groups;
+}
+#endif
+
 // ---- block statistics ---------------------------------------------------------------------
 
 // row: [cols] of T -> BlockStats, a chunk of 64 vectors (in L1) at a time: the chunk's max,
@@ -287,7 +396,10 @@ HWY_INLINE VF Slope(DF d, VF z, const TransformParams& t) {
 // route below.)
 template <class T, int kKind>
 void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool with_sum_logits, BlockStats* out) {
+  // bf16 and fp16 logits, untransformed: the max pass on their 16-bit patterns (RawMax16).
+  constexpr bool kRawMax = kKind == kIdentity && !std::is_same_v<T, float> && HWY_TARGET != HWY_SCALAR;
   const DF d;
+  const ShiftedPolynomial<std::is_same_v<T, float> ? ExpPrecision::kFull : ExpPrecision::kSums> poly(d);
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
   const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
   constexpr int64_t kAhead = 2048;  // elements prefetched ahead of the loads
@@ -307,18 +419,30 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
     // Four independent maxima: one would wait on Max's latency at every vector.
     VF max0 = z_tail, max1 = neg_inf, max2 = neg_inf, max3 = neg_inf;
     int64_t v = begin;
-    for (; v + 4 * lanes <= full_end; v += 4 * lanes) {
-      VF x0, x1, x2, x3;
-      LoadTwo(d, row + v, x0, x1);
-      LoadTwo(d, row + v + 2 * lanes, x2, x3);
-      max0 = hn::Max(max0, Transform<kKind>(d, x0, t));
-      max1 = hn::Max(max1, Transform<kKind>(d, x1, t));
-      max2 = hn::Max(max2, Transform<kKind>(d, x2, t));
-      max3 = hn::Max(max3, Transform<kKind>(d, x3, t));
+    float raw_max = -std::numeric_limits<float>::infinity();
+#if HWY_TARGET != HWY_SCALAR
+    if constexpr (kRawMax) {
+      v = begin + RawMax16(row + begin, (full_end - begin) / (4 * lanes), &raw_max) * 4 * lanes;
+    } else
+#endif
+    {
+      for (; v + 4 * lanes <= full_end; v += 4 * lanes) {
+        VF x0, x1, x2, x3;
+        LoadTwo(d, row + v, x0, x1);
+        LoadTwo(d, row + v + 2 * lanes, x2, x3);
+        max0 = hn::Max(max0, Transform<kKind>(d, x0, t));
+        max1 = hn::Max(max1, Transform<kKind>(d, x1, t));
+        max2 = hn::Max(max2, Transform<kKind>(d, x2, t));
+        max3 = hn::Max(max3, Transform<kKind>(d, x3, t));
+      }
     }
-    for (; v < full_end; v += lanes) max0 = hn::Max(max0, Transform<kKind>(d, LoadFull(d, row + v), t));
-    const VF vmax = hn::Max(hn::Max(max0, max1), hn::Max(max2, max3));
-    const float chunk_max = hn::GetLane(hn::MaxOfLanes(d, vmax));
+    float chunk_max = raw_max;
+    if (!kRawMax || v < full_end || has_tail) {  // (the raw max took every vector of a whole chunk)
+      for (; v < full_end; v += lanes) max0 = hn::Max(max0, Transform<kKind>(d, LoadFull(d, row + v), t));
+      const VF vmax = hn::Max(hn::Max(max0, max1), hn::Max(max2, max3));
+      const float lanes_max = hn::GetLane(hn::MaxOfLanes(d, vmax));
+      if (!kRawMax || !(raw_max > lanes_max || std::isnan(raw_max))) chunk_max = lanes_max;
+    }
     // The max grows (a NaN max also lands here, and stays). A chunk whose max is -inf (every
     // element -inf or NaN: x86's MAXPS drops a NaN) keeps the shift it has and is summed
     // like any other: its -inf add 0, its NaN make the sum NaN.
@@ -334,17 +458,17 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
       VF x0, x1;
       LoadTwo(d, row + v, x0, x1);
       const VF z0 = Transform<kKind>(d, x0, t), z1 = Transform<kKind>(d, x1, t);
-      sum_e = hn::Add(sum_e, ExpShifted(d, z0, shift));
-      sum_e1 = hn::Add(sum_e1, ExpShifted(d, z1, shift));
+      sum_e = hn::Add(sum_e, ExpShifted(d, z0, shift, poly));
+      sum_e1 = hn::Add(sum_e1, ExpShifted(d, z1, shift, poly));
       if (with_sum_logits) sum_z = hn::Add(sum_z, hn::Add(z0, z1));
     }
     if (v < full_end) {  // one vector left
       const VF z = Transform<kKind>(d, LoadFull(d, row + v), t);
-      sum_e = hn::Add(sum_e, ExpShifted(d, z, shift));
+      sum_e = hn::Add(sum_e, ExpShifted(d, z, shift, poly));
       sum_z = hn::Add(sum_z, z);
     }
     if (has_tail) {
-      sum_e = hn::Add(sum_e, ExpShifted(d, z_tail, shift));
+      sum_e = hn::Add(sum_e, ExpShifted(d, z_tail, shift, poly));
       sum_z = hn::Add(sum_z, hn::IfThenElseZero(hn::FirstN(d, tail), z_tail));
     }
     sum_e = hn::Add(sum_e, sum_e1);
@@ -465,20 +589,32 @@ HWY_INLINE void StoreGradient(DF d, VF v, G* p) {
 
 // row: [cols] of T -> grad: [cols] of G.
 // kHardwareBf16: full vectors of a bf16 gradient are rounded by VCVTNEPS2BF16 (AVX3 only).
-template <class T, class G, int kKind, bool kHardwareBf16 = false>
+// kFolded: no uniform term (no label smoothing), so the gradient is its coefficient times
+// e^(z - lse), and the coefficient rides in the exp's polynomial (ExpPolynomial).
+template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded>
 void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
   // upstream (p coefficient - uniform) as one fused multiply-subtract, p = e^(z - lse) from
-  // ExpShifted, its factor shift.correction in the coefficient.
+  // ExpShifted, its factor shift.correction in the coefficient; or, kFolded, the coefficient
+  // in the polynomial.
   const LaneShift shift = MakeLaneShift(d, c.lse);
   const auto coefficient = static_cast<double>(c.upstream) * static_cast<double>(c.coefficient) * shift.correction;
   const VF scaled_coefficient = hn::Set(d, static_cast<float>(coefficient));
   const VF scaled_uniform = hn::Set(d, c.upstream * c.uniform);
+  // A bf16 or fp16 gradient is rounded to 8 or 11 bits: an exp of degree 3 or 4 is enough.
+  constexpr ExpPrecision kPrecision = std::is_same_v<G, BFloat16>  ? ExpPrecision::kBf16
+                                      : std::is_same_v<G, Float16> ? ExpPrecision::kFp16
+                                                                   : ExpPrecision::kFull;
+  const ShiftedPolynomial<kPrecision> poly(d, kFolded ? coefficient : 1.0);
   auto element = [&](VF x) {
     const VF z = Transform<kKind>(d, x, t);
-    const VF p = ExpShifted(d, z, shift);
-    VF g = hn::MulSub(p, scaled_coefficient, scaled_uniform);
+    VF g;
+    if constexpr (kFolded) {
+      g = ExpShifted(d, z, shift, poly);
+    } else {
+      g = hn::MulSub(ExpShifted(d, z, shift, poly), scaled_coefficient, scaled_uniform);
+    }
     if constexpr (kKind != kIdentity) g = hn::Mul(g, Slope<kKind>(d, z, t));
     return g;
   };
@@ -522,12 +658,21 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
   }
 }
 
+// Whether the gradient's coefficient can ride in the exp's polynomial: no uniform term, and a
+// coefficient of moderate size (so that the polynomial's coefficients times it neither
+// overflow nor lose bits to underflow; otherwise the multiply-subtract, as with smoothing).
+inline bool FoldsCoefficient(const GradientConstants& c) {
+  const double k = static_cast<double>(c.upstream) * static_cast<double>(c.coefficient);
+  return c.upstream * c.uniform == 0.0f && std::fabs(k) >= 0x1p-60 && std::fabs(k) <= 0x1p60;
+}
+
 // The gradient kernel for the transform's kind.
 template <class T, class G, bool kHardwareBf16>
 void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
-  if (t.cap > 0.0f) return Gradient<T, G, kSoftCapped, kHardwareBf16>(row, grad, cols, t, c);
-  if (t.scale != 1.0f) return Gradient<T, G, kScaled, kHardwareBf16>(row, grad, cols, t, c);
-  return Gradient<T, G, kIdentity, kHardwareBf16>(row, grad, cols, t, c);
+  if (t.cap > 0.0f) return Gradient<T, G, kSoftCapped, kHardwareBf16, false>(row, grad, cols, t, c);
+  if (t.scale != 1.0f) return Gradient<T, G, kScaled, kHardwareBf16, false>(row, grad, cols, t, c);
+  if (FoldsCoefficient(c)) return Gradient<T, G, kIdentity, kHardwareBf16, true>(row, grad, cols, t, c);
+  return Gradient<T, G, kIdentity, kHardwareBf16, false>(row, grad, cols, t, c);
 }
 
 template <class T, class G>
