@@ -1,0 +1,163 @@
+// bench/count_instructions.cc: instructions retired per logit by the kernels' passes and by
+// the exp that `vpce perf`'s bound times, on every SIMD target this CPU runs, counted
+// exactly by single-stepping a forked child under ptrace (no performance counters needed;
+// valgrind, which would also count, does not run AVX-512). The model of an exp-bound
+// machine that docs/performance.md uses: it retires instructions at one rate, so a row's
+// predicted %bound is 2 E / K, with E the exp's instructions per element (the bound counts
+// two exponentials per logit) and K the forward's plus the backward's per logit.
+//
+// Build and run (after scripts/build.sh; BUILD is the build folder):
+//   g++ -O2 -std=c++20 -Isrc -Iinclude bench/count_instructions.cc BUILD/libvpce.a -lhwy -o /tmp/count
+//   /tmp/count [AVX3,AVX2]    (the targets to count; all by default)
+#include <hwy/targets.h>
+#include <signal.h>
+#include <sys/ptrace.h>
+#include <sys/user.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "cpu/dtype.h"
+#include "cpu/simd_rows.h"
+
+namespace vpce::detail {
+namespace {
+
+// What one instruction is, from its encoding (VEX and EVEX only: the AVX2 and AVX-512 targets;
+// the SSE targets' legacy encodings count as other).
+enum Kind { kVectorOp, kVectorMemory, kVectorMove, kOther };
+
+Kind classify(const unsigned char* b) {
+  int i = 0;
+  while (i < 4 && (b[i] == 0x66 || b[i] == 0xf2 || b[i] == 0xf3 || (b[i] >= 0x40 && b[i] <= 0x4f))) ++i;
+  int map = 0, opcode_at = 0;
+  if (b[i] == 0xc5) {
+    map = 1, opcode_at = i + 2;
+  } else if (b[i] == 0xc4) {
+    map = b[i + 1] & 0x1f, opcode_at = i + 3;
+  } else if (b[i] == 0x62) {
+    map = b[i + 1] & 0x07, opcode_at = i + 4;
+  } else {
+    return kOther;
+  }
+  const unsigned char opcode = b[opcode_at];
+  const bool memory = (b[opcode_at + 1] >> 6) != 3;
+  const bool move = map == 1 && (opcode == 0x10 || opcode == 0x11 || opcode == 0x28 || opcode == 0x29 ||
+                                 opcode == 0x6f || opcode == 0x7f || opcode == 0x2b || opcode == 0xe7);
+  const bool broadcast = map == 2 && (opcode == 0x18 || opcode == 0x58 || opcode == 0x59 || opcode == 0x78 || opcode == 0x79);
+  if (move || broadcast) return memory ? kVectorMemory : kVectorMove;
+  return kVectorOp;
+}
+
+struct Counts {
+  double all = 0, vector_ops = 0, memory = 0, moves = 0;
+  Counts operator-(const Counts& o) const { return {all - o.all, vector_ops - o.vector_ops, memory - o.memory, moves - o.moves}; }
+  Counts operator/(double n) const { return {all / n, vector_ops / n, memory / n, moves / n}; }
+};
+
+// Instructions retired by work() in a forked child, counted by single steps between two
+// SIGSTOPs it raises (work ran once before, so that dispatch and page faults are done), each
+// classified from its bytes (read before it runs).
+Counts steps(const std::function<void()>& work) {
+  const pid_t child = fork();
+  if (child == 0) {
+    work();
+    ptrace(PTRACE_TRACEME, 0, nullptr, nullptr);
+    raise(SIGSTOP);
+    work();
+    raise(SIGSTOP);
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(child, &status, 0);  // the first SIGSTOP
+  Counts c;
+  for (;;) {
+    user_regs_struct regs;
+    ptrace(PTRACE_GETREGS, child, nullptr, &regs);
+    unsigned char bytes[24];
+    for (int k = 0; k < 3; ++k) {
+      const long word = ptrace(PTRACE_PEEKTEXT, child, reinterpret_cast<void*>(regs.rip + 8 * k), nullptr);
+      std::memcpy(bytes + 8 * k, &word, 8);
+    }
+    ptrace(PTRACE_SINGLESTEP, child, nullptr, nullptr);
+    waitpid(child, &status, 0);
+    if (!WIFSTOPPED(status) || WSTOPSIG(status) == SIGSTOP) break;
+    c.all += 1;
+    switch (classify(bytes)) {
+      case kVectorOp: c.vector_ops += 1; break;
+      case kVectorMemory: c.memory += 1; break;
+      case kVectorMove: c.moves += 1; break;
+      case kOther: break;
+    }
+  }
+  kill(child, SIGKILL);
+  waitpid(child, &status, 0);
+  return c;
+}
+
+// Per element: work's counts less an empty call's (the raise and the function call).
+Counts per_element(const std::function<void()>& work, double elements) {
+  static const Counts empty = steps([] {});
+  return (steps(work) - empty) / elements;
+}
+
+int run(const char* only) {
+  constexpr int64_t kCols = kBlockColumns;
+  std::vector<float> f32(kCols);
+  for (int64_t i = 0; i < kCols; ++i) f32[i] = -8.0f + 16.0f * static_cast<float>((i * 7919) % kCols) / kCols;
+  std::vector<BFloat16> bf16(kCols);
+  std::vector<Float16> fp16(kCols);
+  for (int64_t i = 0; i < kCols; ++i) bf16[i] = from_float<BFloat16>(f32[i]), fp16[i] = from_float<Float16>(f32[i]);
+  std::vector<float> grad32(kCols);
+  std::vector<float> exp_x(4000), exp_y(4000);
+  for (int64_t i = 0; i < 4000; ++i) exp_x[i] = -16.0f * static_cast<float>((i * 97) % 4000) / 4000;
+  const TransformParams identity;
+  const GradientConstants constants{1.0f, 10.0f, 1.0f, 0.0f};
+  const void* rows[3] = {f32.data(), bf16.data(), fp16.data()};
+  const char* names[3] = {"fp32", "bf16", "fp16"};
+  std::printf("# per logit (forward = block_stats, backward = block_gradient, 16384 columns) and per element of the "
+              "bound's exp (E): all instructions retired / vector operations (VEX or EVEX, not loads, stores or register "
+              "moves); predicted %%bound on an exp-bound machine = 2 E / (forward + backward), from vector operations\n");
+  std::printf("# %-6s %5s %13s %13s %13s %13s %8s %8s\n", "target", "dtype", "E", "forward", "bwd to fp32", "bwd in place",
+              "pred out", "pred in");
+  auto show = [](const Counts& c) {
+    static char text[4][32];
+    static int next = 0;
+    char* t = text[next++ % 4];
+    std::snprintf(t, 32, "%6.3f/%6.3f", c.all, c.vector_ops);
+    return t;
+  };
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    if (only != nullptr && std::strstr(only, hwy::TargetName(target)) == nullptr) continue;
+    hwy::SetSupportedTargetsForTest(target);
+    const Counts e = per_element([&] { exp_shifted_lanes(exp_x.data(), 0.0f, exp_y.data(), 4000); }, 4000);
+    for (int k = 0; k < 3; ++k) {
+      const auto type = static_cast<StorageType>(k);
+      const Counts fwd = per_element([&] { block_stats(rows[k], type, kCols, identity, false, false); }, kCols);
+      const Counts out = per_element(
+          [&] { block_gradient(rows[k], type, grad32.data(), StorageType::kFloat32, kCols, identity, constants); }, kCols);
+      // In place: in the child's copy of the row.
+      const Counts in = per_element(
+          [&] { block_gradient(rows[k], type, const_cast<void*>(rows[k]), type, kCols, identity, constants); }, kCols);
+      const char* a = show(e);
+      const char* b = show(fwd);
+      const char* c = show(out);
+      const char* dd = show(in);
+      std::printf("  %-6s %5s %13s %13s %13s %13s %7.1f%% %7.1f%%\n", hwy::TargetName(target), names[k], a, b, c, dd,
+                  200.0 * e.vector_ops / (fwd.vector_ops + out.vector_ops),
+                  200.0 * e.vector_ops / (fwd.vector_ops + in.vector_ops));
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  return 0;
+}
+
+}  // namespace
+}  // namespace vpce::detail
+
+// An argument such as "AVX3,AVX2" counts those targets only.
+int main(int argc, char** argv) { return vpce::detail::run(argc > 1 ? argv[1] : nullptr); }
