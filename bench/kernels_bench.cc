@@ -69,7 +69,7 @@ void BM_BlockStats(benchmark::State& state) {
   }
   state.SetItemsProcessed(state.iterations() * kBlockColumns);
 }
-BENCHMARK(BM_BlockStats)->Args({0, 0})->Args({1, 0})->Args({0, 1});
+BENCHMARK(BM_BlockStats)->Args({0, 0})->Args({1, 0})->Args({2, 0})->Args({0, 1});
 
 // Args: input and output storage (0 fp32, 1 bf16, 2 fp16); output == input runs in place.
 void BM_BlockGradient(benchmark::State& state) {
@@ -86,7 +86,7 @@ void BM_BlockGradient(benchmark::State& state) {
   }
   state.SetItemsProcessed(state.iterations() * kBlockColumns);
 }
-BENCHMARK(BM_BlockGradient)->Args({0, 0})->Args({0, 1})->Args({1, 0})->Args({1, 1})->Args({2, 2});
+BENCHMARK(BM_BlockGradient)->Args({0, 0})->Args({0, 1})->Args({1, 0})->Args({1, 1})->Args({2, 0})->Args({2, 2});
 
 // Whole problems from memory, one thread. Args: tokens, V, dtype (0 fp32, 1 bf16).
 DataType data_type(int64_t arg) { return arg == 0 ? kFloat32 : kBFloat16; }

@@ -367,6 +367,7 @@ Status sweep(const PerfConfig& config) {
   if (config.dtype == "fp16" || config.dtype == "all") dtypes.push_back(kFloat16);
   const int hardware = std::max(1u, std::thread::hardware_concurrency());
   const BoundMeter meter(hardware);
+  meter.sample();  // the first exp sample also starts the threads and takes the pages' faults
   const MachineBound first_bound = meter.sample();
   std::printf("# vpce perf: R %d, threads per rank %d, SIMD %s, %d hardware threads, label smoothing %g\n", config.ranks,
               config.threads > 0 ? config.threads : std::max(1, hardware / config.ranks), detail::simd_target_name(),
