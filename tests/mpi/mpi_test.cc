@@ -434,7 +434,9 @@ TEST(MpiFailure, RankThatNeverArrivesGivesTimeoutNotHang) {
   bool untouched = false;
   const auto no_change = [](int, int64_t&, VocabShard&, DataType&, LossOptions&) {};
   if (r == straggler) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    // 5 s against the others' 1 s timeout: room for ranks that leave the barrier seconds
+    // apart on an oversubscribed machine (R ranks on 2 cores beside a build).
+    std::this_thread::sleep_for(std::chrono::milliseconds(5000));
     // Joins the collective the others abandoned, so that it completes and frees nothing early.
     static_cast<void>(forward_with(*comm, no_change, &untouched));
   } else {
