@@ -613,7 +613,10 @@ HWY_INLINE void StoreGradient(DF d, VF v, G* p) {
 // kHardwareBf16: full vectors of a bf16 gradient are rounded by VCVTNEPS2BF16 (AVX3 only).
 // kFolded: no uniform term (no label smoothing), so the gradient is its coefficient times
 // e^(z - lse), and the coefficient rides in the exp's polynomial (ExpPolynomial).
-template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded>
+// kUniform: a uniform term (label smoothing): p coefficient - uniform can cancel, so the
+// exp's relative error is not the gradient's, and a half-precision gradient takes the full
+// exp (the lower degrees' bound holds for a gradient that is p times factors only).
+template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded, bool kUniform = false>
 void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
@@ -625,9 +628,10 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
   const VF scaled_coefficient = hn::Set(d, static_cast<float>(coefficient));
   const VF scaled_uniform = hn::Set(d, c.upstream * c.uniform);
   // A bf16 or fp16 gradient is rounded to 8 or 11 bits: an exp of degree 3 or 4 is enough.
-  constexpr ExpPrecision kPrecision = std::is_same_v<G, BFloat16>  ? ExpPrecision::kBf16
-                                      : std::is_same_v<G, Float16> ? ExpPrecision::kFp16
-                                                                   : ExpPrecision::kFull;
+  constexpr ExpPrecision kPrecision = kUniform                      ? ExpPrecision::kFull
+                                      : std::is_same_v<G, BFloat16> ? ExpPrecision::kBf16
+                                      : std::is_same_v<G, Float16>  ? ExpPrecision::kFp16
+                                                                    : ExpPrecision::kFull;
   const ShiftedPolynomial<kPrecision> poly(d, kFolded ? coefficient : 1.0);
   auto element = [&](VF x) {
     const VF z = Transform<kKind>(d, x, t);
@@ -695,6 +699,14 @@ inline bool FoldsCoefficient(const GradientConstants& c) {
 // The gradient kernel for the transform's kind.
 template <class T, class G, bool kHardwareBf16>
 void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
+  // An fp32 gradient always takes the full exp, so it needs no kUniform variant.
+  if constexpr (!std::is_same_v<G, float>) {
+    if (c.upstream * c.uniform != 0.0f) {
+      if (t.cap > 0.0f) return Gradient<T, G, kSoftCapped, kHardwareBf16, false, true>(row, grad, cols, t, c);
+      if (t.scale != 1.0f) return Gradient<T, G, kScaled, kHardwareBf16, false, true>(row, grad, cols, t, c);
+      return Gradient<T, G, kIdentity, kHardwareBf16, false, true>(row, grad, cols, t, c);
+    }
+  }
   if (t.cap > 0.0f) return Gradient<T, G, kSoftCapped, kHardwareBf16, false>(row, grad, cols, t, c);
   if (t.scale != 1.0f) return Gradient<T, G, kScaled, kHardwareBf16, false>(row, grad, cols, t, c);
   if (FoldsCoefficient(c)) return Gradient<T, G, kIdentity, kHardwareBf16, true>(row, grad, cols, t, c);
