@@ -7,6 +7,8 @@ default tp_group on one rank. Runs on every PyTorch (no Megatron needed); the co
 against the real megatron-core are in test_megatron_core.py."""
 import inspect
 import math
+import sys
+import types
 
 import pytest
 import torch
@@ -278,6 +280,32 @@ def test_an_explicit_group_of_one_needs_no_torch_distributed(monkeypatch):
                  lambda x: vt.unfused_cross_entropy(x, target, tp_group=FakeGroup())):
         loss = call(logits.clone())
         assert relative_error(loss.reshape(-1), want) < 1e-6
+
+
+def test_tp_group_none_calls_the_get_tensor_model_parallel_group_patched_on_this_module(monkeypatch):
+    # Megatron's tests patch the module's get_tensor_model_parallel_group: with Megatron
+    # initialised, tp_group=None must take its group from the patched function.
+    def megatrons_own(check_initialized=True):
+        raise AssertionError("tp_group=None must call vpce.torch.get_tensor_model_parallel_group, as patched")
+
+    state = types.SimpleNamespace(model_parallel_is_initialized=lambda: True,
+                                  get_tensor_model_parallel_group=megatrons_own)
+    monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", state)
+    calls = []
+    monkeypatch.setattr(vt, "get_tensor_model_parallel_group", lambda: calls.append("patched") or FakeGroup())
+    logits, target = problem()
+    target %= 37
+    grad_output = torch.rand(6, 3)
+    want_loss, want_grad = loss_and_grad(logits, target, grad_output)
+    for call in (lambda x: vt.vocab_parallel_cross_entropy(x, target),
+                 lambda x: vt._VocabParallelCrossEntropy.apply(x, target),
+                 lambda x: vt.unfused_cross_entropy(x, target)):
+        calls.clear()
+        x = logits.clone().requires_grad_()
+        loss = call(x)
+        loss.backward(grad_output)
+        assert calls and set(calls) == {"patched"}
+        assert relative_error(loss, want_loss) < 1e-6 and relative_error(x.grad, want_grad) < 1e-6
 
 
 def test_an_explicit_group_of_several_without_torch_distributed_is_refused():

@@ -1,0 +1,103 @@
+"""vpce.torch's arguments as vpce reads them: the keyword options as vpce.LossOptions, the
+logits and targets checked (errors name what was expected and what was given) and laid out
+as vpce's kernels take them, and the in-place gradient's precondition."""
+from __future__ import annotations
+
+import torch
+
+from . import _vpce
+
+_SEMANTICS = {"megatron": _vpce.SmoothingSemantics.MEGATRON, "pytorch": _vpce.SmoothingSemantics.PYTORCH}
+_OPTION_NAMES = ("ignore_index", "z_loss_weight", "logit_scale", "softcap", "valid_vocab_size",
+                 "smoothing_semantics", "num_threads")
+_LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_TARGET_DTYPES = (torch.int32, torch.int64)
+_WIDENED_TARGET_DTYPES = tuple(getattr(torch, name) for name in ("int8", "int16", "uint8", "uint16", "uint32")
+                               if hasattr(torch, name))  # int64 holds every value of these
+
+
+def _options(label_smoothing, options):
+    """vpce.LossOptions from the keyword options; errors name the option."""
+    unknown = sorted(set(options) - set(_OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"vocab_parallel_cross_entropy: unexpected options {unknown}; expected some of "
+                        f"{list(_OPTION_NAMES)}")
+    result = _vpce.LossOptions()
+    result.label_smoothing = label_smoothing
+    for name, value in options.items():
+        if name == "smoothing_semantics":
+            if not (isinstance(value, str) and value in _SEMANTICS):
+                raise ValueError(f"smoothing_semantics: expected 'megatron' or 'pytorch', got {value!r}")
+            value = _SEMANTICS[value]
+        setattr(result, name, value)
+    return result
+
+
+def _check_logits(logits):
+    """vocab_parallel_logits as vpce.torch takes them, else TypeError or ValueError naming
+    what was expected and what they are."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"vocab_parallel_logits: expected a torch.Tensor, got {type(logits).__name__}")
+    if logits.layout != torch.strided:
+        raise TypeError(f"vocab_parallel_logits.layout: expected torch.strided (a dense tensor), got {logits.layout}")
+    if logits.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"vocab_parallel_logits.device: expected cpu or cuda, got {logits.device}")
+    if logits.dtype not in _LOGITS_DTYPES:
+        raise TypeError("vocab_parallel_logits.dtype: expected float32, bfloat16, float16 or float64, got "
+                        f"{logits.dtype}")
+    if not 1 <= logits.dim() <= 8:
+        raise ValueError(f"vocab_parallel_logits.dim(): expected 1 to 8 dimensions ([..., V/R]), got {logits.dim()}")
+
+
+def _as_targets(target, logits):
+    """The targets as vpce reads them: int32 or int64 (narrower integers widened, which
+    loses nothing), contiguous (a transposed or expanded target is copied, as PyTorch
+    would); float and bool targets are refused rather than truncated."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target: expected a torch.Tensor, got {type(target).__name__}")
+    if target.layout != torch.strided:
+        raise TypeError(f"target.layout: expected torch.strided (a dense tensor), got {target.layout}")
+    if target.device != logits.device:
+        raise ValueError(f"target.device: expected the logits' device {logits.device}, got {target.device}")
+    if target.dtype in _WIDENED_TARGET_DTYPES:
+        target = target.long()
+    elif target.dtype not in _TARGET_DTYPES:
+        raise TypeError(f"target.dtype: expected int32 or int64 (or a narrower integer type, widened), got "
+                        f"{target.dtype}")
+    return target.contiguous()
+
+
+def _real(value, name):
+    """A number as a Python float, or TypeError naming it."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _check_inplace(logits):
+    """inplace_backward=True as PyTorch allows an in-place op: not on a leaf that requires
+    grad, nor on a view of one (the gradient would overwrite the parameter)."""
+    base = logits if logits._base is None else logits._base
+    if base.is_leaf and base.requires_grad:
+        what = "a leaf" if base is logits else "a view of a leaf"
+        raise ValueError("inplace_backward: expected logits that autograd lets be overwritten (the output of an "
+                         f"operation, as Megatron's are), got {what} that requires grad")
+
+
+def _as_rows(logits):
+    """The logits as vpce reads them: a contiguous last dimension and leading dimensions that
+    collapse to one row stride of at least the row's width (Megatron's [s, b, V/R],
+    contiguous or a column slice of wider rows), read in place; anything else (float64,
+    transposed, expanded, overlapping rows) is copied, as PyTorch's own ops would."""
+    if logits.dtype == torch.float64:  # vpce's math is fp32 for every dtype
+        logits = logits.float()
+    width = logits.shape[-1]
+    if logits.stride(-1) != 1 and width > 1:
+        return logits.contiguous()
+    dims = [(n, s) for n, s in zip(logits.shape[:-1], logits.stride()[:-1]) if n != 1]
+    for (_, outer), (inner_n, inner_s) in zip(dims, dims[1:]):
+        if outer != inner_s * inner_n:
+            return logits.contiguous()
+    if dims and dims[-1][1] < width:  # rows that overlap (stride 0: expanded)
+        return logits.contiguous()
+    return logits

@@ -1,0 +1,155 @@
+"""The loss as a torch.autograd.Function: the forward (every check, vpce's forward with its
+one collective, any error agreed across the group) and the backward (no collective, the
+gradient in place or a new tensor): vocab_parallel_cross_entropy's path on PyTorch < 2.4,
+for the eager in-place gradient and for arguments the custom op does not take; and
+Megatron's _VocabParallelCrossEntropy."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import _vpce
+from ._torch_arguments import _as_rows, _as_targets, _check_inplace, _check_logits, _options
+from ._torch_collective import _Collective
+from ._torch_groups import _group
+from ._torch_legacy import _legacy_grad, _legacy_loss, _legacy_smoothing
+
+
+def _increment_version(tensor):
+    """Tells autograd that `tensor` was written in place, as PyTorch's in-place ops do, so
+    that any backward that saved it (a second one through this graph, or another op's)
+    raises instead of reading the gradient as if it were the logits."""
+    increment = getattr(torch.autograd.graph, "increment_version", None)  # PyTorch >= 2.1
+    if increment is not None:
+        increment(tensor)
+    else:  # an in-place op on an empty view: bumps the shared version counter, writes nothing
+        tensor.detach().narrow(-1, 0, 0).zero_()
+
+
+def _function_forward(ctx, logits, target, label_smoothing, tp_group, inplace_backward, legacy_smoothing, options):
+    """The autograd.Function forward (both classes): the group, then _forward with its one
+    collective, any error agreed across the group."""
+    group, rank, size = _group(tp_group)
+    if (size > 1 and isinstance(logits, torch.Tensor) and logits.device.type == "cpu"
+            and dist.get_backend(group) == "nccl"):
+        raise ValueError("tp_group: expected a process group that can gather CPU tensors (gloo), got NCCL "
+                         "with CPU logits")
+    collective = _Collective(group, rank, size) if size > 1 else None
+    try:
+        return _forward(ctx, collective, rank, size, logits, target, label_smoothing, inplace_backward,
+                        legacy_smoothing, options)
+    except Exception as error:
+        agreed = error if collective is None else collective.agreed(error)
+        if agreed is error:
+            raise
+        raise agreed from error
+
+
+def _function_backward(ctx, grad_loss):
+    x, y, lse = ctx.saved_tensors
+    g = grad_loss.to(torch.float32).contiguous()
+    grad = _gradient(x, y, lse, g, ctx.shard, ctx.smoothing, ctx.options, ctx.legacy_smoothing, ctx.inplace)
+    if ctx.inplace and not ctx.legacy_smoothing:
+        _increment_version(x)
+    if ctx.input_dtype != grad.dtype:
+        grad = grad.to(ctx.input_dtype)
+    return grad
+
+
+def _gradient(x, y, lse, g, shard, smoothing, options, legacy_smoothing, inplace):
+    """The gradient of vpce's forward (no collective): over x when in place, else new."""
+    opts = _options(smoothing, options)
+    if legacy_smoothing:
+        grad = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        _vpce.backward(x, y, lse, g, *shard, opts, grad)
+        _legacy_grad(grad, y, g, shard, legacy_smoothing)
+        return grad.to(x.dtype)
+    grad = x if inplace else _new_gradient(x)
+    _vpce.backward(x, y, lse, g, *shard, opts, grad)
+    return grad
+
+
+class _VpceCrossEntropy(torch.autograd.Function):
+    """vocab_parallel_cross_entropy with vpce's options (the path on PyTorch < 2.4, and for
+    the in-place gradient, which overwrites a tensor autograd saved)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, tp_group, inplace_backward, legacy_smoothing, options):
+        return _function_forward(ctx, logits, target, label_smoothing, tp_group, inplace_backward, legacy_smoothing,
+                                 options)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        return _function_backward(ctx, grad_loss), None, None, None, None, None, None
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron's autograd function, with its signature: apply(vocab_parallel_logits, target,
+    label_smoothing=0.0, tp_group=None). vpce's exact loss and gradient (label smoothing
+    exact across ranks; see vocab_parallel_cross_entropy for the options), a new gradient."""
+
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):
+        """Vocab parallel cross entropy forward function."""
+        return _function_forward(ctx, vocab_parallel_logits, target, label_smoothing, tp_group, False, False, {})
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        """Vocab parallel cross entropy backward function."""
+        return _function_backward(ctx, grad_output), None, None, None
+
+
+def _forward(ctx, collective, rank, size, logits, target, label_smoothing, inplace, legacy, options):
+    """The autograd forward: every check, then vpce's forward (its one collective through
+    `collective`, None for one rank). Any error raised here reaches the other ranks."""
+    loss, x, y, lse, shard, smoothing, alpha = _loss(collective, rank, size, logits, target, label_smoothing, inplace,
+                                                     legacy, options)
+    ctx.save_for_backward(x, y, lse)
+    ctx.shard, ctx.smoothing, ctx.options = shard, smoothing, options  # plain values, not bound objects
+    ctx.inplace = inplace
+    ctx.legacy_smoothing = alpha
+    ctx.input_dtype = logits.dtype
+    return loss
+
+
+def _loss(collective, rank, size, logits, target, label_smoothing, inplace, legacy, options):
+    """Checks, then vpce's forward: (loss, x read, y read, lse, shard, smoothing, legacy alpha)."""
+    _check_logits(logits)
+    y = _as_targets(target, logits)
+    alpha = _legacy_smoothing(label_smoothing, options, logits) if legacy else 0.0
+    if inplace:
+        _check_inplace(logits)
+    smoothing = 0.0 if legacy else label_smoothing
+    opts = _options(smoothing, options)
+    x = _as_rows(logits)
+    local = x.shape[-1]
+    shard = (rank * local, (rank + 1) * local, size * local)
+    loss = torch.empty(target.shape, dtype=torch.float32, device=x.device)
+    lse = torch.empty(target.shape, dtype=torch.float32, device=x.device)
+    if collective is not None:
+        collective.legacy_smoothing = alpha
+    _vpce.forward(x, y, *shard, opts, loss, lse, rank=rank, size=size, all_gather=collective)
+    if alpha > 0:
+        loss = _legacy_loss(x, y, lse, loss, alpha)
+    loss = loss.double() if logits.dtype == torch.float64 else loss
+    return loss, x, y, lse, shard, smoothing, alpha
+
+
+_HUGE_PAGE = 2 << 20  # bytes
+
+
+def _new_gradient(x):
+    """A new contiguous tensor like x for the gradient. A CPU one of 2 MiB or more is placed
+    on 2 MiB boundaries and advised onto transparent huge pages before the kernel first
+    writes it: PyTorch's CPU allocator hands out fresh pages on every call, and faulting
+    them in 4 KiB at a time costs far more than the backward itself (docs/performance.md).
+    The tensor is a view of a slightly larger uint8 buffer (at most 4 MiB more address
+    space, never touched)."""
+    nbytes = x.numel() * x.element_size()
+    if x.device.type != "cpu" or nbytes < _HUGE_PAGE:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rounded = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+    buffer = torch.empty(rounded + _HUGE_PAGE, dtype=torch.uint8)
+    offset = -buffer.data_ptr() % _HUGE_PAGE
+    _vpce.advise_huge_pages(buffer.data_ptr() + offset, rounded)
+    return buffer[offset:offset + nbytes].view(x.dtype).view(x.shape)

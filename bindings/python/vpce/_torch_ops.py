@@ -1,0 +1,138 @@
+"""The loss as torch.library custom ops (PyTorch >= 2.4): vpce::cross_entropy_forward and
+vpce::cross_entropy_backward, with fake implementations and registered autograd, so that
+torch.compile(fullgraph=True) traces it without a graph break; and which arguments they
+take."""
+from __future__ import annotations
+
+import json
+from typing import Tuple
+
+import torch
+
+from ._torch_arguments import _LOGITS_DTYPES, _TARGET_DTYPES, _WIDENED_TARGET_DTYPES, _as_rows, _as_targets
+from ._torch_compile import _CUSTOM_OPS, _constant
+from ._torch_function import _function_forward, _gradient
+from ._torch_groups import _group
+from ._torch_legacy import _legacy_smoothing
+
+# The group cannot be an operator argument: the ops take an integer key, 0 for tp_group=None
+# (resolved when the op runs), others from _GROUP_KEYS (groups live as long as the process).
+_GROUP_KEYS = {}
+_KEYED_GROUPS = {}
+
+
+@_constant
+def _group_key(tp_group):
+    if tp_group is None:
+        return 0
+    key = _GROUP_KEYS.get(tp_group)
+    if key is None:
+        key = _GROUP_KEYS[tp_group] = len(_GROUP_KEYS) + 1
+        _KEYED_GROUPS[key] = tp_group
+    return key
+
+
+@_constant
+def _encode_options(options):
+    return json.dumps(options, sort_keys=True) if options else ""
+
+
+def _decode_options(text):
+    return json.loads(text) if text else {}
+
+
+def _op_forward_impl(logits, target, label_smoothing, group_key, inplace, legacy, options):
+    """(loss, lse): what _VpceCrossEntropy's forward computes, errors agreed across the group."""
+    del inplace  # for the autograd context only
+    tp_group = _KEYED_GROUPS[group_key] if group_key else None
+    ctx = _Saved()
+    loss = _function_forward(ctx, logits, target, label_smoothing, tp_group, False, legacy, _decode_options(options))
+    return loss, ctx.lse
+
+
+class _Saved:
+    """A stand-in autograd context for _function_forward inside the custom op."""
+
+    def save_for_backward(self, x, y, lse):
+        self.lse = lse
+
+
+def _op_shard(logits, group_key):
+    tp_group = _KEYED_GROUPS[group_key] if group_key else None
+    _, rank, size = _group(tp_group)
+    local = logits.shape[-1]
+    return rank * local, (rank + 1) * local, size * local
+
+
+def _op_backward_impl(logits, target, lse, grad_loss, label_smoothing, group_key, legacy, options):
+    options = _decode_options(options)
+    x = _as_rows(logits)
+    y = _as_targets(target, logits)
+    alpha = _legacy_smoothing(label_smoothing, options, logits) if legacy else 0.0
+    smoothing = 0.0 if legacy else label_smoothing
+    g = grad_loss.to(torch.float32).contiguous()
+    grad = _gradient(x, y, lse, g, _op_shard(logits, group_key), smoothing, options, alpha, False)
+    if grad.dtype != logits.dtype:
+        grad = grad.to(logits.dtype)
+    if grad.shape != logits.shape or not grad.is_contiguous():
+        grad = grad.contiguous().view(logits.shape)
+    return grad
+
+
+if _CUSTOM_OPS:
+    from torch import Tensor  # noqa: E402
+
+    @torch.library.custom_op("vpce::cross_entropy_forward", mutates_args=())
+    def _op_forward(logits: Tensor, target: Tensor, label_smoothing: float, group_key: int, inplace: bool,
+                    legacy: bool, options: str) -> Tuple[Tensor, Tensor]:
+        """vpce's forward: (per-token loss, lse); the one all-gather on the keyed group."""
+        loss, lse = _op_forward_impl(logits, target, label_smoothing, group_key, inplace, legacy, options)
+        return loss, lse
+
+    @_op_forward.register_fake
+    def _(logits, target, label_smoothing, group_key, inplace, legacy, options):
+        loss_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        return (logits.new_empty(target.shape, dtype=loss_dtype), logits.new_empty(target.shape, dtype=torch.float32))
+
+    @torch.library.custom_op("vpce::cross_entropy_backward", mutates_args=())
+    def _op_backward(logits: Tensor, target: Tensor, lse: Tensor, grad_loss: Tensor, label_smoothing: float,
+                     group_key: int, legacy: bool, options: str) -> Tensor:
+        """vpce's backward: the gradient of the loss for the logits, a new contiguous tensor
+        in their dtype; no collective."""
+        return _op_backward_impl(logits, target, lse, grad_loss, label_smoothing, group_key, legacy, options)
+
+    @_op_backward.register_fake
+    def _(logits, target, lse, grad_loss, label_smoothing, group_key, legacy, options):
+        return logits.new_empty(logits.shape)
+
+    def _setup_context(ctx, inputs, output):
+        logits, target, label_smoothing, group_key, _inplace, legacy, options = inputs
+        ctx.save_for_backward(logits, target, output[1])
+        ctx.arguments = (label_smoothing, group_key, legacy, options)
+
+    def _op_autograd(ctx, grad_loss, grad_lse):
+        del grad_lse  # lse is an implementation detail: no gradient flows through it
+        logits, target, lse = ctx.saved_tensors
+        grad = torch.ops.vpce.cross_entropy_backward(logits, target, lse, grad_loss, *ctx.arguments)
+        return grad, None, None, None, None, None, None
+
+    torch.library.register_autograd("vpce::cross_entropy_forward", _op_autograd, setup_context=_setup_context)
+
+
+def _fits_op(logits, target, label_smoothing, options):
+    """Whether the custom op takes these arguments: dense CPU or CUDA tensors of the dtypes
+    vpce reads, a float smoothing, JSON options. Anything else takes the autograd.Function
+    path, whose checks raise (the same error on every rank)."""
+    if not (isinstance(logits, torch.Tensor) and isinstance(target, torch.Tensor)):
+        return False
+    if logits.layout != torch.strided or target.layout != torch.strided:
+        return False
+    if logits.device.type not in ("cpu", "cuda") or target.device != logits.device:
+        return False
+    if logits.dtype not in _LOGITS_DTYPES or not 1 <= logits.dim() <= 8:
+        return False
+    if target.dtype not in _TARGET_DTYPES + _WIDENED_TARGET_DTYPES:
+        return False
+    if not isinstance(label_smoothing, (float, int)) or isinstance(label_smoothing, bool):
+        return False
+    return all(isinstance(v, (int, float, str)) for v in options.values())
