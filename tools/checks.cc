@@ -1,8 +1,11 @@
 // tools/checks.cc: validators and bounds shared by the subcommands (see checks.h).
 #include "checks.h"
 
+#include <unistd.h>
+
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <thread>
 
 namespace vpce::tools {
@@ -60,6 +63,17 @@ Status check_threads(const char* flag, int threads) {
   return {Code::kInvalidArgument, std::string(flag) + ": expected threads per rank in [0, " + std::to_string(most) +
                                       "] (0: the default; at most 4 x this machine's " + std::to_string(most / 4) +
                                       " hardware threads), got " + std::to_string(threads)};
+}
+
+Status check_fits_in_memory(const char* flags, double bytes, const std::string& what) {
+  const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  if (bytes <= memory) return {};
+  char text[128];
+  std::snprintf(text, sizeof(text), "expected a size that fits in this machine's %.1f GiB of memory, got ",
+                memory / 1073741824.0);
+  char needs[64];
+  std::snprintf(needs, sizeof(needs), ", which needs %.1f GiB", bytes / 1073741824.0);
+  return {Code::kInvalidArgument, std::string(flags) + ": " + text + what + needs};
 }
 
 }  // namespace vpce::tools

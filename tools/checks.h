@@ -30,6 +30,11 @@ int max_threads_per_rank();
 // `flag` (threads per rank, 0: the default) in [0, max_threads_per_rank()].
 Status check_threads(const char* flag, int threads);
 
+// kInvalidArgument naming `flags` when `bytes` exceed this machine's physical memory (a
+// request no allocation could serve; refused before trying, so that no allocator, a
+// sanitizer's included, aborts on it), with `what` describing the request.
+Status check_fits_in_memory(const char* flags, double bytes, const std::string& what);
+
 // f(), with an allocation failure turned into kSystemError "<what>: out of memory ...".
 template <class F>
 Status catch_out_of_memory(const std::string& what, F&& f) {

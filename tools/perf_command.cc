@@ -338,7 +338,6 @@ Status check_config(const PerfConfig& config) {
                                         std::to_string(config.ranks)};
   }
   if (Status s = check_threads("--threads", config.threads); !s.ok()) return s;
-  const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
   for (int64_t vocab : config.vocab) {
     LossOptions options;
     options.label_smoothing = config.label_smoothing;
@@ -347,14 +346,10 @@ Status check_config(const PerfConfig& config) {
     }
     // Logits, their pristine copy and an fp32 gradient, at 4 bytes per element at most.
     const double bytes = 12.0 * static_cast<double>(config.max_tokens) * static_cast<double>(vocab);
-    if (bytes > memory) {
-      char text[256];
-      std::snprintf(text, sizeof(text),
-                    "-e, -V: expected rows that fit in this machine's %.1f GiB of memory, got %lld tokens x V %lld, "
-                    "which needs %.1f GiB",
-                    memory / 1073741824.0, static_cast<long long>(config.max_tokens), static_cast<long long>(vocab),
-                    bytes / 1073741824.0);
-      return {Code::kInvalidArgument, text};
+    if (Status s = check_fits_in_memory("-e, -V", bytes,
+                                        std::to_string(config.max_tokens) + " tokens x V " + std::to_string(vocab));
+        !s.ok()) {
+      return s;
     }
   }
   return {};

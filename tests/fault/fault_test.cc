@@ -130,11 +130,12 @@ TEST_F(Fault, RankThreadsThatCannotStartFailAtOnce) {
 #endif
 
 TEST_F(Fault, HugeSizesAreRefusedWithoutAnAbort) {
-  // Larger than any address space: an error, not std::bad_alloc escaping (exit 134).
+  // Larger than the machine's memory: refused before any allocation (which would throw, or
+  // abort under a sanitizer), not std::bad_alloc escaping (exit 134).
   expect_one_error_line(run_vpce("", "gen --tokens 16777216 --vocab 16777216 --out " + (dir_ / "out").string()),
-                        "out of memory");
+                        "--tokens x --vocab: expected a size that fits in this machine's");
   expect_one_error_line(run_vpce("", "perf -b 16777216 -e 16777216 -V 16777216"),
-                        "-e, -V: expected rows that fit in this machine's");
+                        "-e, -V: expected a size that fits in this machine's");
   EXPECT_FALSE(fs::exists(dir_ / "out"));
 }
 
