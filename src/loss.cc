@@ -116,9 +116,13 @@ Status merge_stats(const TensorView& gathered, const LossOptions& options,
     return {Code::kInvalidArgument, detail::expected_got("gathered.strides[0]", "an extent that fits in memory",
                                                          std::to_string(rank_stride))};
   }
-  const char* gathered_end = first.begin_byte() + last_block_offset + (first.end_byte() - first.begin_byte());
-  if (detail::overlaps(out.begin_byte(), out.end_byte(), first.begin_byte(), gathered_end)) {
-    return overlap_error("stats", "gathered");
+  // An empty gathered tensor may have no data pointer (no offset may be added to null), and
+  // then nothing to overlap.
+  if (first.begin_byte() != nullptr) {
+    const char* gathered_end = first.begin_byte() + last_block_offset + (first.end_byte() - first.begin_byte());
+    if (detail::overlaps(out.begin_byte(), out.end_byte(), first.begin_byte(), gathered_end)) {
+      return overlap_error("stats", "gathered");
+    }
   }
   detail::merge_stats_kernel(first.row<const float>(0), rank_stride, static_cast<int>(ranks), first.row_stride,
                              options.num_threads, out);
