@@ -8,18 +8,13 @@
 
 #include "cpu/kernels.h"
 #include "cuda/dispatch.h"
+#include "exchange.h"
 #include "protocol.h"
 #include "validate.h"
+#include "workspace.h"
 #include "vpce/loss.h"
 
 namespace vpce {
-
-struct Workspace::Buffers {
-  std::vector<std::byte> send;    // this rank's payload: header + [N, 4] stats
-  std::vector<std::byte> recv;    // every rank's payload, rank order
-  std::vector<std::byte> merged;  // [N, 4] merged stats
-  std::shared_ptr<void> device;   // the device buffers, for device tensors (cuda/dispatch.cu)
-};
 
 Workspace::Workspace() : buffers_(std::make_unique<Buffers>()) {}
 Workspace::~Workspace() = default;
@@ -30,37 +25,15 @@ Status Workspace::device_status() { return buffers_ ? detail::device_status(buff
 
 std::size_t Workspace::capacity() const {
   if (!buffers_) return 0;
-  return buffers_->send.capacity() + buffers_->recv.capacity() + buffers_->merged.capacity();
+  return buffers_->send.capacity() + buffers_->recv.capacity() + buffers_->merged.capacity() +
+         buffers_->head.capacity() * sizeof(float);
 }
-
-struct WorkspaceAccess {
-  static Workspace::Buffers* buffers(Workspace& w) { return w.buffers_.get(); }
-};
 
 namespace {
 
 using detail::LossInputs;
 using detail::RowMatrix;
 using detail::TokenVector;
-
-// The number of tokens a rank announces even when its own arguments are bad, so that the
-// payload sizes still agree and the other ranks learn its error: the targets' element
-// count when the targets view itself is valid and the count is plausible (so the buffer
-// for it stays proportional to what the caller holds), else 0 (then the sizes disagree and
-// every rank gets that error instead).
-constexpr int64_t kMaxAnnouncedTokens = int64_t{1} << 26;
-
-int64_t announced_tokens(const TensorView& targets) {
-  if (targets.ndim < 0 || targets.ndim > TensorView::kMaxDims) return 0;
-  int64_t n = 1;
-  for (int d = 0; d < targets.ndim; ++d) {
-    if (targets.shape[d] < 0 || __builtin_mul_overflow(n, targets.shape[d], &n)) return 0;
-  }
-  TokenVector valid;
-  if (!detail::as_token_vector(targets, "targets", n, &valid).ok()) return 0;
-  if (targets.dtype != kInt32 && targets.dtype != kInt64) return 0;
-  return n <= kMaxAnnouncedTokens ? n : 0;
-}
 
 // The forward's outputs: float32, one per token (the loss: one element for a reduction),
 // overlapping neither each other nor the inputs.
@@ -184,7 +157,7 @@ Status forward(Communicator& comm, const TensorView& logits, const TensorView& t
   detail::LossOutputs out;
   Status local = detail::check_loss_inputs(logits, targets, extras.weights, shard, options, &in);
   if (local.ok()) local = check_outputs(in, logits.device, options, loss, lse, extras, &out);
-  int64_t n = local.ok() ? in.logits.rows : announced_tokens(targets);
+  int64_t n = local.ok() ? in.logits.rows : detail::announced_tokens(targets);
   const bool with_extras = extras.target_is_argmax != nullptr || extras.entropy != nullptr;
   const int64_t width = with_extras ? kStatsWidthWithExtras : kStatsWidth;
 
@@ -195,47 +168,24 @@ Status forward(Communicator& comm, const TensorView& logits, const TensorView& t
 
   Workspace own;
   Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
-  std::size_t payload = detail::payload_bytes(n, width);
-  try {
-    buffers->send.resize(payload);
-    buffers->recv.resize(payload * static_cast<std::size_t>(ranks));
-    buffers->merged.resize(static_cast<std::size_t>(n * width) * sizeof(float));
-  } catch (const std::exception&) {
-    // Still join the collective, with the header alone, so that no rank waits for this one.
-    if (local.ok()) {
-      local = {Code::kSystemError, "forward: could not allocate " +
-                                       std::to_string(payload * static_cast<std::size_t>(ranks + 1)) +
-                                       " bytes of workspace"};
-    }
-    n = 0;
-    payload = detail::payload_bytes(0, width);
-    try {
-      buffers->send.resize(payload);
-      buffers->recv.resize(payload * static_cast<std::size_t>(ranks));
-    } catch (const std::exception&) {
-      return local;  // not even the headers fit: the other ranks will time out
-    }
-  }
-
-  const detail::RankHeader header =
-      detail::make_header(rank, ranks, n, width, shard, logits.dtype, options, extras.weights != nullptr,
-                          in.inputs_hash, local);
-  std::memcpy(buffers->send.data(), &header, sizeof(header));
+  detail::ExchangeCall call;
+  call.tokens = n;
+  call.width = width;
+  call.shard = shard;
+  call.dtype = logits.dtype;
+  call.options = options;
+  call.has_weights = extras.weights != nullptr;
+  call.inputs_hash = in.inputs_hash;
   const detail::LossParams params = detail::loss_params(options, shard.vocab_size);
-  if (local.ok()) {
-    const RowMatrix stats{reinterpret_cast<char*>(buffers->send.data() + sizeof(header)), kFloat32, n, width, width};
-    detail::local_stats_kernel(in.logits, in.targets, shard.vocab_begin, params, options.num_threads, stats);
-  }
-
-  Status gathered = comm.all_gather(buffers->send.data(), buffers->recv.data(), payload);
-  if (!gathered.ok()) return local.ok() ? gathered : local;
-  const auto* recv = reinterpret_cast<const char*>(buffers->recv.data());
-  if (Status group = detail::check_group(recv, payload, ranks, rank); !group.ok()) return group;
-
-  const RowMatrix merged{reinterpret_cast<char*>(buffers->merged.data()), kFloat32, n, width, width};
-  detail::merge_stats_kernel(reinterpret_cast<const float*>(recv + sizeof(header)),
-                             static_cast<int64_t>(payload / sizeof(float)), ranks, width, options.num_threads,
-                             merged);
+  RowMatrix merged;
+  Status group = detail::exchange_stats(
+      comm, *buffers, call, local,
+      [&](const RowMatrix& stats) {
+        detail::local_stats_kernel(in.logits, in.targets, shard.vocab_begin, params, options.num_threads, stats);
+        return Status{};
+      },
+      &merged);
+  if (!group.ok()) return group;
   detail::loss_kernel(merged, in.targets, in.weights, params, options.num_threads, out);
   return {};
 }

@@ -149,6 +149,12 @@ Status check_group(const char* gathered, std::size_t stride, int ranks, int self
       return disagree("the vocabulary size", 0, std::to_string(first.vocab_size), r,
                       std::to_string(h.vocab_size));
     }
+    if (h.hidden_size != first.hidden_size) {
+      auto text = [](int64_t hidden) {
+        return hidden == 0 ? std::string("none (a forward of logits)") : std::to_string(hidden);
+      };
+      return disagree("the hidden size of the fused head", 0, text(first.hidden_size), r, text(h.hidden_size));
+    }
     if (h.logits_dtype != first.logits_dtype) {
       return disagree("the logits' dtype", 0, dtype_text(first.logits_dtype), r,
                       dtype_text(h.logits_dtype));

@@ -1,6 +1,6 @@
 // protocol.h: what each rank sends in the forward's one all-gather.
 //
-// Rank r sends a fixed 256-byte RankHeader followed by its [N, 4] TokenStats. The header
+// Rank r sends a fixed 384-byte RankHeader followed by its [N, 4] TokenStats. The header
 // carries the rank's view of the call (tokens, V, its vocabulary range, dtype, options, a
 // hash of the targets) and, if its own arguments were bad, its error message. After the
 // gather every rank runs the same check_group() on the same bytes, so either all ranks
@@ -18,7 +18,7 @@ namespace vpce::detail {
 
 struct RankHeader {
   static constexpr uint32_t kMagic = 0x45435056;  // "VPCE"
-  static constexpr uint32_t kVersion = 2;
+  static constexpr uint32_t kVersion = 3;
 
   uint32_t magic = kMagic;
   uint32_t version = kVersion;
@@ -42,16 +42,19 @@ struct RankHeader {
   int32_t smoothing_semantics = 0;
   int32_t reduction = 0;
   uint8_t has_weights = 0;
-  char message[143] = {};  // this rank's error, truncated, NUL-terminated
+  char padding[7] = {};
+  int64_t hidden_size = 0;  // H of the fused head (vpce/head.h); 0 for a forward of logits
+  char message[255] = {};  // this rank's error, truncated, NUL-terminated
 };
-static_assert(sizeof(RankHeader) == 256);
+static_assert(sizeof(RankHeader) == 384);
 
 // Bytes one rank sends for n tokens of `width` floats each.
 inline std::size_t payload_bytes(int64_t n, int64_t width) {
   return sizeof(RankHeader) + static_cast<std::size_t>(n * width) * sizeof(float);
 }
 
-// Fills a header for this rank; `local` is the rank's own argument check.
+// Fills a header for this rank; `local` is the rank's own argument check. The fused head
+// sets hidden_size afterwards (logits_dtype then holds the dtype of its operands).
 RankHeader make_header(int rank, int num_ranks, int64_t num_tokens, int64_t stats_width,
                        const VocabShard& shard, DataType logits_dtype, const LossOptions& options,
                        bool has_weights, uint64_t inputs_hash, const Status& local);

@@ -180,9 +180,8 @@ RunResult run_ranks(Problem& problem, const std::vector<VocabShard>& shards, con
   return result;
 }
 
-reference::Result oracle(const Problem& problem, const RunOptions& options) {
+reference::Options reference_options(const LossOptions& l) {
   reference::Options o;
-  const LossOptions& l = options.loss;
   o.label_smoothing = l.label_smoothing;
   o.pytorch_smoothing = l.smoothing_semantics == SmoothingSemantics::kPyTorch;
   o.ignore_index = l.ignore_index;
@@ -193,6 +192,12 @@ reference::Result oracle(const Problem& problem, const RunOptions& options) {
   o.reduction = l.reduction == Reduction::kNone  ? reference::Reduction::kNone
                 : l.reduction == Reduction::kSum ? reference::Reduction::kSum
                                                  : reference::Reduction::kMean;
+  return o;
+}
+
+reference::Result oracle(const Problem& problem, const RunOptions& options) {
+  const LossOptions& l = options.loss;
+  const reference::Options o = reference_options(l);
   const std::vector<double> grad_loss = l.reduction == Reduction::kNone
                                             ? widen(problem.grad_loss)
                                             : std::vector<double>{static_cast<double>(options.grad_scalar)};

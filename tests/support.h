@@ -77,6 +77,9 @@ std::vector<std::byte> grad_buffer(const Problem& problem, const RunOptions& opt
 std::vector<double> gathered_grad(const Problem& problem, const RunOptions& options,
                                   const std::vector<std::byte>& grad);
 
+// The oracle's options for vpce's.
+reference::Options reference_options(const LossOptions& options);
+
 // The oracle on the same problem and options, as the test runner uses them.
 reference::Result oracle(const Problem& problem, const RunOptions& options);
 

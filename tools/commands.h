@@ -61,9 +61,16 @@ struct PerfConfig {
   int check = 1;                    // -c
   int threads = 0;                  // --threads per rank (0: cores / R)
   float label_smoothing = 0.0f;
+  // --head: the fused head (vpce/head.h) instead of the loss of logits.
+  bool head = false;
+  std::vector<int64_t> hidden = {1024};  // -H
+  std::string head_mode = "both";        // --mode: recompute, chunked or both
+  int64_t token_block = 0, vocab_block = 0, chunk_tokens = 0;  // HeadOptions (0: defaults)
 };
 
 // Prints the nccl-tests-style table; fails if any checked element is wrong.
 Status perf_command(const PerfConfig& config);
+// `vpce perf --head`: the fused head's table (tools/perf_head_command.cc).
+Status perf_head_command(const PerfConfig& config);
 
 }  // namespace vpce::tools

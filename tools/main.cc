@@ -110,6 +110,19 @@ int main(int argc, char** argv) {
   perf_cmd->add_option("--threads", perf.threads, "threads per rank (default: cores / R; at most 4 x cores)")
       ->check(integer_in(0, kIntMax));
   perf_cmd->add_option("--label-smoothing", perf.label_smoothing, "Megatron label smoothing (default 0)");
+  perf_cmd->add_flag("--head", perf.head,
+                     "the fused head (linear + cross-entropy): time vs the unfused step's three GEMMs, peak memory");
+  perf_cmd->add_option("-H,--hidden", perf.hidden, "--head: hidden sizes H, comma-separated (default 1024)")
+      ->delimiter(',')
+      ->check(integer_in(1, int64_t{1} << 16));
+  perf_cmd->add_option("--mode", perf.head_mode, "--head: recompute, chunked or both (default both)")
+      ->check(CLI::IsMember({"recompute", "chunked", "both"}));
+  perf_cmd->add_option("--token-block", perf.token_block, "--head: tokens per tile (default 0: the library's)")
+      ->check(integer_in(0, 16384));
+  perf_cmd->add_option("--vocab-block", perf.vocab_block, "--head: vocabulary rows per tile (default 0: the library's)")
+      ->check(integer_in(0, 16384));
+  perf_cmd->add_option("--chunk-tokens", perf.chunk_tokens, "--head: chunked mode's tokens per chunk (default 0: the library's)")
+      ->check(integer_in(0, int64_t{1} << 30));
 
   try {
     app.parse(argc, argv);
@@ -135,7 +148,7 @@ int main(int argc, char** argv) {
     } else if (run_cmd->parsed()) {
       status = vpce::tools::run_command(run);
     } else if (perf_cmd->parsed()) {
-      status = vpce::tools::perf_command(perf);
+      status = perf.head ? vpce::tools::perf_head_command(perf) : vpce::tools::perf_command(perf);
     } else {
       status = vpce::tools::gen_command(gen);
     }

@@ -24,16 +24,6 @@ StorageType storage_of(DataType dtype) {
   return dtype == kFloat32 ? StorageType::kFloat32 : dtype == kBFloat16 ? StorageType::kBFloat16 : StorageType::kFloat16;
 }
 
-TransformParams transform_of(const LossParams& p) {
-  TransformParams t;
-  t.scale = p.logit_scale;
-  if (p.softcap > 0.0f) {
-    t.cap = p.softcap;
-    t.inverse_cap = 1.0f / p.softcap;
-  }
-  return t;
-}
-
 int resolved_threads(int num_threads) {
 #if defined(_OPENMP)
   return num_threads > 0 ? num_threads : omp_get_max_threads();
@@ -81,13 +71,42 @@ int64_t target_at(const TokenVector& targets, int64_t i) {
   return targets.dtype == kInt64 ? targets.at<int64_t>(i) : targets.at<int32_t>(i);
 }
 
+TransformParams logit_transform(const LossParams& p) {
+  TransformParams t;
+  t.scale = p.logit_scale;
+  if (p.softcap > 0.0f) {
+    t.cap = p.softcap;
+    t.inverse_cap = 1.0f / p.softcap;
+  }
+  return t;
+}
+
+TokenVector token_slice(const TokenVector& v, int64_t begin, int64_t count) {
+  TokenVector out = v;
+  out.n = count;
+  if (v.base != nullptr) out.base = v.base + begin * v.stride * v.dtype.bytes();
+  return out;
+}
+
+void write_token_stats(const BlockStats& row, float target_logit, int64_t vocab_begin, const LossParams& params,
+                       bool with_extras, float* out) {
+  out[0] = row.max;
+  out[1] = static_cast<float>(row.sum_exp);
+  out[2] = target_logit;
+  out[3] = params.with_sum_logits() ? static_cast<float>(row.sum_logits) : 0.0f;
+  if (with_extras) {
+    out[4] = int_as_float_bits(row.argmax < 0 ? int32_t{-1} : static_cast<int32_t>(row.argmax + vocab_begin));
+    out[5] = static_cast<float>(row.weighted);
+  }
+}
+
 void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets, int64_t vocab_begin,
                         const LossParams& params, int num_threads, const RowMatrix& stats) {
   const int64_t valid = valid_columns(vocab_begin, logits.cols, params);
   const int64_t blocks = block_count(valid);
   const bool with_extras = stats.cols == kStatsWidthWithExtras;
   const StorageType type = storage_of(logits.dtype);
-  const TransformParams transform = transform_of(params);
+  const TransformParams transform = logit_transform(params);
   const int element = logits.dtype.bytes();
   auto block = [&](int64_t i, int64_t b) {
     const int64_t begin = b * kBlockColumns;
@@ -98,15 +117,8 @@ void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets, int
   auto finish = [&](int64_t i, const BlockStats& row) {
     const int64_t target_col = target_at(targets, i) - vocab_begin;
     const bool owns_target = target_col >= 0 && target_col < valid;
-    float* out = stats.row<float>(i);
-    out[0] = row.max;
-    out[1] = static_cast<float>(row.sum_exp);
-    out[2] = owns_target ? transform_one(load_float(logits, i, target_col), transform) : kNegInf;
-    out[3] = params.with_sum_logits() ? static_cast<float>(row.sum_logits) : 0.0f;
-    if (with_extras) {
-      out[4] = int_as_float_bits(row.argmax < 0 ? int32_t{-1} : static_cast<int32_t>(row.argmax + vocab_begin));
-      out[5] = static_cast<float>(row.weighted);
-    }
+    const float target_logit = owns_target ? transform_one(load_float(logits, i, target_col), transform) : kNegInf;
+    write_token_stats(row, target_logit, vocab_begin, params, with_extras, stats.row<float>(i));
   };
   if (split_blocks(logits.rows, blocks, resolved_threads(num_threads))) {
     BlockStats parts[kMaxSplitItems];
@@ -167,29 +179,41 @@ double counted_weight(const TokenVector& targets, const TokenVector& weights,
   return total;
 }
 
+Upstream upstream_of(const TokenVector& grad_loss, const TokenVector& targets, const TokenVector& weights,
+                     const LossParams& params) {
+  Upstream up;
+  if (params.reduction == Reduction::kNone) {
+    up.per_token = grad_loss;
+    return up;
+  }
+  up.shared = static_cast<double>(grad_loss.at<float>(0));
+  if (params.reduction == Reduction::kMean) {
+    const double denominator = counted_weight(targets, weights, params);
+    up.shared = denominator != 0.0 ? up.shared / denominator : 0.0;
+  }
+  return up;
+}
+
 void gradient_kernel(const RowMatrix& logits, const TokenVector& targets,
                      const TokenVector& weights, const TokenVector& lse,
                      const TokenVector& grad_loss, int64_t vocab_begin,
                      const LossParams& params, int num_threads, const RowMatrix& grad) {
+  gradient_rows_kernel(logits, targets, weights, lse, upstream_of(grad_loss, targets, weights, params), vocab_begin,
+                       params, num_threads, grad);
+}
+
+void gradient_rows_kernel(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights,
+                          const TokenVector& lse, const Upstream& upstream, int64_t vocab_begin,
+                          const LossParams& params, int num_threads, const RowMatrix& grad) {
   const int64_t valid = valid_columns(vocab_begin, logits.cols, params);
-  // The upstream gradient of each token: per token for kNone; the scalar, divided by the
-  // counted weight for kMean, otherwise.
-  double shared_upstream = 0.0;
-  if (params.reduction != Reduction::kNone) {
-    shared_upstream = static_cast<double>(grad_loss.at<float>(0));
-    if (params.reduction == Reduction::kMean) {
-      const double denominator = counted_weight(targets, weights, params);
-      shared_upstream = denominator != 0.0 ? shared_upstream / denominator : 0.0;
-    }
-  }
   const float target_term = target_weight(params);
   const int64_t blocks = block_count(valid);
   const StorageType in = storage_of(logits.dtype), out = storage_of(grad.dtype);
-  const TransformParams transform = transform_of(params);
+  const TransformParams transform = logit_transform(params);
   const int in_bytes = logits.dtype.bytes(), out_bytes = grad.dtype.bytes();
   auto constants = [&](int64_t i) {
-    const double upstream = params.reduction == Reduction::kNone ? static_cast<double>(grad_loss.at<float>(i)) : shared_upstream;
-    return gradient_constants(target_at(targets, i), upstream, weight_at(weights, i), lse.at<float>(i), params);
+    const double g = present(upstream.per_token) ? static_cast<double>(upstream.per_token.at<float>(i)) : upstream.shared;
+    return gradient_constants(target_at(targets, i), g, weight_at(weights, i), lse.at<float>(i), params);
   };
   // The target's gradient, from its logit read before the row is overwritten (in place).
   auto target_gradient = [&](float x, const GradientConstants& c) {

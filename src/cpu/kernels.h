@@ -9,12 +9,25 @@
 
 #include "../common/token_math.h"
 #include "../validate.h"
+#include "simd_rows.h"
 
 namespace vpce::detail {
 
 // Absent optional token vectors have base == nullptr.
 inline bool present(const TokenVector& v) { return v.base != nullptr; }
 int64_t target_at(const TokenVector& targets, int64_t i);
+
+// The logit transform of the options (scale, soft-cap), as the kernels apply it.
+TransformParams logit_transform(const LossParams& p);
+
+// Elements [begin, begin + count) of v (absent stays absent).
+TokenVector token_slice(const TokenVector& v, int64_t begin, int64_t count);
+
+// One token's stats row out[W] from its columns' statistics folded in column order (`row`,
+// argmax counted from the shard's first column) and its transformed target logit (-inf
+// when the shard does not hold the target).
+void write_token_stats(const BlockStats& row, float target_logit, int64_t vocab_begin, const LossParams& params,
+                       bool with_extras, float* out);
 
 // logits [N, Vr] (fp32/bf16/fp16), targets [N] -> stats [N, W] float32 (W = 4, or 6 with
 // the extras), over the global columns [vocab_begin, vocab_begin + Vr).
@@ -41,6 +54,21 @@ void loss_kernel(const RowMatrix& stats, const TokenVector& targets, const Token
 // weights), summed in token order in fp64.
 double counted_weight(const TokenVector& targets, const TokenVector& weights,
                       const LossParams& params);
+
+// The upstream gradient of each token's loss: per token (grad_loss for kNone), or one value
+// shared by all (grad_loss, divided by the mean's denominator for kMean).
+struct Upstream {
+  TokenVector per_token;  // absent for a shared value
+  double shared = 0.0;
+};
+Upstream upstream_of(const TokenVector& grad_loss, const TokenVector& targets, const TokenVector& weights,
+                     const LossParams& params);
+
+// gradient_kernel with the upstream gradient given: for rows that are a part of the batch
+// (the fused head's tiles), whose mean's denominator counts every token.
+void gradient_rows_kernel(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights,
+                          const TokenVector& lse, const Upstream& upstream, int64_t vocab_begin,
+                          const LossParams& params, int num_threads, const RowMatrix& grad);
 
 // logits [N, Vr], targets [N], weights [N] or absent, lse [N], grad_loss ([N] for kNone,
 // [1] otherwise) -> grad [N, Vr] (fp32/bf16/fp16), which may be the logits themselves.

@@ -15,7 +15,7 @@ kept between them, not a softmax of the logits' size. Label smoothing is exact a
 parity with a past run.
 
 The all-gather carries one block per rank of a size the group agrees on (4096 bytes at
-first): a 24-byte block header, then vpce's payload (a 256-byte header and 16 bytes per
+first): a 24-byte block header, then vpce's payload (a 384-byte header and 16 bytes per
 token). A payload that outgrows the blocks costs one more gather, once, and every rank
 grows them alike, since every rank sees every size. So ranks that disagree on the number of
 tokens all get vpce's "ranks disagree" error, and a rank that fails before the gather (a
@@ -42,7 +42,8 @@ each: _torch_groups (what tp_group means), _torch_collective (the all-gather's b
 the agreement on errors), _torch_arguments (checks and layouts), _torch_legacy (Megatron's
 legacy label smoothing), _torch_function (the autograd.Function path), _torch_ops (the
 custom ops), _torch_compile (torch.compile and torch.library), _torch_helpers (the static
-helpers).
+helpers), _torch_head (the fused head, linear_cross_entropy: its autograd.Function, its
+collectives and its custom ops).
 """
 from __future__ import annotations
 
@@ -59,12 +60,13 @@ from ._torch_function import _VocabParallelCrossEntropy, _VpceCrossEntropy
 # calls get_tensor_model_parallel_group through this module).
 from ._torch_groups import (get_tensor_model_parallel_group, get_tensor_model_parallel_rank,
                             get_tensor_model_parallel_world_size)
+from ._torch_head import linear_cross_entropy
 from ._torch_helpers import VocabParallelCrossEntropy
 from ._torch_ops import _encode_options, _fits_op, _group_key
 
 __all__ = ["VocabParallelCrossEntropy", "_VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
            "unfused_cross_entropy", "fused_vocab_parallel_cross_entropy", "get_tensor_model_parallel_group",
-           "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size"]
+           "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size", "linear_cross_entropy"]
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None, *,

@@ -1,0 +1,137 @@
+// vpce/head.h: the fused output layer: linear + vocab-parallel cross-entropy without the
+// logits.
+//
+// Rank r holds the rows [vocab_begin, vocab_end) of the output weight, W_r [V_r, H] (as
+// Megatron's ColumnParallelLinear output layer), an optional bias b_r [V_r], and the hidden
+// states h [N, H] of the same N tokens on every rank. Its logits would be
+//
+//   x = h W_r^T + b_r                                  [N, V_r]
+//
+// and the loss is vpce's loss of x (vpce/loss.h: every LossOptions option, the same
+// formulas, the same one all-gather, the same agreement checks). The logits are never
+// built: they exist one [token_block, vocab_block] fp32 tile at a time, produced by a BLAS
+// GEMM (fp32 accumulation, also for bf16 and fp16 inputs) and consumed by vpce's kernels
+// while the tile is in cache. Extra memory is O(N) plus the tiles (see HeadOptions).
+//
+// Two modes:
+//  - recompute (the default): linear_cross_entropy_forward keeps each tile's statistics and
+//    lets the tile go (one all-gather per call); linear_cross_entropy_backward recomputes
+//    the tiles to produce the gradients (no collective). Four GEMMs in all.
+//  - chunked: when the upstream gradient of a reduced (sum or mean) loss is known at forward
+//    time, linear_cross_entropy_forward_backward finishes the gradients inside the forward,
+//    chunk of tokens by chunk (three GEMMs; one all-gather per chunk).
+//
+// Gradients. grad_hidden is this rank's part, sum_v dx_iv W_r[v]: the group's sum of the
+// parts is the gradient of h (Megatron all-reduces it in the backward, or reduce-scatters
+// it with sequence parallelism); all_reduce_hidden_gradient does that sum through a
+// Communicator, in rank order, bit-identical on every rank. grad_weight [V_r, H] and
+// grad_bias [V_r] are this rank's own and complete. Each is either written over (fp32 or
+// the input's dtype) or added into an fp32 buffer (accumulate, as Megatron's gradient-
+// accumulation fusion adds into main_grad).
+//
+// Determinism: the tiles are cut at fixed offsets, each tile's GEMMs run on one thread and
+// every sum across tiles runs in a fixed order, so results are bit-identical run to run
+// and for any num_threads.
+//
+// Staged, for frameworks with their own collective: linear_cross_entropy_local_stats gives
+// this rank's [N, 4] (or [N, 6]) statistics; gather them, then merge_stats and
+// calculate_loss (vpce/loss.h) as for logits, then linear_cross_entropy_backward.
+//
+// Every function validates all of its arguments first and returns kInvalidArgument naming
+// the argument, the expected and the actual value; on any error no output is written.
+#pragma once
+
+#include <cstdint>
+
+#include "vpce/communicator.h"
+#include "vpce/loss.h"
+#include "vpce/status.h"
+#include "vpce/tensor.h"
+
+namespace vpce {
+
+// The output layer's operands on this rank. hidden [..., H] (the leading dimensions are
+// the N tokens, collapsing to one row stride >= H), weight [V_r, H] (rows strided, H
+// contiguous) and bias [V_r] (any stride), all of one dtype: float32, bfloat16 or float16.
+struct HeadInputs {
+  TensorView hidden;
+  TensorView weight;
+  const TensorView* bias = nullptr;
+};
+
+// One gradient output: null for not wanted; written over (float32 or the input's dtype),
+// or, with accumulate, added into (float32 only).
+struct GradientOutput {
+  const TensorView* tensor = nullptr;
+  bool accumulate = false;
+};
+
+// The backward's outputs, each of its input's shape. Any may be left out.
+struct HeadGradients {
+  GradientOutput hidden;  // [..., H] like hidden: this rank's part (see the top)
+  GradientOutput weight;  // [V_r, H]
+  GradientOutput bias;    // [V_r]; only with a bias
+};
+
+// Tile and chunk sizes; 0 picks the default. Results depend on them (a different tile cut
+// is a different order of fp32 sums), never on the thread count.
+struct HeadOptions {
+  // Tokens per tile (default 256) and vocabulary rows per tile (default 512, at most V_r);
+  // the backward also holds an fp32 [N, vocab_block] buffer of logit gradients.
+  int64_t token_block = 0;
+  int64_t vocab_block = 0;
+  // Chunked mode: tokens per chunk (default: the largest multiple of token_block whose
+  // [chunk, V_r] fp32 logits fit in 64 MiB, at least one block).
+  int64_t chunk_tokens = 0;
+};
+
+// ---- recompute mode ---------------------------------------------------------------------
+
+// Forward: the loss of x = h W_r^T + b_r, exactly as vpce::forward of those logits (one
+// all_gather through `comm`, the group's agreement checked, the same outputs: loss, lse to
+// keep for the backward, the extras). Every rank also checks that the group agrees on H and
+// the dtype. `workspace` may be null.
+Status linear_cross_entropy_forward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets,
+                                    const VocabShard& shard, const LossOptions& options,
+                                    const HeadOptions& head, const TensorView& loss, const TensorView& lse,
+                                    const ForwardExtras& extras = {}, Workspace* workspace = nullptr);
+
+// Backward: no collective. Recomputes the logit tiles from the same inputs, takes the lse
+// of the forward, the upstream gradient grad_loss (float32: one per token for kNone, one
+// element otherwise) and the weights given to the forward, if any, and writes or adds the
+// gradients asked for. The outputs must not overlap each other or the inputs.
+Status linear_cross_entropy_backward(const HeadInputs& inputs, const TensorView& targets, const TensorView& lse,
+                                     const TensorView& grad_loss, const VocabShard& shard,
+                                     const LossOptions& options, const HeadOptions& head,
+                                     const HeadGradients& gradients, const TensorView* weights = nullptr,
+                                     Workspace* workspace = nullptr);
+
+// ---- chunked mode -----------------------------------------------------------------------
+
+// Forward and backward at once, for a reduced loss (options.reduction kSum or kMean) whose
+// upstream gradient `grad_loss` (a float) is known now (1 for loss.backward()). The loss,
+// lse and extras are the forward's, bit for bit; the gradients are the backward's with
+// that upstream gradient (their fp32 sums run in another order, so not bit for bit).
+// Collective: one all_gather per chunk of head.chunk_tokens tokens; `collectives`, when
+// not null, gets their number.
+Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets,
+                                             const VocabShard& shard, const LossOptions& options,
+                                             const HeadOptions& head, float grad_loss, const TensorView& loss,
+                                             const TensorView& lse, const HeadGradients& gradients,
+                                             const ForwardExtras& extras = {}, Workspace* workspace = nullptr,
+                                             int64_t* collectives = nullptr);
+
+// ---- staged, and the hidden gradient's reduction ---------------------------------------
+
+// This rank's statistics of its logits x, float32 [N, 4] ([N, 6] with the extras), as
+// calculate_local_stats (vpce/loss.h) would give for x. No communication.
+Status linear_cross_entropy_local_stats(const HeadInputs& inputs, const TensorView& targets,
+                                        const VocabShard& shard, const LossOptions& options,
+                                        const HeadOptions& head, const TensorView& stats);
+
+// Collective: grad_hidden (float32 [..., H], this rank's part) <- the sum of every rank's
+// part, added in rank order in fp32 so that every rank gets the same bits. Runs through
+// comm.all_gather in pieces of at most 64 MiB per rank; the ranks must agree on the shape.
+Status all_reduce_hidden_gradient(Communicator& comm, const TensorView& grad_hidden);
+
+}  // namespace vpce

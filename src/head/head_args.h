@@ -1,0 +1,69 @@
+// head/head_args.h: the fused head's validated operands, as plain matrices and vectors for
+// the tile sweeps (tiles.h), and the checks that produce them.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "../validate.h"
+#include "vpce/head.h"
+
+namespace vpce::detail {
+
+// Tile sizes resolved from HeadOptions for V_r vocabulary rows.
+struct HeadTiles {
+  int64_t token_block = 0;   // Nb
+  int64_t vocab_block = 0;   // Vb
+  int64_t chunk_tokens = 0;  // chunked mode, a multiple of Nb
+};
+
+struct HeadArgs {
+  RowMatrix hidden;     // [N, H]
+  RowMatrix weight;     // [V_r, H], the same dtype
+  TokenVector bias;     // [V_r] or absent
+  TokenVector targets;  // [N]
+  TokenVector weights;  // [N] token weights, or absent
+  uint64_t inputs_hash = 0;
+  HeadTiles tiles;
+  int64_t tokens() const { return hidden.rows; }
+  int64_t hidden_size() const { return hidden.cols; }
+  int64_t vocab_rows() const { return weight.rows; }
+};
+
+// One gradient output: matrix (or vector, as a one-column matrix) absent when base is null.
+struct GradientArgs {
+  RowMatrix matrix;
+  bool accumulate = false;
+  bool present() const { return matrix.base != nullptr; }
+};
+
+struct HeadGradientArgs {
+  GradientArgs hidden;  // [N, H]
+  GradientArgs weight;  // [V_r, H]
+  GradientArgs bias;    // [V_r, 1], rows bias stride apart
+};
+
+// hidden, weight and bias (CPU), the targets and token weights (values checked, hashed),
+// the shard, the options and the tile sizes.
+Status check_head_inputs(const HeadInputs& inputs, const TensorView& targets, const TensorView* weights,
+                         const VocabShard& shard, const LossOptions& options, const HeadOptions& head,
+                         HeadArgs* out);
+
+// A named byte range [begin, end) of an argument, for the overlap checks.
+struct NamedRegion {
+  const char* name;
+  const char* begin;
+  const char* end;
+};
+// The regions of hidden, weight, bias, targets and token weights.
+std::vector<NamedRegion> input_regions(const HeadArgs& args);
+
+// The gradients asked for: each of its input's shape, float32 or the input's dtype when
+// written over, float32 when added into; overlapping neither each other nor `inputs`.
+Status check_head_gradients(const HeadGradients& gradients, const HeadArgs& args,
+                            const std::vector<NamedRegion>& inputs, HeadGradientArgs* out);
+
+// `outputs` overlap neither each other nor `inputs` (kInvalidArgument naming both).
+Status check_no_overlap(const std::vector<NamedRegion>& outputs, const std::vector<NamedRegion>& inputs);
+
+}  // namespace vpce::detail

@@ -1,0 +1,347 @@
+// head/tiles.cc: the fused head's CPU sweeps (see tiles.h).
+#include "tiles.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "../cpu/dtype.h"
+#include "../cpu/parallel.h"
+#include "../cpu/simd_rows.h"
+#include "gemm.h"
+
+namespace vpce::detail {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Rows of grad_weight per GEMM of its sweep: a fixed cut, so each row's sum over the tokens
+// is one GEMM of a fixed shape whatever the thread count.
+constexpr int64_t kWeightPieceRows = 64;
+
+int thread_count(int num_threads) {
+#if defined(_OPENMP)
+  return num_threads > 0 ? num_threads : omp_get_max_threads();
+#else
+  (void)num_threads;
+  return 1;
+#endif
+}
+
+int thread_index() {
+#if defined(_OPENMP)
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+int64_t blocks_of(int64_t n, int64_t block) { return (n + block - 1) / block; }
+
+// m [rows, cols] of any dtype -> out [rows, cols] fp32, row stride cols.
+void widen_rows(const RowMatrix& m, int64_t begin, int64_t rows, float* out, int num_threads) {
+  const int bytes = m.dtype.bytes();
+  parallel_rows(rows, num_threads, [&](int64_t r) {
+    const char* src = m.base + (begin + r) * m.row_stride * bytes;
+    float* dst = out + r * m.cols;
+    for (int64_t c = 0; c < m.cols; ++c) dst[c] = widen(src + c * bytes, m.dtype);
+  });
+}
+
+// tile [rows, cols] (row stride ld) += bias[cols] on every row.
+void add_bias(float* tile, int64_t ld, int64_t rows, int64_t cols, const float* bias) {
+  if (bias == nullptr) return;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = tile + r * ld;
+    for (int64_t c = 0; c < cols; ++c) row[c] += bias[c];
+  }
+}
+
+// value (fp32) -> element (r, c) of m, written over or added to (accumulate: m is fp32).
+void store(const RowMatrix& m, bool accumulate, int64_t r, int64_t c, float value) {
+  char* p = m.base + (r * m.row_stride + c) * m.dtype.bytes();
+  if (accumulate) {
+    *reinterpret_cast<float*>(p) += value;
+  } else {
+    narrow(value, p, m.dtype);
+  }
+}
+
+}  // namespace
+
+Fp32Operands::Fp32Operands(const HeadArgs& args, bool full_weight, int num_threads)
+    : args_(args), num_threads_(num_threads) {
+  const int64_t n = args.tokens(), h = args.hidden_size(), v = args.vocab_rows();
+  if (args.hidden.dtype == kFloat32) {
+    hidden_ = args.hidden.row<float>(0);
+    hidden_ld_ = args.hidden.row_stride;
+  } else {
+    hidden_copy_.resize(static_cast<std::size_t>(n * h));
+    widen_rows(args.hidden, 0, n, hidden_copy_.data(), num_threads);
+    hidden_ = hidden_copy_.data();
+    hidden_ld_ = h;
+  }
+  if (full_weight && args.weight.dtype != kFloat32) {
+    weight_copy_.resize(static_cast<std::size_t>(v * h));
+    widen_rows(args.weight, 0, v, weight_copy_.data(), num_threads);
+  }
+  if (args.bias.base != nullptr) {
+    bias_.resize(static_cast<std::size_t>(v));
+    for (int64_t c = 0; c < v; ++c) {
+      bias_[static_cast<std::size_t>(c)] = widen(args.bias.base + c * args.bias.stride * args.bias.dtype.bytes(),
+                                                 args.bias.dtype);
+    }
+  }
+}
+
+const float* Fp32Operands::weight_rows(int64_t begin, int64_t count, std::vector<float>& staging, int64_t* ld) const {
+  if (args_.weight.dtype == kFloat32) {
+    *ld = args_.weight.row_stride;
+    return args_.weight.row<float>(begin);
+  }
+  *ld = args_.hidden_size();
+  if (!weight_copy_.empty()) return weight_copy_.data() + begin * args_.hidden_size();
+  staging.resize(static_cast<std::size_t>(count * args_.hidden_size()));
+  widen_rows(args_.weight, begin, count, staging.data(), num_threads_);
+  return staging.data();
+}
+
+void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, int64_t row_begin,
+                 int64_t rows, float* keep, const RowMatrix& stats) {
+  const int64_t h = args.hidden_size(), vr = args.vocab_rows();
+  const int64_t nb = args.tiles.token_block, vb = args.tiles.vocab_block;
+  const int64_t token_blocks = blocks_of(rows, nb);
+  const bool with_extras = stats.cols == kStatsWidthWithExtras;
+  const bool with_sum_logits = ctx.params.with_sum_logits();
+  const TransformParams transform = logit_transform(ctx.params);
+  const int threads = std::max(1, std::min<int>(thread_count(ctx.num_threads), static_cast<int>(token_blocks)));
+  std::vector<BlockStats> folded(static_cast<std::size_t>(rows));
+  std::vector<float> target_logit(static_cast<std::size_t>(rows), kNegInf);
+  std::vector<float> tiles(keep != nullptr ? 0 : static_cast<std::size_t>(threads * nb * vb));
+  std::vector<float> staging;
+  for (int64_t v0 = 0; v0 < vr; v0 += vb) {
+    const int64_t cols = valid_columns(ctx.vocab_begin + v0, std::min(vb, vr - v0), ctx.params);
+    if (cols == 0) continue;  // padding: no part in the loss
+    int64_t ldw = 0;
+    const float* w = ops.weight_rows(v0, cols, staging, &ldw);
+    parallel_rows(token_blocks, threads, [&](int64_t i) {
+      const int64_t r0 = i * nb, n = std::min(nb, rows - r0);
+      float* tile = keep != nullptr ? keep + r0 * vr + v0 : tiles.data() + thread_index() * nb * vb;
+      const int64_t ld = keep != nullptr ? vr : vb;
+      gemm(false, true, n, cols, h, ops.hidden_row(row_begin + r0), ops.hidden_ld(), w, ldw, 0.0f, tile, ld);
+      add_bias(tile, ld, n, cols, ops.bias() != nullptr ? ops.bias() + v0 : nullptr);
+      for (int64_t r = 0; r < n; ++r) {
+        const float* row = tile + r * ld;
+        const int64_t token = r0 + r;
+        fold_block(folded[static_cast<std::size_t>(token)],
+                   block_stats(row, StorageType::kFloat32, cols, transform, with_sum_logits, with_extras), v0);
+        const int64_t target_col = target_at(args.targets, row_begin + token) - ctx.vocab_begin - v0;
+        if (target_col >= 0 && target_col < cols) {
+          target_logit[static_cast<std::size_t>(token)] = transform_one(row[target_col], transform);
+        }
+      }
+    });
+  }
+  parallel_rows(rows, ctx.num_threads, [&](int64_t r) {
+    write_token_stats(folded[static_cast<std::size_t>(r)], target_logit[static_cast<std::size_t>(r)],
+                      ctx.vocab_begin, ctx.params, with_extras, stats.row<float>(r));
+  });
+}
+
+namespace {
+
+// grad_weight rows [0, count) and grad_bias from the logit gradients dx ([tokens, >= count]
+// fp32, row stride lddx) of `tokens` token rows
+// whose hidden states start at `hidden` (row stride ldh): out = dx^T h, in pieces of
+// kWeightPieceRows spread over the threads. `beta` 0 writes grad_weight's rows, 1 adds to
+// them; `bias_adds` likewise for the bias sums.
+struct WeightTarget {
+  float* data;     // fp32 rows [V_r, H] to write or add into; null when grad_weight is not wanted
+  int64_t ld;
+  double* bias;    // fp64 [V_r] to write or add into; null when grad_bias is not wanted
+};
+
+void weight_gradient(const float* dx, int64_t lddx, int64_t tokens, const float* hidden, int64_t ldh, int64_t h,
+                     int64_t count, float beta, bool bias_adds, const WeightTarget& target,
+                     int num_threads) {
+  const int64_t pieces = blocks_of(count, kWeightPieceRows);
+  parallel_rows(pieces, num_threads, [&](int64_t p) {
+    const int64_t c0 = p * kWeightPieceRows, n = std::min(kWeightPieceRows, count - c0);
+    if (target.data != nullptr) {
+      gemm(true, false, n, h, tokens, dx + c0, lddx, hidden, ldh, beta, target.data + c0 * target.ld,
+           target.ld);
+    }
+    if (target.bias != nullptr) {
+      double sums[kWeightPieceRows] = {};
+      for (int64_t t = 0; t < tokens; ++t) {
+        const float* row = dx + t * lddx + c0;
+        for (int64_t c = 0; c < n; ++c) sums[c] += static_cast<double>(row[c]);
+      }
+      double* out = target.bias + c0;
+      for (int64_t c = 0; c < n; ++c) out[c] = bias_adds ? out[c] + sums[c] : sums[c];
+    }
+  });
+}
+
+// rows [row0, row0 + rows) of a [*, H] gradient: from fp32 `sums` (row stride ld) into m.
+void store_rows(const RowMatrix& m, bool accumulate, int64_t row0, int64_t rows, const float* sums, int64_t ld,
+                int num_threads) {
+  parallel_rows(rows, num_threads, [&](int64_t r) {
+    for (int64_t c = 0; c < m.cols; ++c) store(m, accumulate, row0 + r, c, sums[r * ld + c]);
+  });
+}
+
+// Rows [row0, row0 + rows) of m set to zero (written over; nothing to do when accumulating).
+void zero_rows(const GradientArgs& g, int64_t row0, int64_t rows, int num_threads) {
+  if (!g.present() || g.accumulate) return;
+  parallel_rows(rows, num_threads, [&](int64_t r) {
+    for (int64_t c = 0; c < g.matrix.cols; ++c) store(g.matrix, false, row0 + r, c, 0.0f);
+  });
+}
+
+}  // namespace
+
+void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, const TokenVector& lse,
+                     const Upstream& upstream, const HeadGradientArgs& grads) {
+  const int64_t n = args.tokens(), h = args.hidden_size(), vr = args.vocab_rows();
+  const int64_t nb = args.tiles.token_block, vb = args.tiles.vocab_block;
+  const int64_t token_blocks = blocks_of(n, nb);
+  const int threads = thread_count(ctx.num_threads);
+  // grad_hidden accumulates over the vocabulary blocks in fp32: in grad_hidden itself when it
+  // is fp32, else in a buffer written out at the end.
+  const bool hidden_direct = grads.hidden.present() && grads.hidden.matrix.dtype == kFloat32;
+  std::vector<float> hidden_sum(grads.hidden.present() && !hidden_direct ? static_cast<std::size_t>(n * h) : 0);
+  float* dh = hidden_direct ? grads.hidden.matrix.row<float>(0) : hidden_sum.data();
+  const int64_t lddh = hidden_direct ? grads.hidden.matrix.row_stride : h;
+  bool dh_started = grads.hidden.accumulate && hidden_direct;
+  // grad_weight and grad_bias rows are each written once (their sum runs over all N in one
+  // GEMM): straight into grad_weight when fp32, else through a [Vb, H] buffer.
+  const bool weight_direct = grads.weight.present() && grads.weight.matrix.dtype == kFloat32;
+  std::vector<float> weight_block(grads.weight.present() && !weight_direct ? static_cast<std::size_t>(vb * h) : 0);
+  std::vector<double> bias_block(grads.bias.present() ? static_cast<std::size_t>(vb) : 0);
+  std::vector<float> dx(static_cast<std::size_t>(n * vb));
+  std::vector<float> staging;
+  const TokenVector& targets = args.targets;
+  for (int64_t v0 = 0; v0 < vr; v0 += vb) {
+    const int64_t width = std::min(vb, vr - v0);
+    const int64_t cols = valid_columns(ctx.vocab_begin + v0, width, ctx.params);
+    if (cols == 0) {  // padding rows of the weight: a zero gradient
+      zero_rows(grads.weight, v0, width, threads);
+      zero_rows(grads.bias, v0, width, threads);
+      continue;
+    }
+    int64_t ldw = 0;
+    const float* w = ops.weight_rows(v0, cols, staging, &ldw);
+    const float beta_h = dh_started ? 1.0f : 0.0f;
+    parallel_rows(token_blocks, threads, [&](int64_t i) {
+      const int64_t r0 = i * nb, rows = std::min(nb, n - r0);
+      float* tile = dx.data() + r0 * vb;
+      gemm(false, true, rows, cols, h, ops.hidden_row(r0), ops.hidden_ld(), w, ldw, 0.0f, tile, vb);
+      add_bias(tile, vb, rows, cols, ops.bias() != nullptr ? ops.bias() + v0 : nullptr);
+      const RowMatrix x{reinterpret_cast<char*>(tile), kFloat32, rows, width, vb};
+      Upstream up = upstream;
+      up.per_token = token_slice(upstream.per_token, r0, rows);
+      gradient_rows_kernel(x, token_slice(targets, r0, rows), token_slice(args.weights, r0, rows),
+                           token_slice(lse, r0, rows), up, ctx.vocab_begin + v0, ctx.params, 1, x);
+      if (grads.hidden.present()) {
+        gemm(false, false, rows, h, cols, tile, vb, w, ldw, beta_h, dh + r0 * lddh, lddh);
+      }
+    });
+    dh_started = true;
+    if (grads.weight.present() || grads.bias.present()) {
+      const WeightTarget target{
+          !grads.weight.present() ? nullptr : weight_direct ? grads.weight.matrix.row<float>(v0) : weight_block.data(),
+          weight_direct ? grads.weight.matrix.row_stride : h, grads.bias.present() ? bias_block.data() : nullptr};
+      const float beta_w = weight_direct && grads.weight.accumulate ? 1.0f : 0.0f;
+      weight_gradient(dx.data(), vb, n, ops.hidden_row(0), ops.hidden_ld(), h, cols, beta_w, false, target,
+                      threads);
+      if (grads.weight.present() && !weight_direct) {
+        store_rows(grads.weight.matrix, grads.weight.accumulate, v0, cols, weight_block.data(), h, threads);
+      }
+      zero_rows(grads.weight, v0 + cols, width - cols, threads);
+      if (grads.bias.present()) {
+        for (int64_t c = 0; c < cols; ++c) {
+          store(grads.bias.matrix, grads.bias.accumulate, v0 + c, 0, static_cast<float>(bias_block[c]));
+        }
+        zero_rows(grads.bias, v0 + cols, width - cols, threads);
+      }
+    }
+  }
+  if (grads.hidden.present()) {
+    if (!dh_started) {  // no vocabulary rows: dx is empty, the gradient zero
+      zero_rows(grads.hidden, 0, n, threads);
+    } else if (!hidden_direct) {
+      store_rows(grads.hidden.matrix, grads.hidden.accumulate, 0, n, hidden_sum.data(), h, threads);
+    }
+  }
+}
+
+void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, int64_t row_begin,
+                     int64_t rows, float* logits, const TokenVector& lse, const Upstream& upstream,
+                     const HeadGradientArgs& grads, bool first_chunk, ChunkedSums& sums) {
+  const int64_t h = args.hidden_size(), vr = args.vocab_rows();
+  const int64_t nb = args.tiles.token_block;
+  const int64_t token_blocks = blocks_of(rows, nb);
+  const int threads = thread_count(ctx.num_threads);
+  const int64_t cols = valid_columns(ctx.vocab_begin, vr, ctx.params);
+  std::vector<float> unused;
+  int64_t ldw = 0;
+  const float* w = cols > 0 ? ops.weight_rows(0, cols, unused, &ldw) : nullptr;
+  const bool hidden_direct = grads.hidden.present() && grads.hidden.matrix.dtype == kFloat32;
+  std::vector<float> hidden_rows(grads.hidden.present() && !hidden_direct
+                                     ? static_cast<std::size_t>(std::min<int>(threads, token_blocks) * nb * h)
+                                     : 0);
+  parallel_rows(token_blocks, std::min<int64_t>(threads, token_blocks), [&](int64_t i) {
+    const int64_t r0 = i * nb, n = std::min(nb, rows - r0);
+    const int64_t token = row_begin + r0;
+    float* x = logits + r0 * vr;
+    const RowMatrix m{reinterpret_cast<char*>(x), kFloat32, n, vr, vr};
+    Upstream up = upstream;
+    up.per_token = token_slice(upstream.per_token, token, n);
+    gradient_rows_kernel(m, token_slice(args.targets, token, n), token_slice(args.weights, token, n),
+                         token_slice(lse, token, n), up, ctx.vocab_begin, ctx.params, 1, m);
+    if (!grads.hidden.present()) return;
+    if (cols == 0) {
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t c = 0; c < h; ++c) store(grads.hidden.matrix, grads.hidden.accumulate, token + r, c, 0.0f);
+      }
+      return;
+    }
+    if (hidden_direct) {
+      gemm(false, false, n, h, cols, x, vr, w, ldw, grads.hidden.accumulate ? 1.0f : 0.0f,
+           grads.hidden.matrix.row<float>(token), grads.hidden.matrix.row_stride);
+    } else {
+      float* out = hidden_rows.data() + thread_index() * nb * h;
+      gemm(false, false, n, h, cols, x, vr, w, ldw, 0.0f, out, h);
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t c = 0; c < h; ++c) store(grads.hidden.matrix, grads.hidden.accumulate, token + r, c, out[r * h + c]);
+      }
+    }
+  });
+  if (!grads.weight.present() && !grads.bias.present()) return;
+  const WeightTarget target{
+      !grads.weight.present() ? nullptr : sums.weight_direct ? grads.weight.matrix.row<float>(0) : sums.weight.data(),
+      sums.weight_direct ? grads.weight.matrix.row_stride : h, grads.bias.present() ? sums.bias.data() : nullptr};
+  // The first chunk writes the sums (over grad_weight itself, unless accumulating into it).
+  const float beta_w = first_chunk && !(sums.weight_direct && grads.weight.accumulate) ? 0.0f : 1.0f;
+  weight_gradient(logits, vr, rows, ops.hidden_row(row_begin), ops.hidden_ld(), h, cols, beta_w, !first_chunk,
+                  target, threads);
+}
+
+void finish_chunked_gradients(const HeadArgs& args, const SweepContext& ctx, const HeadGradientArgs& grads,
+                              ChunkedSums& sums) {
+  const int64_t h = args.hidden_size(), vr = args.vocab_rows();
+  const int threads = thread_count(ctx.num_threads);
+  const int64_t cols = valid_columns(ctx.vocab_begin, vr, ctx.params);
+  if (grads.weight.present() && !sums.weight_direct) {
+    store_rows(grads.weight.matrix, grads.weight.accumulate, 0, cols, sums.weight.data(), h, threads);
+  }
+  zero_rows(grads.weight, cols, vr - cols, threads);
+  if (grads.bias.present()) {
+    for (int64_t c = 0; c < cols; ++c) {
+      store(grads.bias.matrix, grads.bias.accumulate, c, 0, static_cast<float>(sums.bias[static_cast<std::size_t>(c)]));
+    }
+    zero_rows(grads.bias, cols, vr - cols, threads);
+  }
+}
+
+}  // namespace vpce::detail

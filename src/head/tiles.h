@@ -1,0 +1,77 @@
+// head/tiles.h: the fused head's CPU sweeps over logit tiles, on validated arguments.
+//
+// A tile is x[i-block, j-block] = h_i W_j^T + b_j, [Nb, Vb] fp32, from one single-threaded
+// GEMM (gemm.h). The vocabulary blocks j run in order; within a j the token blocks i are
+// spread over the threads (each block on one thread), so every token's statistics fold
+// the tiles in column order, every GEMM has a shape fixed by the tile sizes, and the
+// results are the same for any thread count.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "../cpu/kernels.h"
+#include "head_args.h"
+
+namespace vpce::detail {
+
+// What a sweep needs besides the operands.
+struct SweepContext {
+  int64_t vocab_begin = 0;  // the shard's first global column
+  LossParams params;
+  int num_threads = 0;
+};
+
+// The operands as fp32 rows: the inputs themselves when fp32, else converted copies
+// (hidden entirely; the weight entirely only when `full_weight`, else one block at a time
+// inside the sweeps). Holds the copies.
+class Fp32Operands {
+ public:
+  Fp32Operands(const HeadArgs& args, bool full_weight, int num_threads);
+  const float* hidden_row(int64_t r) const { return hidden_ + r * hidden_ld_; }
+  int64_t hidden_ld() const { return hidden_ld_; }
+  // Weight rows [begin, begin + count) in fp32 (converted into `staging`, [count, H], when
+  // the weight is not fp32 and not held entirely), and their row stride.
+  const float* weight_rows(int64_t begin, int64_t count, std::vector<float>& staging, int64_t* ld) const;
+  const float* bias() const { return bias_.empty() ? nullptr : bias_.data(); }
+
+ private:
+  const HeadArgs& args_;
+  int num_threads_;
+  std::vector<float> hidden_copy_, weight_copy_, bias_;
+  const float* hidden_ = nullptr;
+  int64_t hidden_ld_ = 0;
+};
+
+// Token rows [row_begin, row_begin + rows) -> their [rows, W] statistics (as
+// local_stats_kernel of their logits). With `keep` ([rows, V_r] fp32, row stride V_r), the
+// logits are left there (chunked mode; padding columns are not written); else each tile
+// lives in a per-thread buffer and is dropped.
+void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, int64_t row_begin,
+                 int64_t rows, float* keep, const RowMatrix& stats);
+
+// Recompute mode's backward over every token: the tiles recomputed, turned into their
+// logit gradients in an [N, Vb] buffer, then grad_hidden += dx W_j per token block and
+// grad_weight_j, grad_bias_j = dx^T h, column sums (over all N at once, so each is written
+// once).
+void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, const TokenVector& lse,
+                     const Upstream& upstream, const HeadGradientArgs& grads);
+
+// Chunked mode: the gradients of token rows [row_begin, row_begin + rows) whose logits are
+// in `logits` ([rows, V_r], from sweep_stats), turned into their gradients in place.
+// grad_hidden's rows are written (or added to); grad_weight and grad_bias are summed over
+// the chunks into `weight_sum` ([V_r, H] fp32 for a non-fp32 or written-over grad_weight,
+// else grad_weight itself) and `bias_sum` ([V_r] fp64), starting from zero at the first
+// chunk. finish_chunked_gradients writes them out after the last chunk.
+struct ChunkedSums {
+  std::vector<float> weight;  // [V_r, H] when grad_weight is not fp32
+  std::vector<double> bias;   // [V_r]
+  bool weight_direct = false; // sums added into grad_weight itself
+};
+void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, int64_t row_begin,
+                     int64_t rows, float* logits, const TokenVector& lse, const Upstream& upstream,
+                     const HeadGradientArgs& grads, bool first_chunk, ChunkedSums& sums);
+void finish_chunked_gradients(const HeadArgs& args, const SweepContext& ctx, const HeadGradientArgs& grads,
+                              ChunkedSums& sums);
+
+}  // namespace vpce::detail

@@ -1,0 +1,206 @@
+// head/validate_head.cc: the fused head's argument checks (see head_args.h).
+#include <string>
+
+#include "head_args.h"
+
+namespace vpce::detail {
+namespace {
+
+constexpr int64_t kDefaultTokenBlock = 256;
+constexpr int64_t kDefaultVocabBlock = 512;
+constexpr int64_t kMaxBlock = 16384;               // a tile row is one of the kernels' blocks
+constexpr int64_t kDefaultChunkBytes = int64_t{64} << 20;
+
+Status check_block(const char* name, int64_t value) {
+  if (value < 0 || value > kMaxBlock) {
+    return {Code::kInvalidArgument,
+            expected_got(name, "0 (the default) or a value in [1, " + std::to_string(kMaxBlock) + "]",
+                         std::to_string(value))};
+  }
+  return {};
+}
+
+Status resolve_tiles(const HeadOptions& head, int64_t vocab_rows, HeadTiles* out) {
+  if (Status s = check_block("head.token_block", head.token_block); !s.ok()) return s;
+  if (Status s = check_block("head.vocab_block", head.vocab_block); !s.ok()) return s;
+  if (head.chunk_tokens < 0) {
+    return {Code::kInvalidArgument,
+            expected_got("head.chunk_tokens", "0 (the default) or a positive multiple of the token block",
+                         std::to_string(head.chunk_tokens))};
+  }
+  HeadTiles t;
+  t.token_block = head.token_block > 0 ? head.token_block : kDefaultTokenBlock;
+  t.vocab_block = head.vocab_block > 0 ? head.vocab_block : kDefaultVocabBlock;
+  if (vocab_rows > 0 && t.vocab_block > vocab_rows) t.vocab_block = vocab_rows;
+  if (head.chunk_tokens > 0) {
+    if (head.chunk_tokens % t.token_block != 0) {
+      return {Code::kInvalidArgument,
+              expected_got("head.chunk_tokens",
+                           "a multiple of the token block " + std::to_string(t.token_block),
+                           std::to_string(head.chunk_tokens))};
+    }
+    t.chunk_tokens = head.chunk_tokens;
+  } else {
+    const int64_t row_bytes = (vocab_rows > 0 ? vocab_rows : 1) * static_cast<int64_t>(sizeof(float));
+    const int64_t blocks = kDefaultChunkBytes / (row_bytes * t.token_block);
+    t.chunk_tokens = (blocks > 1 ? blocks : 1) * t.token_block;
+  }
+  *out = t;
+  return {};
+}
+
+}  // namespace
+
+Status check_head_inputs(const HeadInputs& inputs, const TensorView& targets, const TensorView* weights,
+                         const VocabShard& shard, const LossOptions& options, const HeadOptions& head,
+                         HeadArgs* out) {
+  HeadArgs a;
+  const TensorView& hidden = inputs.hidden;
+  const TensorView& weight = inputs.weight;
+  if (Status s = device_supported(hidden.device, "hidden"); !s.ok()) return s;
+  if (Status s = check_dtype("hidden", hidden.dtype, {kFloat32, kBFloat16, kFloat16}, "float32, bfloat16 or float16");
+      !s.ok()) {
+    return s;
+  }
+  if (Status s = as_row_matrix(hidden, "hidden", &a.hidden); !s.ok()) return s;
+  if (Status s = check_device(weight, "weight", hidden.device); !s.ok()) return s;
+  if (weight.dtype != hidden.dtype) {
+    return {Code::kInvalidArgument, expected_got("weight.dtype", to_string(hidden.dtype) + " (hidden's dtype)",
+                                                 to_string(weight.dtype))};
+  }
+  if (weight.ndim != 2) {
+    return {Code::kInvalidArgument,
+            expected_got("weight.ndim", "2 ([vocab_end - vocab_begin, H])", std::to_string(weight.ndim))};
+  }
+  if (Status s = as_row_matrix(weight, "weight", &a.weight); !s.ok()) return s;
+  if (a.weight.cols != a.hidden.cols) {
+    return {Code::kInvalidArgument, expected_got("weight.shape[1]", std::to_string(a.hidden.cols) + " (hidden's H)",
+                                                 std::to_string(a.weight.cols))};
+  }
+  if (Status s = check_shard(shard, shard.vocab_end - shard.vocab_begin, "weight"); !s.ok()) return s;
+  if (a.weight.rows != shard.vocab_end - shard.vocab_begin) {
+    return {Code::kInvalidArgument,
+            expected_got("weight.shape[0]",
+                         std::to_string(shard.vocab_end - shard.vocab_begin) + " (shard.vocab_end - shard.vocab_begin)",
+                         std::to_string(a.weight.rows))};
+  }
+  if (inputs.bias != nullptr) {
+    const TensorView& bias = *inputs.bias;
+    if (Status s = check_device(bias, "bias", hidden.device); !s.ok()) return s;
+    if (bias.dtype != hidden.dtype) {
+      return {Code::kInvalidArgument,
+              expected_got("bias.dtype", to_string(hidden.dtype) + " (hidden's dtype)", to_string(bias.dtype))};
+    }
+    if (Status s = as_token_vector(bias, "bias", a.weight.rows, &a.bias); !s.ok()) return s;
+  }
+  if (Status s = check_options(options, shard.vocab_size); !s.ok()) return s;
+  if (Status s = resolve_tiles(head, a.weight.rows, &a.tiles); !s.ok()) return s;
+  if (Status s = check_dtype("targets", targets.dtype, {kInt32, kInt64}, "int32 or int64"); !s.ok()) return s;
+  if (Status s = as_token_vector(targets, "targets", a.hidden.rows, &a.targets); !s.ok()) return s;
+  if (Status s = check_device(targets, "targets", hidden.device); !s.ok()) return s;
+  if (weights != nullptr) {
+    if (Status s = check_device(*weights, "weights", hidden.device); !s.ok()) return s;
+  }
+  a.inputs_hash = 0xcbf29ce484222325ULL;  // FNV-1a offset basis, as check_loss_inputs
+  if (hidden.device.type != DeviceType::kCPU) {
+    if (Status s = as_weights(weights, a.hidden.rows, &a.weights); !s.ok()) return s;
+    *out = a;
+    return {};
+  }
+  const int64_t valid = options.valid_vocab_size > 0 ? options.valid_vocab_size : shard.vocab_size;
+  if (Status s = check_targets(a.targets, valid, options.ignore_index, &a.inputs_hash); !s.ok()) return s;
+  if (Status s = check_weights(weights, a.hidden.rows, &a.weights, &a.inputs_hash); !s.ok()) return s;
+  *out = a;
+  return {};
+}
+
+std::vector<NamedRegion> input_regions(const HeadArgs& args) {
+  std::vector<NamedRegion> r = {{"hidden", args.hidden.begin_byte(), args.hidden.end_byte()},
+                                {"weight", args.weight.begin_byte(), args.weight.end_byte()},
+                                {"targets", args.targets.base, args.targets.end_byte()}};
+  if (args.bias.base != nullptr) r.push_back({"bias", args.bias.base, args.bias.end_byte()});
+  if (args.weights.base != nullptr) r.push_back({"weights", args.weights.base, args.weights.end_byte()});
+  return r;
+}
+
+Status check_no_overlap(const std::vector<NamedRegion>& outputs, const std::vector<NamedRegion>& inputs) {
+  auto clash = [](const NamedRegion& a, const NamedRegion& b) -> Status {
+    if (a.begin == nullptr || b.begin == nullptr || !overlaps(a.begin, a.end, b.begin, b.end)) return {};
+    return {Code::kInvalidArgument,
+            expected_got(a.name, std::string("memory that does not overlap ") + b.name, "an overlapping buffer")};
+  };
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    for (std::size_t j = i + 1; j < outputs.size(); ++j) {
+      if (Status s = clash(outputs[i], outputs[j]); !s.ok()) return s;
+    }
+    for (const NamedRegion& in : inputs) {
+      if (Status s = clash(outputs[i], in); !s.ok()) return s;
+    }
+  }
+  return {};
+}
+
+Status check_head_gradients(const HeadGradients& gradients, const HeadArgs& args,
+                            const std::vector<NamedRegion>& inputs, HeadGradientArgs* out) {
+  HeadGradientArgs g;
+  const DataType dtype = args.hidden.dtype;
+  auto check_dtype_of = [&](const char* name, const GradientOutput& o) -> Status {
+    if (Status s = check_device(*o.tensor, name, Device{}); !s.ok()) return s;
+    if (o.accumulate) return check_dtype(name, o.tensor->dtype, {kFloat32}, "float32 (accumulate adds into fp32)");
+    if (o.tensor->dtype == kFloat32 || o.tensor->dtype == dtype) return {};
+    return {Code::kInvalidArgument,
+            expected_got((std::string(name) + ".dtype").c_str(), "float32 or " + to_string(dtype) + " (the input's)",
+                         to_string(o.tensor->dtype))};
+  };
+  if (gradients.hidden.tensor != nullptr) {
+    const TensorView& t = *gradients.hidden.tensor;
+    if (Status s = check_dtype_of("grad_hidden", gradients.hidden); !s.ok()) return s;
+    if (Status s = as_row_matrix(t, "grad_hidden", &g.hidden.matrix); !s.ok()) return s;
+    if (g.hidden.matrix.rows != args.hidden.rows || g.hidden.matrix.cols != args.hidden.cols) {
+      return {Code::kInvalidArgument,
+              expected_got("grad_hidden.shape",
+                           std::to_string(args.hidden.rows) + " x " + std::to_string(args.hidden.cols) + " (hidden's)",
+                           std::to_string(g.hidden.matrix.rows) + " x " + std::to_string(g.hidden.matrix.cols))};
+    }
+    g.hidden.accumulate = gradients.hidden.accumulate;
+  }
+  if (gradients.weight.tensor != nullptr) {
+    const TensorView& t = *gradients.weight.tensor;
+    if (Status s = check_dtype_of("grad_weight", gradients.weight); !s.ok()) return s;
+    if (t.ndim != 2) {
+      return {Code::kInvalidArgument, expected_got("grad_weight.ndim", "2 (weight's)", std::to_string(t.ndim))};
+    }
+    if (Status s = as_row_matrix(t, "grad_weight", &g.weight.matrix); !s.ok()) return s;
+    if (g.weight.matrix.rows != args.weight.rows || g.weight.matrix.cols != args.weight.cols) {
+      return {Code::kInvalidArgument,
+              expected_got("grad_weight.shape",
+                           std::to_string(args.weight.rows) + " x " + std::to_string(args.weight.cols) + " (weight's)",
+                           std::to_string(g.weight.matrix.rows) + " x " + std::to_string(g.weight.matrix.cols))};
+    }
+    g.weight.accumulate = gradients.weight.accumulate;
+  }
+  if (gradients.bias.tensor != nullptr) {
+    if (args.bias.base == nullptr) {
+      return {Code::kInvalidArgument, expected_got("grad_bias", "null (there is no bias)", "a tensor")};
+    }
+    if (Status s = check_dtype_of("grad_bias", gradients.bias); !s.ok()) return s;
+    TokenVector v;
+    if (Status s = as_token_vector(*gradients.bias.tensor, "grad_bias", args.weight.rows, &v); !s.ok()) return s;
+    if (v.n > 1 && v.stride < 1) {
+      return {Code::kInvalidArgument,
+              expected_got("grad_bias.strides", "a positive stride (each element its own memory)",
+                           std::to_string(v.stride))};
+    }
+    g.bias.matrix = RowMatrix{v.base, v.dtype, v.n, 1, v.stride};
+    g.bias.accumulate = gradients.bias.accumulate;
+  }
+  std::vector<NamedRegion> outputs = {
+      {"grad_hidden", g.hidden.matrix.begin_byte(), g.hidden.matrix.end_byte()},
+      {"grad_weight", g.weight.matrix.begin_byte(), g.weight.matrix.end_byte()},
+      {"grad_bias", g.bias.matrix.begin_byte(), g.bias.matrix.end_byte()}};
+  if (Status s = check_no_overlap(outputs, inputs); !s.ok()) return s;
+  *out = g;
+  return {};
+}
+
+}  // namespace vpce::detail

@@ -1,0 +1,58 @@
+// tests/head/head_support.h: the fused head's test problems and their fp64 oracle.
+//
+// A problem is hidden [N, H] (strided rows, misaligned start), the full output weight
+// [V, H] (strided rows) whose row ranges the ranks take, a bias [V], targets, weights and
+// per-token upstream gradients, stored in one dtype. The oracle takes the product
+// h W^T + b in fp64 from the stored values, then the loss oracle (reference.h), then
+// dh = dx W, dW = dx^T h, db = column sums of dx, in fp64.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "reference/reference.h"
+#include "support.h"
+#include "vpce/head.h"
+#include "vpce/vpce.h"
+
+namespace vpce::test {
+
+struct HeadProblem {
+  int64_t tokens = 0, hidden = 0, vocab = 0;
+  DataType dtype = kFloat32;
+  int64_t ld_hidden = 0, ld_weight = 0;
+  std::vector<std::byte> hidden_storage, weight_storage, bias_storage;
+  std::vector<int64_t> targets;
+  std::vector<float> weights;    // empty: none
+  std::vector<float> grad_loss;  // [N]
+  bool with_bias = true;
+
+  // One element past a 64-byte boundary (as allocated): no row is cache-line aligned.
+  std::byte* hidden_base() { return hidden_storage.data() + dtype.bytes(); }
+  std::byte* weight_base() { return weight_storage.data(); }
+  double hidden_at(int64_t i, int64_t k) const;
+  double weight_at(int64_t v, int64_t k) const;
+  double bias_at(int64_t v) const;
+  void set_hidden(int64_t i, int64_t k, float value);
+  void set_bias(int64_t v, float value);
+  TensorView hidden_view();
+  // Rows [begin, end) of the weight, and of the bias.
+  TensorView weight_view(int64_t begin, int64_t end);
+  TensorView bias_view(int64_t begin, int64_t end);
+};
+
+// Normal(0, 1 / sqrt(H)) weights and Normal(0, std) hidden states, so the logits have a
+// standard deviation of about `std`; targets uniform with every 7th token ignore_index.
+HeadProblem random_head_problem(int64_t tokens, int64_t hidden, int64_t vocab, DataType dtype, uint64_t seed,
+                                float std = 3.0f, bool with_bias = true);
+
+struct HeadOracle {
+  reference::Result loss;       // loss, lse, grad [N, V] of the logits
+  std::vector<double> logits;   // [N, V]
+  std::vector<double> grad_hidden, grad_weight, grad_bias;  // [N, H], [V, H], [V]
+};
+
+// grad_scalar: the upstream gradient of a reduced loss (per-token grad_loss otherwise).
+HeadOracle head_oracle(const HeadProblem& p, const LossOptions& options, float grad_scalar);
+
+}  // namespace vpce::test

@@ -1,0 +1,464 @@
+// tests/head/head_test.cc: the fused head (vpce/head.h) against the fp64 oracle of the
+// product and the loss, on R in-process ranks with uneven vocabulary ranges, every loss
+// option, both modes, both ways of writing the gradients; determinism across thread counts
+// and runs; the collectives counted; bad arguments and disagreeing ranks refused.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cpu/dtype.h"
+#include "head_support.h"
+#include "support.h"
+
+namespace vpce::test {
+namespace {
+
+enum class Mode { kRecompute, kChunked };
+
+struct HeadRun {
+  Mode mode = Mode::kRecompute;
+  LossOptions loss;
+  HeadOptions head;
+  int ranks = 1;
+  std::vector<int64_t> sizes;  // vocabulary rows per rank; empty: even
+  bool accumulate = false;     // add into fp32 gradients prefilled with `prefill`
+  float prefill = 0.0f;
+  float grad_scalar = 1.0f;
+  bool reduce_hidden = false;  // all_reduce_hidden_gradient instead of summing in the test
+  bool want_bias = true;
+  DataType grad_dtype = kFloat32;  // written-over gradients
+};
+
+struct HeadResult {
+  std::vector<Status> status;
+  std::vector<float> loss, lse;          // rank 0's
+  std::vector<std::vector<float>> loss_of_rank;
+  std::vector<double> grad_hidden;       // the sum of the ranks' parts (or the reduced one)
+  std::vector<double> grad_weight, grad_bias;
+  std::vector<std::vector<float>> hidden_parts;  // per rank, as written (fp32 widened)
+  int64_t collectives = -1;
+};
+
+double read(const std::vector<std::byte>& buffer, int64_t i, DataType dtype) {
+  return detail::widen(buffer.data() + i * dtype.bytes(), dtype);
+}
+
+HeadResult run_head(HeadProblem& p, const HeadRun& run) {
+  const int64_t n = p.tokens, h = p.hidden;
+  const std::vector<int64_t> sizes = run.sizes.empty() ? even_splits(p.vocab, run.ranks) : run.sizes;
+  const std::vector<VocabShard> shards = shards_from_sizes(sizes);
+  std::unique_ptr<ThreadGroup> group;
+  EXPECT_TRUE(ThreadGroup::create(run.ranks, &group).ok());
+  HeadResult out;
+  out.loss_of_rank.resize(static_cast<std::size_t>(run.ranks));
+  out.hidden_parts.resize(static_cast<std::size_t>(run.ranks));
+  out.grad_hidden.assign(static_cast<std::size_t>(n * h), 0.0);
+  out.grad_weight.assign(static_cast<std::size_t>(p.vocab * h), 0.0);
+  out.grad_bias.assign(static_cast<std::size_t>(p.vocab), 0.0);
+  std::mutex mu;
+  const DataType gd = run.accumulate ? kFloat32 : run.grad_dtype;
+  const int64_t loss_n = run.loss.reduction == Reduction::kNone ? n : 1;
+  std::vector<int64_t> targets = p.targets;
+  out.status = group->run([&](Communicator& comm) -> Status {
+    const int r = comm.rank();
+    const VocabShard& shard = shards[static_cast<std::size_t>(r)];
+    const int64_t vr = shard.vocab_end - shard.vocab_begin;
+    TensorView bias = p.bias_view(shard.vocab_begin, shard.vocab_end);
+    HeadInputs in{p.hidden_view(), p.weight_view(shard.vocab_begin, shard.vocab_end), p.with_bias ? &bias : nullptr};
+    const TensorView tv = TensorView::contiguous(targets.data(), kInt64, {n});
+    std::vector<float> loss(static_cast<std::size_t>(loss_n), NAN), lse(static_cast<std::size_t>(n), NAN);
+    const TensorView loss_v = TensorView::contiguous(loss.data(), kFloat32, {loss_n});
+    const TensorView lse_v = TensorView::contiguous(lse.data(), kFloat32, {n});
+    std::vector<std::byte> gh(static_cast<std::size_t>(n * h * gd.bytes())), gw(static_cast<std::size_t>(vr * h * gd.bytes())),
+        gb(static_cast<std::size_t>(vr * gd.bytes()));
+    for (int64_t i = 0; i < n * h; ++i) detail::narrow(run.accumulate ? run.prefill : NAN, gh.data() + i * gd.bytes(), gd);
+    for (int64_t i = 0; i < vr * h; ++i) detail::narrow(run.accumulate ? run.prefill : NAN, gw.data() + i * gd.bytes(), gd);
+    for (int64_t i = 0; i < vr; ++i) detail::narrow(run.accumulate ? run.prefill : NAN, gb.data() + i * gd.bytes(), gd);
+    const TensorView ghv = TensorView::contiguous(gh.data(), gd, {n, h});
+    const TensorView gwv = TensorView::contiguous(gw.data(), gd, {vr, h});
+    const TensorView gbv = TensorView::contiguous(gb.data(), gd, {vr});
+    HeadGradients grads{{&ghv, run.accumulate}, {&gwv, run.accumulate},
+                        {p.with_bias && run.want_bias ? &gbv : nullptr, run.accumulate}};
+    std::vector<float> weights = p.weights;
+    const TensorView wv = TensorView::contiguous(weights.data(), kFloat32, {n});
+    ForwardExtras extras;
+    if (!weights.empty()) extras.weights = &wv;
+    int64_t collectives = -1;
+    Status s;
+    if (run.mode == Mode::kRecompute) {
+      s = linear_cross_entropy_forward(comm, in, tv, shard, run.loss, run.head, loss_v, lse_v, extras);
+      if (!s.ok()) return s;
+      std::vector<float> gl = run.loss.reduction == Reduction::kNone ? p.grad_loss : std::vector<float>{run.grad_scalar};
+      const TensorView glv = TensorView::contiguous(gl.data(), kFloat32, {static_cast<int64_t>(gl.size())});
+      s = linear_cross_entropy_backward(in, tv, lse_v, glv, shard, run.loss, run.head, grads, extras.weights);
+    } else {
+      s = linear_cross_entropy_forward_backward(comm, in, tv, shard, run.loss, run.head, run.grad_scalar, loss_v,
+                                                lse_v, grads, extras, nullptr, &collectives);
+    }
+    if (!s.ok()) return s;
+    if (run.reduce_hidden) {
+      s = all_reduce_hidden_gradient(comm, ghv);
+      if (!s.ok()) return s;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    out.loss_of_rank[static_cast<std::size_t>(r)] = loss;
+    if (r == 0) {
+      out.loss = loss;
+      out.lse = lse;
+      out.collectives = collectives;
+    }
+    auto& part = out.hidden_parts[static_cast<std::size_t>(r)];
+    for (int64_t i = 0; i < n * h; ++i) {
+      part.push_back(static_cast<float>(read(gh, i, gd)));
+      if (run.reduce_hidden) {
+        if (r == 0) out.grad_hidden[static_cast<std::size_t>(i)] = read(gh, i, gd);
+      } else {
+        out.grad_hidden[static_cast<std::size_t>(i)] += read(gh, i, gd) - (run.accumulate ? run.prefill : 0.0);
+      }
+    }
+    for (int64_t i = 0; i < vr * h; ++i) out.grad_weight[static_cast<std::size_t>(shard.vocab_begin * h + i)] = read(gw, i, gd);
+    for (int64_t i = 0; i < vr; ++i) out.grad_bias[static_cast<std::size_t>(shard.vocab_begin + i)] = read(gb, i, gd);
+    return {};
+  });
+  if (run.accumulate) {
+    for (double& x : out.grad_weight) x -= run.prefill;
+    for (double& x : out.grad_bias) x -= run.prefill;
+    if (run.reduce_hidden) {
+      for (double& x : out.grad_hidden) x -= run.ranks * static_cast<double>(run.prefill);
+    }
+  }
+  return out;
+}
+
+void expect_ok(const HeadResult& r) {
+  for (std::size_t k = 0; k < r.status.size(); ++k) ASSERT_TRUE(r.status[k].ok()) << "rank " << k << ": " << r.status[k].message();
+}
+
+// Loss within 1e-6 and the gradients within 1e-5 of the oracle (relative to their largest).
+void expect_matches(const HeadProblem& p, const HeadRun& run, const HeadResult& r, double loss_tol = 1e-6,
+                    double grad_tol = 1e-5) {
+  expect_ok(r);
+  const HeadOracle o = head_oracle(p, run.loss, run.grad_scalar);
+  EXPECT_LE(relative_error(widen(r.loss), o.loss.loss), loss_tol);
+  EXPECT_LE(relative_error(widen(r.lse), o.loss.lse), loss_tol);
+  EXPECT_LE(relative_error(r.grad_hidden, o.grad_hidden), grad_tol);
+  EXPECT_LE(relative_error(r.grad_weight, o.grad_weight), grad_tol);
+  if (p.with_bias && run.want_bias) EXPECT_LE(relative_error(r.grad_bias, o.grad_bias), grad_tol);
+  for (const auto& l : r.loss_of_rank) {  // every rank the same bits
+    ASSERT_EQ(l.size(), r.loss.size());
+    EXPECT_EQ(std::memcmp(l.data(), r.loss.data(), l.size() * sizeof(float)), 0);
+  }
+}
+
+std::vector<LossOptions> every_option() {
+  std::vector<LossOptions> all;
+  LossOptions o;
+  all.push_back(o);
+  o.label_smoothing = 0.1f;
+  all.push_back(o);
+  o.smoothing_semantics = SmoothingSemantics::kPyTorch;
+  all.push_back(o);
+  o = {};
+  o.z_loss_weight = 1e-3f;
+  o.logit_scale = 0.7f;
+  all.push_back(o);
+  o = {};
+  o.softcap = 5.0f;
+  o.label_smoothing = 0.05f;
+  all.push_back(o);
+  o = {};
+  o.reduction = Reduction::kSum;
+  all.push_back(o);
+  o.reduction = Reduction::kMean;
+  o.label_smoothing = 0.2f;
+  all.push_back(o);
+  return all;
+}
+
+class HeadModes : public ::testing::TestWithParam<Mode> {};
+
+TEST_P(HeadModes, MatchesTheOracleForEveryOptionAndRankCount) {
+  const Mode mode = GetParam();
+  uint64_t seed = 1;
+  for (int ranks : {1, 2, 4}) {
+    for (LossOptions loss : every_option()) {
+      if (mode == Mode::kChunked && loss.reduction == Reduction::kNone) loss.reduction = Reduction::kMean;
+      HeadProblem p = random_head_problem(37, 24, 203, kFloat32, seed++);
+      HeadRun run;
+      run.mode = mode;
+      run.loss = loss;
+      run.ranks = ranks;
+      run.head.token_block = 8;
+      run.head.vocab_block = 16;
+      run.head.chunk_tokens = 16;
+      run.grad_scalar = 1.5f;
+      if (ranks == 4) run.sizes = {1, 100, 0, 102};  // uneven, one empty
+      SCOPED_TRACE("ranks " + std::to_string(ranks) + " smoothing " + std::to_string(loss.label_smoothing));
+      expect_matches(p, run, run_head(p, run));
+    }
+  }
+}
+
+TEST_P(HeadModes, PaddedVocabularyWeightsAndExtrasMatchTheOracle) {
+  HeadProblem p = random_head_problem(29, 16, 150, kFloat32, 77);
+  for (int64_t i = 0; i < p.tokens; ++i) {
+    p.weights.push_back(static_cast<float>(i % 4) * 0.5f);
+    if (p.targets[static_cast<std::size_t>(i)] >= 120) p.targets[static_cast<std::size_t>(i)] = 119;
+  }
+  HeadRun run;
+  run.mode = GetParam();
+  run.loss.valid_vocab_size = 120;  // rows [120, 150) are padding: zero gradient
+  run.loss.reduction = Reduction::kMean;
+  run.ranks = 2;
+  run.sizes = {64, 86};
+  run.head.token_block = 4;
+  run.head.vocab_block = 32;
+  run.head.chunk_tokens = 8;
+  const HeadResult r = run_head(p, run);
+  expect_matches(p, run, r);
+  for (int64_t v = 120; v < 150; ++v) {
+    for (int64_t k = 0; k < p.hidden; ++k) EXPECT_EQ(r.grad_weight[static_cast<std::size_t>(v * p.hidden + k)], 0.0);
+    EXPECT_EQ(r.grad_bias[static_cast<std::size_t>(v)], 0.0);
+  }
+}
+
+TEST_P(HeadModes, AccumulatesIntoFp32AndReducesTheHiddenGradient) {
+  HeadProblem p = random_head_problem(33, 20, 97, kFloat32, 5);
+  HeadRun run;
+  run.mode = GetParam();
+  run.loss.reduction = Reduction::kSum;
+  run.ranks = 2;
+  run.accumulate = true;
+  run.prefill = 0.25f;
+  run.reduce_hidden = true;
+  run.head.token_block = 16;
+  run.head.vocab_block = 8;
+  run.head.chunk_tokens = 16;
+  expect_matches(p, run, run_head(p, run));
+}
+
+TEST_P(HeadModes, LargeAndMinusInfinityLogitsStayFinite) {
+  HeadProblem p = random_head_problem(21, 12, 64, kFloat32, 9, 3000.0f);  // logits of about +-1e4
+  for (int64_t v = 10; v < 20; ++v) p.set_bias(v, -std::numeric_limits<float>::infinity());
+  for (int64_t& t : p.targets) {
+    if (t >= 10 && t < 20) t = 31;  // on the shard boundary of 2 ranks
+  }
+  HeadRun run;
+  run.mode = GetParam();
+  run.loss.reduction = Reduction::kMean;
+  run.ranks = 2;
+  run.head.token_block = 4;
+  run.head.vocab_block = 8;
+  run.head.chunk_tokens = 8;
+  const HeadResult r = run_head(p, run);
+  expect_matches(p, run, r, 1e-6, 1e-5);
+  for (double g : r.grad_hidden) ASSERT_TRUE(std::isfinite(g));
+  for (double g : r.grad_weight) ASSERT_TRUE(std::isfinite(g));
+}
+
+TEST_P(HeadModes, EveryTokenIgnoredOrNoTokensGivesZeroGradients) {
+  for (int64_t tokens : {int64_t{0}, int64_t{9}}) {
+    HeadProblem p = random_head_problem(tokens, 8, 40, kFloat32, 3);
+    for (int64_t& t : p.targets) t = -100;
+    HeadRun run;
+    run.mode = GetParam();
+    run.loss.reduction = Reduction::kMean;
+    run.ranks = 2;
+    const HeadResult r = run_head(p, run);
+    expect_ok(r);
+    EXPECT_EQ(r.loss[0], 0.0f);
+    for (double g : r.grad_hidden) EXPECT_EQ(g, 0.0);
+    for (double g : r.grad_weight) EXPECT_EQ(g, 0.0);
+  }
+}
+
+TEST_P(HeadModes, HalfPrecisionInputsAndGradientsWithinTheirRounding) {
+  for (DataType dtype : {kBFloat16, kFloat16}) {
+    HeadProblem p = random_head_problem(40, 32, 120, dtype, 11);
+    HeadRun run;
+    run.mode = GetParam();
+    run.loss.reduction = Reduction::kMean;
+    run.loss.label_smoothing = 0.1f;
+    run.ranks = 2;
+    run.head.token_block = 16;
+    run.head.vocab_block = 32;
+    run.head.chunk_tokens = 16;
+    // fp32 gradients: only the fp32 GEMMs' rounding (the oracle reads the same stored values).
+    expect_matches(p, run, run_head(p, run));
+    run.grad_dtype = dtype;  // gradients written in the input's dtype: one rounding each
+    const double tol = dtype == kBFloat16 ? 8e-3 : 1e-3;
+    expect_matches(p, run, run_head(p, run), 1e-6, tol);
+  }
+}
+
+TEST_P(HeadModes, BitIdenticalForOneAndTwoThreadsAndAcrossRuns) {
+  HeadProblem p = random_head_problem(70, 40, 300, kFloat32, 21);
+  HeadRun run;
+  run.mode = GetParam();
+  run.loss.reduction = Reduction::kMean;
+  run.loss.label_smoothing = 0.1f;
+  run.ranks = 2;
+  run.head.token_block = 16;
+  run.head.vocab_block = 64;
+  run.head.chunk_tokens = 32;
+  run.loss.num_threads = 1;
+  const HeadResult one = run_head(p, run);
+  run.loss.num_threads = 2;
+  const HeadResult two = run_head(p, run), again = run_head(p, run);
+  expect_ok(one);
+  for (const HeadResult* r : {&two, &again}) {
+    expect_ok(*r);
+    EXPECT_EQ(std::memcmp(r->loss.data(), one.loss.data(), one.loss.size() * sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(r->lse.data(), one.lse.data(), one.lse.size() * sizeof(float)), 0);
+    EXPECT_EQ(r->grad_weight, one.grad_weight);
+    EXPECT_EQ(r->grad_bias, one.grad_bias);
+    EXPECT_EQ(r->hidden_parts, one.hidden_parts);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Head, HeadModes, ::testing::Values(Mode::kRecompute, Mode::kChunked),
+                         [](const auto& info) { return info.param == Mode::kRecompute ? "Recompute" : "Chunked"; });
+
+TEST(Head, ChunkedLossIsTheForwardsBitForBitAndCountsItsGathers) {
+  HeadProblem p = random_head_problem(50, 16, 90, kFloat32, 31);
+  HeadRun run;
+  run.loss.reduction = Reduction::kSum;
+  run.ranks = 2;
+  run.head.token_block = 8;
+  run.head.vocab_block = 16;
+  run.head.chunk_tokens = 16;
+  const HeadResult recompute = run_head(p, run);
+  run.mode = Mode::kChunked;
+  const HeadResult chunked = run_head(p, run);
+  expect_ok(chunked);
+  EXPECT_EQ(chunked.collectives, 4);  // ceil(50 / 16)
+  EXPECT_EQ(std::memcmp(chunked.loss.data(), recompute.loss.data(), sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(chunked.lse.data(), recompute.lse.data(), recompute.lse.size() * sizeof(float)), 0);
+}
+
+TEST(Head, StagedStatsMatchTheLossOfTheLogits) {
+  // linear_cross_entropy_local_stats, merged and reduced with the staged API, gives the loss
+  // of the oracle's logits.
+  HeadProblem p = random_head_problem(19, 8, 50, kFloat32, 41);
+  const LossOptions options;
+  const VocabShard shard{0, 50, 50};
+  TensorView bias = p.bias_view(0, 50);
+  const HeadInputs in{p.hidden_view(), p.weight_view(0, 50), &bias};
+  const TensorView tv = TensorView::contiguous(p.targets.data(), kInt64, {p.tokens});
+  std::vector<float> stats(static_cast<std::size_t>(p.tokens * 4)), merged(stats.size());
+  std::vector<float> loss(static_cast<std::size_t>(p.tokens)), lse(loss.size());
+  ASSERT_TRUE(linear_cross_entropy_local_stats(in, tv, shard, options, {},
+                                               TensorView::contiguous(stats.data(), kFloat32, {p.tokens, 4}))
+                  .ok());
+  ASSERT_TRUE(merge_stats(TensorView::contiguous(stats.data(), kFloat32, {1, p.tokens, 4}), options,
+                          TensorView::contiguous(merged.data(), kFloat32, {p.tokens, 4}))
+                  .ok());
+  ASSERT_TRUE(calculate_loss(TensorView::contiguous(merged.data(), kFloat32, {p.tokens, 4}), tv, 50, options,
+                             TensorView::contiguous(loss.data(), kFloat32, {p.tokens}),
+                             TensorView::contiguous(lse.data(), kFloat32, {p.tokens}))
+                  .ok());
+  const HeadOracle o = head_oracle(p, options, 1.0f);
+  EXPECT_LE(relative_error(widen(loss), o.loss.loss), 1e-6);
+}
+
+// ---- bad arguments ----------------------------------------------------------------------
+
+struct Fixture {
+  HeadProblem p = random_head_problem(6, 4, 10, kFloat32, 2);
+  VocabShard shard{0, 10, 10};
+  std::vector<float> loss = std::vector<float>(6), lse = std::vector<float>(6), gl = std::vector<float>(6, 1.0f);
+  std::vector<float> gh = std::vector<float>(24), gw = std::vector<float>(40);
+  TensorView hidden = p.hidden_view(), weight = p.weight_view(0, 10);
+  TensorView targets = TensorView::contiguous(p.targets.data(), kInt64, {6});
+  TensorView loss_v = TensorView::contiguous(loss.data(), kFloat32, {6});
+  TensorView lse_v = TensorView::contiguous(lse.data(), kFloat32, {6});
+  TensorView gl_v = TensorView::contiguous(gl.data(), kFloat32, {6});
+  TensorView gh_v = TensorView::contiguous(gh.data(), kFloat32, {6, 4});
+  TensorView gw_v = TensorView::contiguous(gw.data(), kFloat32, {10, 4});
+};
+
+Status forward_on_one(Fixture& f, const HeadInputs& in, const HeadOptions& head = {}) {
+  std::unique_ptr<ThreadGroup> g;
+  EXPECT_TRUE(ThreadGroup::create(1, &g).ok());
+  return g->run([&](Communicator& comm) {
+    return linear_cross_entropy_forward(comm, in, f.targets, f.shard, {}, head, f.loss_v, f.lse_v);
+  })[0];
+}
+
+void expect_error(const Status& s, const std::string& fragment) {
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.message();
+  EXPECT_NE(s.message().find(fragment), std::string::npos) << s.message();
+}
+
+TEST(HeadErrors, NameTheArgumentTheExpectedAndTheActualValue) {
+  Fixture f;
+  const TensorView narrow_weight = TensorView::matrix(f.p.weight_base(), kFloat32, 10, 3, f.p.ld_weight);
+  expect_error(forward_on_one(f, {f.hidden, narrow_weight}), "weight.shape[1]: expected 4 (hidden's H), got 3");
+  const TensorView short_weight = f.p.weight_view(0, 9);
+  expect_error(forward_on_one(f, {f.hidden, short_weight}), "weight.shape[0]: expected 10");
+  const TensorView bf16_weight = TensorView::matrix(f.p.weight_base(), kBFloat16, 10, 4, f.p.ld_weight);
+  expect_error(forward_on_one(f, {f.hidden, bf16_weight}), "weight.dtype: expected float32 (hidden's dtype), got bfloat16");
+  HeadOptions odd;
+  odd.chunk_tokens = 100;
+  odd.token_block = 64;
+  expect_error(forward_on_one(f, {f.hidden, f.weight}, odd), "head.chunk_tokens: expected a multiple of the token block 64");
+  odd = {};
+  odd.vocab_block = -1;
+  expect_error(forward_on_one(f, {f.hidden, f.weight}, odd), "head.vocab_block");
+
+  // Gradients: accumulate needs fp32; no overlap with an input; grad_bias needs a bias.
+  std::vector<uint16_t> half(24);
+  const TensorView half_gh = TensorView::contiguous(half.data(), kBFloat16, {6, 4});
+  const HeadInputs in{f.hidden, f.weight};
+  auto backward_with = [&](const HeadGradients& g) {
+    return linear_cross_entropy_backward(in, f.targets, f.lse_v, f.gl_v, f.shard, {}, {}, g);
+  };
+  expect_error(backward_with({{&half_gh, true}}), "grad_hidden.dtype: expected float32 (accumulate adds into fp32), got bfloat16");
+  expect_error(backward_with({{&f.hidden, false}}), "grad_hidden: expected memory that does not overlap hidden");
+  expect_error(backward_with({{&f.gh_v, false}, {&f.gh_v, false}}), "grad_weight.shape");
+  expect_error(backward_with({{}, {}, {&f.gl_v, false}}), "grad_bias: expected null (there is no bias)");
+  // The chunked mode needs a reduced loss.
+  std::unique_ptr<ThreadGroup> g;
+  ASSERT_TRUE(ThreadGroup::create(1, &g).ok());
+  const Status s = g->run([&](Communicator& comm) {
+    return linear_cross_entropy_forward_backward(comm, in, f.targets, f.shard, {}, {}, 1.0f, f.loss_v, f.lse_v,
+                                                 {{&f.gh_v, false}, {&f.gw_v, false}});
+  })[0];
+  expect_error(s, "options.reduction: expected sum or mean");
+  // Nothing was written on any error.
+  for (float x : f.gh) EXPECT_EQ(x, 0.0f);
+  for (float x : f.loss) EXPECT_EQ(x, 0.0f);
+}
+
+TEST(HeadErrors, RanksThatDisagreeOnTheHiddenSizeAllFailAlike) {
+  HeadProblem p = random_head_problem(6, 8, 20, kFloat32, 4);
+  std::unique_ptr<ThreadGroup> g;
+  ASSERT_TRUE(ThreadGroup::create(2, &g).ok());
+  const std::vector<VocabShard> shards = shards_from_sizes({10, 10});
+  const std::vector<Status> st = g->run([&](Communicator& comm) {
+    const VocabShard& shard = shards[static_cast<std::size_t>(comm.rank())];
+    const int64_t h = comm.rank() == 0 ? 8 : 6;  // rank 1 uses the first 6 features only
+    const TensorView hidden = TensorView::matrix(p.hidden_base(), kFloat32, 6, h, p.ld_hidden);
+    const TensorView weight =
+        TensorView::matrix(p.weight_base() + shard.vocab_begin * p.ld_weight * 4, kFloat32, 10, h, p.ld_weight);
+    std::vector<float> loss(6), lse(6);
+    return linear_cross_entropy_forward(comm, {hidden, weight}, TensorView::contiguous(p.targets.data(), kInt64, {6}),
+                                        shard, {}, {}, TensorView::contiguous(loss.data(), kFloat32, {6}),
+                                        TensorView::contiguous(lse.data(), kFloat32, {6}));
+  });
+  for (const Status& s : st) {
+    EXPECT_EQ(s.code(), Code::kInvalidUsage);
+    EXPECT_NE(s.message().find("ranks disagree on the hidden size of the fused head: expected rank 0's 8"),
+              std::string::npos)
+        << s.message();
+  }
+}
+
+}  // namespace
+}  // namespace vpce::test
