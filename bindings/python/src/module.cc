@@ -23,6 +23,7 @@
 #include <string>
 #include <type_traits>
 
+#include "vpce/head.h"
 #include "vpce/version.h"
 #include "vpce/vpce.h"
 
@@ -282,6 +283,69 @@ class CallbackCommunicator final : public vpce::Communicator {
   nb::object all_gather_;
 };
 
+// A HeadOptions field from Python, checked as a LossOptions field is (the same messages;
+// in vpce.torch they are keyword options too).
+template <auto Member>
+void def_head_option(nb::class_<vpce::HeadOptions>& head, const char* name) {
+  using T = std::remove_reference_t<decltype(std::declval<vpce::HeadOptions&>().*Member)>;
+  head.def_prop_rw(
+      name, [](const vpce::HeadOptions& o) { return o.*Member; },
+      [name](vpce::HeadOptions& o, std::optional<nb::object> value) {
+        o.*Member = option_value<T>(value ? nb::handle(*value) : nb::none(), name);
+      });
+}
+
+// The fused head's operands, as views that HeadInputs points into (so the object must stay
+// where it is while the call runs).
+struct Head {
+  Head(nb::handle hidden, nb::handle weight, nb::handle bias)
+      : hidden_array(as_array<Array>(hidden, "hidden")),
+        weight_array(as_array<Array>(weight, "weight")),
+        bias_array(optional_array<Array>(bias, "bias")),
+        b(optional_view(bias_array, "bias")) {
+    inputs.hidden = view(hidden_array, "hidden");
+    inputs.weight = view(weight_array, "weight");
+    inputs.bias = b ? &*b : nullptr;
+  }
+  Head(const Head&) = delete;
+  Head& operator=(const Head&) = delete;
+
+  Array hidden_array, weight_array;
+  std::optional<Array> bias_array;
+  std::optional<vpce::TensorView> b;
+  vpce::HeadInputs inputs;
+};
+
+// The gradients a head backward writes or adds into (each optional), as views that
+// HeadGradients points into.
+struct Gradients {
+  Gradients(nb::handle hidden, nb::handle weight, nb::handle bias, bool accumulate_hidden, bool accumulate_weight,
+            bool accumulate_bias)
+      : hidden_array(optional_array<MutableArray>(hidden, "grad_hidden")),
+        weight_array(optional_array<MutableArray>(weight, "grad_weight")),
+        bias_array(optional_array<MutableArray>(bias, "grad_bias")),
+        h(optional_view(hidden_array, "grad_hidden")),
+        w(optional_view(weight_array, "grad_weight")),
+        b(optional_view(bias_array, "grad_bias")) {
+    views.hidden = {h ? &*h : nullptr, accumulate_hidden};
+    views.weight = {w ? &*w : nullptr, accumulate_weight};
+    views.bias = {b ? &*b : nullptr, accumulate_bias};
+  }
+  Gradients(const Gradients&) = delete;
+  Gradients& operator=(const Gradients&) = delete;
+
+  std::optional<MutableArray> hidden_array, weight_array, bias_array;
+  std::optional<vpce::TensorView> h, w, b;
+  vpce::HeadGradients views;
+};
+
+void require_all_gather(int size, const nb::object& all_gather) {
+  if (size > 1 && all_gather.is_none()) {
+    throw StatusError("invalid argument: all_gather: expected a callable for a group of " + std::to_string(size) +
+                      " ranks, got None");
+  }
+}
+
 vpce::VocabShard shard_of(int64_t vocab_begin, int64_t vocab_end, int64_t vocab_size) {
   return {vocab_begin, vocab_end, vocab_size};
 }
@@ -479,4 +543,154 @@ NB_MODULE(_vpce, m) {
       nb::arg("loss").none(), nb::arg("lse").none(), nb::arg("weights").none() = nb::none(),
       nb::arg("target_is_argmax").none() = nb::none(), nb::arg("entropy").none() = nb::none(),
       "Staged 3: merged statistics -> loss, lse and the extras.");
+
+  // ---- the fused head (vpce/head.h): linear + cross-entropy without the logits ----------
+  auto head = nb::class_<vpce::HeadOptions>(m, "HeadOptions", "Tile and chunk sizes; see include/vpce/head.h");
+  head.def(nb::init<>());
+  def_head_option<&vpce::HeadOptions::token_block>(head, "token_block");
+  def_head_option<&vpce::HeadOptions::vocab_block>(head, "vocab_block");
+  def_head_option<&vpce::HeadOptions::chunk_tokens>(head, "chunk_tokens");
+
+  m.def(
+      "linear_cross_entropy_forward",
+      [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle targets, int64_t vocab_begin,
+         int64_t vocab_end, int64_t vocab_size, const vpce::LossOptions& options, const vpce::HeadOptions& head_options,
+         nb::handle loss, nb::handle lse, nb::handle weights, nb::handle target_is_argmax, nb::handle entropy, int rank,
+         int size, nb::object all_gather) {
+        require_all_gather(size, all_gather);
+        const Head operands(hidden, weight, bias);
+        const auto targets_array = as_array<Array>(targets, "targets");
+        const auto loss_array = as_array<MutableArray>(loss, "loss");
+        const auto lse_array = as_array<MutableArray>(lse, "lse");
+        const vpce::TensorView y = view(targets_array, "targets");
+        const vpce::TensorView l = view(loss_array, "loss");
+        const vpce::TensorView e = view(lse_array, "lse");
+        const Extras extras(weights, target_is_argmax, entropy);
+        CallbackCommunicator comm(rank, size, std::move(all_gather));
+        vpce::Status status;
+        {
+          nb::gil_scoped_release release;
+          status = vpce::linear_cross_entropy_forward(comm, operands.inputs, y,
+                                                      shard_of(vocab_begin, vocab_end, vocab_size), options,
+                                                      head_options, l, e, extras.views);
+        }
+        check(status);
+      },
+      nb::arg("hidden").none(), nb::arg("weight").none(), nb::arg("bias").none(), nb::arg("targets").none(),
+      nb::arg("vocab_begin"), nb::arg("vocab_end"), nb::arg("vocab_size"), nb::arg("options"), nb::arg("head"),
+      nb::arg("loss").none(), nb::arg("lse").none(), nb::arg("weights").none() = nb::none(),
+      nb::arg("target_is_argmax").none() = nb::none(), nb::arg("entropy").none() = nb::none(), nb::arg("rank") = 0,
+      nb::arg("size") = 1, nb::arg("all_gather") = nb::none(),
+      "Fused head, recompute mode: the loss of hidden @ weight.T + bias without the logits; one "
+      "all_gather(send, recv) through the callable. bias may be None.");
+
+  m.def(
+      "linear_cross_entropy_backward",
+      [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle targets, nb::handle lse,
+         nb::handle grad_loss, int64_t vocab_begin, int64_t vocab_end, int64_t vocab_size,
+         const vpce::LossOptions& options, const vpce::HeadOptions& head_options, nb::handle grad_hidden,
+         nb::handle grad_weight, nb::handle grad_bias, bool accumulate_hidden, bool accumulate_weight,
+         bool accumulate_bias, nb::handle weights) {
+        const Head operands(hidden, weight, bias);
+        const auto targets_array = as_array<Array>(targets, "targets");
+        const auto lse_array = as_array<Array>(lse, "lse");
+        const auto grad_loss_array = as_array<Array>(grad_loss, "grad_loss");
+        const auto weights_array = optional_array<Array>(weights, "weights");
+        const vpce::TensorView y = view(targets_array, "targets");
+        const vpce::TensorView e = view(lse_array, "lse");
+        const vpce::TensorView g = view(grad_loss_array, "grad_loss");
+        const auto w = optional_view(weights_array, "weights");
+        const Gradients gradients(grad_hidden, grad_weight, grad_bias, accumulate_hidden, accumulate_weight,
+                                  accumulate_bias);
+        nb::gil_scoped_release release;
+        check(vpce::linear_cross_entropy_backward(operands.inputs, y, e, g,
+                                                  shard_of(vocab_begin, vocab_end, vocab_size), options, head_options,
+                                                  gradients.views, w ? &*w : nullptr));
+      },
+      nb::arg("hidden").none(), nb::arg("weight").none(), nb::arg("bias").none(), nb::arg("targets").none(),
+      nb::arg("lse").none(), nb::arg("grad_loss").none(), nb::arg("vocab_begin"), nb::arg("vocab_end"),
+      nb::arg("vocab_size"), nb::arg("options"), nb::arg("head"), nb::arg("grad_hidden").none() = nb::none(),
+      nb::arg("grad_weight").none() = nb::none(), nb::arg("grad_bias").none() = nb::none(),
+      nb::arg("accumulate_hidden") = false, nb::arg("accumulate_weight") = false, nb::arg("accumulate_bias") = false,
+      nb::arg("weights").none() = nb::none(),
+      "Fused head backward: no collective; recomputes the logit tiles and writes (or, with accumulate_*, adds "
+      "into float32) the gradients given; None for one not wanted. grad_hidden is this rank's part.");
+
+  m.def(
+      "linear_cross_entropy_forward_backward",
+      [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle targets, int64_t vocab_begin,
+         int64_t vocab_end, int64_t vocab_size, const vpce::LossOptions& options, const vpce::HeadOptions& head_options,
+         float grad_loss, nb::handle loss, nb::handle lse, nb::handle grad_hidden, nb::handle grad_weight,
+         nb::handle grad_bias, bool accumulate_hidden, bool accumulate_weight, bool accumulate_bias, nb::handle weights,
+         nb::handle target_is_argmax, nb::handle entropy, int rank, int size, nb::object all_gather) {
+        require_all_gather(size, all_gather);
+        const Head operands(hidden, weight, bias);
+        const auto targets_array = as_array<Array>(targets, "targets");
+        const auto loss_array = as_array<MutableArray>(loss, "loss");
+        const auto lse_array = as_array<MutableArray>(lse, "lse");
+        const vpce::TensorView y = view(targets_array, "targets");
+        const vpce::TensorView l = view(loss_array, "loss");
+        const vpce::TensorView e = view(lse_array, "lse");
+        const Gradients gradients(grad_hidden, grad_weight, grad_bias, accumulate_hidden, accumulate_weight,
+                                  accumulate_bias);
+        const Extras extras(weights, target_is_argmax, entropy);
+        CallbackCommunicator comm(rank, size, std::move(all_gather));
+        vpce::Status status;
+        int64_t collectives = 0;
+        {
+          nb::gil_scoped_release release;
+          status = vpce::linear_cross_entropy_forward_backward(
+              comm, operands.inputs, y, shard_of(vocab_begin, vocab_end, vocab_size), options, head_options,
+              grad_loss, l, e, gradients.views, extras.views, nullptr, &collectives);
+        }
+        check(status);
+        return collectives;
+      },
+      nb::arg("hidden").none(), nb::arg("weight").none(), nb::arg("bias").none(), nb::arg("targets").none(),
+      nb::arg("vocab_begin"), nb::arg("vocab_end"), nb::arg("vocab_size"), nb::arg("options"), nb::arg("head"),
+      nb::arg("grad_loss"), nb::arg("loss").none(), nb::arg("lse").none(), nb::arg("grad_hidden").none() = nb::none(),
+      nb::arg("grad_weight").none() = nb::none(), nb::arg("grad_bias").none() = nb::none(),
+      nb::arg("accumulate_hidden") = false, nb::arg("accumulate_weight") = false, nb::arg("accumulate_bias") = false,
+      nb::arg("weights").none() = nb::none(), nb::arg("target_is_argmax").none() = nb::none(),
+      nb::arg("entropy").none() = nb::none(), nb::arg("rank") = 0, nb::arg("size") = 1,
+      nb::arg("all_gather") = nb::none(),
+      "Fused head, chunked mode (reduction sum or mean): the loss and, with the upstream gradient grad_loss known "
+      "now, the gradients, chunk by chunk; one all_gather per chunk. Returns the number of all_gathers made.");
+
+  m.def(
+      "linear_cross_entropy_local_stats",
+      [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle targets, int64_t vocab_begin,
+         int64_t vocab_end, int64_t vocab_size, const vpce::LossOptions& options, const vpce::HeadOptions& head_options,
+         nb::handle stats) {
+        const Head operands(hidden, weight, bias);
+        const auto targets_array = as_array<Array>(targets, "targets");
+        const auto stats_array = as_array<MutableArray>(stats, "stats");
+        const vpce::TensorView y = view(targets_array, "targets");
+        const vpce::TensorView s = view(stats_array, "stats");
+        nb::gil_scoped_release release;
+        check(vpce::linear_cross_entropy_local_stats(operands.inputs, y, shard_of(vocab_begin, vocab_end, vocab_size),
+                                                     options, head_options, s));
+      },
+      nb::arg("hidden").none(), nb::arg("weight").none(), nb::arg("bias").none(), nb::arg("targets").none(),
+      nb::arg("vocab_begin"), nb::arg("vocab_end"), nb::arg("vocab_size"), nb::arg("options"), nb::arg("head"),
+      nb::arg("stats").none(),
+      "Fused head, staged 1: this rank's [N, 4] (or [N, 6]) float32 statistics of its logits, without them.");
+
+  m.def(
+      "all_reduce_hidden_gradient",
+      [](nb::handle grad_hidden, int rank, int size, nb::object all_gather) {
+        require_all_gather(size, all_gather);
+        const auto grad_array = as_array<MutableArray>(grad_hidden, "grad_hidden");
+        const vpce::TensorView g = view(grad_array, "grad_hidden");
+        CallbackCommunicator comm(rank, size, std::move(all_gather));
+        vpce::Status status;
+        {
+          nb::gil_scoped_release release;
+          status = vpce::all_reduce_hidden_gradient(comm, g);
+        }
+        check(status);
+      },
+      nb::arg("grad_hidden").none(), nb::arg("rank") = 0, nb::arg("size") = 1, nb::arg("all_gather") = nb::none(),
+      "grad_hidden (float32, this rank's part) <- the sum of every rank's part, in rank order (the same bits on "
+      "every rank), through all_gather(send, recv) calls of at most 64 MiB per rank.");
 }
