@@ -41,6 +41,12 @@ Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int
                       float* merged, const TokenVector& targets, const TokenVector& weights, const LossParams& params,
                       const LossOutputs& out, double* terms, const DeviceError* error, cudaStream_t stream);
 
+// The reduced loss (sum, or mean over the counted weight of the `rows` tokens) of the
+// per-token terms that merge_and_loss wrote, as merge_and_loss reduces them: for the fused
+// head's chunks (head/cuda/), whose terms are reduced once over every chunk's tokens.
+Status reduce_loss(const double* terms, int64_t rows, const TokenVector& targets, const TokenVector& weights,
+                   const LossParams& params, float* loss, const DeviceError* error, cudaStream_t stream);
+
 // logits [N, Vr] -> grad [N, Vr] (may be the logits); `shared_upstream` holds one double
 // for a reduced loss.
 Status gradient(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights,

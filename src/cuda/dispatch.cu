@@ -135,13 +135,13 @@ Status ensure(char** buffer, std::size_t* capacity, std::size_t bytes, cudaStrea
 
 }  // namespace
 
-Status device_forward(Communicator& comm, const DeviceForwardArgs& a, std::shared_ptr<void>* state) {
-  auto stream = static_cast<cudaStream_t>(a.options.stream);
-  const int device = a.device;
-  CurrentDevice current(device);
-  if (Status s = current.status(); !s.ok()) return s;
-  if (!*state) *state = std::make_shared<DeviceWorkspace>();
-  auto& w = *static_cast<DeviceWorkspace*>(state->get());
+namespace {
+
+// The protocol's buffers of `w` for one call on `stream` (the caller made `device` current):
+// ordered after the last forward that used them, grown for `ranks` payloads of `payload`
+// bytes and `merged_bytes`, and the error word cleared.
+Status prepare_protocol(DeviceWorkspace& w, int device, cudaStream_t stream, std::size_t payload, int ranks,
+                        std::size_t merged_bytes) {
   if (w.used && (w.stream != stream || w.device != device)) {
     // The last forward ran on another stream and may still read these buffers: order this
     // stream after it (without waiting on the host).
@@ -154,19 +154,32 @@ Status device_forward(Communicator& comm, const DeviceForwardArgs& a, std::share
     if (e != cudaSuccess) return cuda_failure("ordering after the previous forward's stream", e);
   }
   w.device = device;
-  const int ranks = comm.size();
-  const std::size_t total = a.payload * static_cast<std::size_t>(ranks);
-  const std::size_t merged_bytes = static_cast<std::size_t>(a.tokens * a.width) * sizeof(float) +
-                                   static_cast<std::size_t>(a.tokens) * sizeof(double);
+  const std::size_t total = payload * static_cast<std::size_t>(ranks);
   // Without its buffers this rank cannot join the gather: the others wait (NCCL has no
   // timeout of its own; the framework's watchdog, or ncclCommAbort, ends it).
-  if (Status s = ensure(&w.send, &w.send_capacity, a.payload, stream); !s.ok()) return s;
+  if (Status s = ensure(&w.send, &w.send_capacity, payload, stream); !s.ok()) return s;
   if (Status s = ensure(&w.recv, &w.recv_capacity, total, stream); !s.ok()) return s;
   if (Status s = ensure(&w.merged, &w.merged_capacity, merged_bytes, stream); !s.ok()) return s;
   if (Status s = ensure(&w.error_word, &w.error_capacity, sizeof(cuda::DeviceError), stream); !s.ok()) return s;
   if (const cudaError_t e = cudaMemsetAsync(w.error(), 0, sizeof(cuda::DeviceError), stream); e != cudaSuccess) {
     return cuda_failure("clearing the error word", e);
   }
+  return {};
+}
+
+}  // namespace
+
+Status device_forward(Communicator& comm, const DeviceForwardArgs& a, std::shared_ptr<void>* state) {
+  auto stream = static_cast<cudaStream_t>(a.options.stream);
+  const int device = a.device;
+  CurrentDevice current(device);
+  if (Status s = current.status(); !s.ok()) return s;
+  if (!*state) *state = std::make_shared<DeviceWorkspace>();
+  auto& w = *static_cast<DeviceWorkspace*>(state->get());
+  const int ranks = comm.size();
+  const std::size_t merged_bytes = static_cast<std::size_t>(a.tokens * a.width) * sizeof(float) +
+                                   static_cast<std::size_t>(a.tokens) * sizeof(double);
+  if (Status s = prepare_protocol(w, device, stream, a.payload, ranks, merged_bytes); !s.ok()) return s;
   auto* header = reinterpret_cast<RankHeader*>(w.send);
   if (Status s = cuda::write_header(a.header, header, stream); !s.ok()) return s;
   if (a.local.ok()) {
@@ -190,6 +203,23 @@ Status device_forward(Communicator& comm, const DeviceForwardArgs& a, std::share
                               reinterpret_cast<float*>(w.merged), a.in.targets, a.in.weights, a.params, a.out,
                               reinterpret_cast<double*>(w.merged + a.tokens * a.width * sizeof(float)), w.error(),
                               stream);
+}
+
+Status device_protocol(std::shared_ptr<void>* state, int device, void* stream, int ranks, int self,
+                       std::size_t payload, std::size_t merged_bytes, DeviceProtocol* out) {
+  auto cuda_stream = static_cast<cudaStream_t>(stream);
+  CurrentDevice current(device);
+  if (Status s = current.status(); !s.ok()) return s;
+  if (!*state) *state = std::make_shared<DeviceWorkspace>();
+  auto& w = *static_cast<DeviceWorkspace*>(state->get());
+  if (Status s = prepare_protocol(w, device, cuda_stream, payload, ranks, merged_bytes); !s.ok()) return s;
+  w.stream = cuda_stream;
+  w.ranks = ranks;
+  w.self = self;
+  w.payload = payload;
+  w.used = true;
+  *out = DeviceProtocol{w.send, w.recv, w.merged, w.error_word};
+  return {};
 }
 
 Status device_status(void* state) {

@@ -35,6 +35,22 @@ Status device_forward(Communicator& comm, const DeviceForwardArgs& args, std::sh
 // The error the device found in the last forward with this workspace state (waits for it).
 Status device_status(void* state);
 
+// For the fused head's device path (head/cuda/), which runs the forward's protocol steps
+// itself (cuda/device.h's kernels, one gather per chunk): `state`'s protocol buffers for a
+// call on `stream` (created on first use, ordered after the last forward that used them,
+// grown for `ranks` payloads of `payload` bytes and `merged_bytes` of merged statistics and
+// loss terms; not while the stream is captured), the error word cleared, and the call
+// recorded, so that device_status() reads its last gather (every gather of the call must
+// carry `payload` bytes). `device` is made current for the call and restored.
+struct DeviceProtocol {
+  char* send = nullptr;    // payload bytes: this rank's header, then its [n, W] stats
+  char* recv = nullptr;    // ranks * payload bytes
+  char* merged = nullptr;  // merged_bytes
+  char* error = nullptr;   // a cuda::DeviceError
+};
+Status device_protocol(std::shared_ptr<void>* state, int device, void* stream, int ranks, int self,
+                       std::size_t payload, std::size_t merged_bytes, DeviceProtocol* out);
+
 struct DeviceBackwardArgs {
   LossInputs in;
   TokenVector lse;

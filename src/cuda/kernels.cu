@@ -390,7 +390,8 @@ __global__ void check_group_kernel(const char* gathered, int64_t stride, int ran
             h->z_loss_bits == first->z_loss_bits && h->logit_scale_bits == first->logit_scale_bits &&
             h->softcap_bits == first->softcap_bits && h->valid_vocab_size == first->valid_vocab_size &&
             h->reduction == first->reduction && h->has_weights == first->has_weights &&
-            h->stats_width == first->stats_width && h->inputs_hash == first->inputs_hash;
+            h->stats_width == first->stats_width && h->inputs_hash == first->inputs_hash &&
+            h->hidden_size == first->hidden_size;
   // Ranges: each non-empty one inside [0, V), overlapping no other; together they cover V.
   const int64_t begin = h->vocab_begin;
   const int64_t end = h->vocab_end;
@@ -477,6 +478,14 @@ Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int
   if (params.reduction == Reduction::kNone) return {};
   reduce_loss_kernel<<<1, kThreads, 0, stream>>>(terms, rows, targets.base, targets.dtype == kInt64, targets.stride, w,
                                                  weights.stride, params, reinterpret_cast<float*>(out.loss.base), error);
+  return launched("reduction");
+}
+
+Status reduce_loss(const double* terms, int64_t rows, const TokenVector& targets, const TokenVector& weights,
+                   const LossParams& params, float* loss, const DeviceError* error, cudaStream_t stream) {
+  reduce_loss_kernel<<<1, kThreads, 0, stream>>>(terms, rows, targets.base, targets.dtype == kInt64, targets.stride,
+                                                 reinterpret_cast<const float*>(weights.base), weights.stride, params,
+                                                 loss, error);
   return launched("reduction");
 }
 

@@ -1,0 +1,497 @@
+// head/cuda/head_kernels.cu: the fused head's CUDA epilogue kernels (see head_kernels.h).
+//
+// The per-element arithmetic is src/cuda/kernels.cu's, restated here for an fp32 tile with
+// a bias (that file's helpers are private to it): the same transform (scale, soft-cap), the
+// same online fold of a thread's elements (fp32 max and exp, fp64 sums, -inf skipped, NaN
+// kept), the same combine (a part is empty only if its max is -inf and its sum is not NaN:
+// docs/design.md's NaN invariant), the same fixed shuffle tree, and the same gradient
+// formula on token_math.h's constants. One block of kThreads per tile row; deterministic.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <string>
+#include <type_traits>
+
+#include "head_kernels.h"
+
+namespace vpce::detail::head_cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+template <class T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+struct Transform {
+  float scale;
+  float cap;
+  float inverse_cap;
+  __device__ __forceinline__ float apply(float x) const {
+    const float z = x * scale;
+    return cap > 0.0f ? cap * tanhf(z * inverse_cap) : z;
+  }
+  __device__ __forceinline__ float slope(float z) const {
+    if (cap <= 0.0f) return scale;
+    const float t = z * inverse_cap;
+    return scale * (1.0f - t * t);
+  }
+};
+
+Transform transform_of(const LossParams& p) {
+  return {p.logit_scale, p.softcap, p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f};
+}
+
+// The bias of the tile's column c (0 without a bias), as the operands' dtype stores it.
+struct Bias {
+  const void* base;
+  int64_t stride;
+  int kind;  // 0 none, 1 fp32, 2 bf16, 3 fp16
+  __device__ __forceinline__ float at(int64_t c) const {
+    switch (kind) {
+      case 1:
+        return static_cast<const float*>(base)[c * stride];
+      case 2:
+        return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[c * stride]);
+      case 3:
+        return __half2float(static_cast<const __half*>(base)[c * stride]);
+      default:
+        return 0.0f;
+    }
+  }
+};
+
+int dtype_kind(DataType d) { return d == kFloat32 ? 1 : d == kBFloat16 ? 2 : 3; }
+
+// The tile's bias, pointing at its first column.
+Bias bias_of(const TileColumns& c) {
+  if (c.bias == nullptr) return Bias{nullptr, 0, 0};
+  const auto* first = static_cast<const char*>(c.bias) + c.col0 * c.bias_stride * c.dtype.bytes();
+  return Bias{first, c.bias_stride, dtype_kind(c.dtype)};
+}
+
+struct Part {
+  float max;
+  double sum_exp;
+  double sum_logits;
+  double weighted;
+  int32_t argmax;
+};
+
+__device__ __forceinline__ Part empty_part() { return Part{-INFINITY, 0.0, 0.0, 0.0, -1}; }
+
+__device__ __forceinline__ bool empty(const Part& p) { return p.max == -INFINITY && !isnan(p.sum_exp); }
+
+// a <- a then b (b's columns after a's).
+__device__ __forceinline__ void combine(Part& a, const Part& b) {
+  if (empty(b)) {
+    a.sum_logits += b.sum_logits;
+    return;
+  }
+  if (empty(a)) {
+    const double sum_logits = a.sum_logits;
+    a = b;
+    a.sum_logits += sum_logits;
+    return;
+  }
+  const float max = a.max > b.max ? a.max : b.max;
+  const double shift_a = static_cast<double>(a.max) - max;
+  const double shift_b = static_cast<double>(b.max) - max;
+  const double scale_a = exp(shift_a);
+  const double scale_b = exp(shift_b);
+  a.weighted = scale_a * (a.weighted + shift_a * a.sum_exp) + scale_b * (b.weighted + shift_b * b.sum_exp);
+  a.sum_exp = a.sum_exp * scale_a + b.sum_exp * scale_b;
+  a.sum_logits += b.sum_logits;
+  int32_t argmax = a.max == max ? a.argmax : -1;
+  if (b.max == max && (argmax < 0 || b.argmax < argmax)) argmax = b.argmax;
+  a.argmax = argmax;
+  a.max = max;
+}
+
+__device__ Part shuffle_down(const Part& p, int offset) {
+  Part q = empty_part();
+  q.max = __shfl_down_sync(0xffffffffu, p.max, offset);
+  q.sum_exp = __shfl_down_sync(0xffffffffu, p.sum_exp, offset);
+  q.sum_logits = __shfl_down_sync(0xffffffffu, p.sum_logits, offset);
+  q.weighted = __shfl_down_sync(0xffffffffu, p.weighted, offset);
+  q.argmax = __shfl_down_sync(0xffffffffu, p.argmax, offset);
+  return q;
+}
+
+// The block's combined Part, valid in thread 0. Fixed tree: deterministic.
+__device__ Part block_combine(Part p) {
+  __shared__ Part warps[kWarps];
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const Part other = shuffle_down(p, offset);
+    combine(p, other);
+  }
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  if (lane == 0) warps[warp] = p;
+  __syncthreads();
+  if (warp == 0) {
+    p = lane < kWarps ? warps[lane] : empty_part();
+    for (int offset = kWarps / 2; offset > 0; offset /= 2) {
+      const Part other = shuffle_down(p, offset);
+      combine(p, other);
+    }
+  }
+  return p;
+}
+
+__device__ __forceinline__ int64_t target_of(const void* targets, bool wide, int64_t stride, int64_t i) {
+  return wide ? static_cast<const int64_t*>(targets)[i * stride] : static_cast<const int32_t*>(targets)[i * stride];
+}
+
+__global__ void init_running_kernel(RunningStats* running, int64_t rows) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= rows) return;
+  running[i] = RunningStats{-INFINITY, -1, 0.0, 0.0, 0.0, -INFINITY, 0.0f};
+}
+
+// One block per tile row: the row's Part over the tile's valid columns (as
+// cuda/kernels.cu's local_stats_kernel folds a row), then running[r] <- running[r] then it.
+__global__ void __launch_bounds__(kThreads)
+    fold_tile_kernel(const float* z, int64_t ld, int64_t valid, int64_t col0, Bias bias, const void* targets,
+                     bool wide_targets, int64_t target_stride, int64_t vocab_begin, LossParams params, Transform t,
+                     bool extras, RunningStats* running) {
+  const int64_t r = blockIdx.x;
+  const float* row = z + r * ld;
+  const bool sum_logits = params.with_sum_logits();
+  Part p = empty_part();
+  for (int64_t c = threadIdx.x; c < valid; c += kThreads) {
+    const float x = row[c] + bias.at(c);
+    const float zc = t.apply(x);
+    if (sum_logits) p.sum_logits += zc;
+    if (zc == -INFINITY) continue;
+    const auto v = static_cast<int32_t>(col0 + c);
+    if (zc > p.max) {
+      if (p.max == -INFINITY) {  // sum_exp is 0, or NaN from an earlier NaN, which stays
+        p.sum_exp += 1.0;
+      } else {
+        const double shift = static_cast<double>(p.max) - zc;
+        const double scale = exp(shift);
+        p.weighted = scale * (p.weighted + shift * p.sum_exp);
+        p.sum_exp = p.sum_exp * scale + 1.0;
+      }
+      p.max = zc;
+      p.argmax = v;
+    } else {
+      const float offset = zc - p.max;
+      const float e = expf(offset);
+      p.sum_exp += e;
+      if (extras) p.weighted += static_cast<double>(e) * offset;
+      if (zc == p.max && v < p.argmax) p.argmax = v;
+    }
+  }
+  p = block_combine(p);
+  if (threadIdx.x != 0) return;
+  RunningStats s = running[r];
+  Part a{s.max, s.sum_exp, s.sum_logits, s.weighted, s.argmax};
+  combine(a, p);
+  s.max = a.max;
+  s.sum_exp = a.sum_exp;
+  s.sum_logits = a.sum_logits;
+  s.weighted = a.weighted;
+  s.argmax = a.argmax;
+  const int64_t column = target_of(targets, wide_targets, target_stride, r) - vocab_begin - col0;
+  if (column >= 0 && column < valid) s.target = t.apply(row[column] + bias.at(column));
+  running[r] = s;
+}
+
+__global__ void finalize_kernel(const RunningStats* running, int64_t rows, const void* targets, bool wide_targets,
+                                int64_t target_stride, const float* weights, int64_t weight_stride,
+                                int64_t vocab_begin, LossParams params, int64_t width, float* stats, int64_t ld,
+                                RankHeader* header) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= rows) return;
+  const RunningStats s = running[i];
+  const int64_t y = target_of(targets, wide_targets, target_stride, i);
+  const bool bad_target = !params.ignored(y) && (y < 0 || y >= params.valid_vocab);
+  const bool bad_weight =
+      weights != nullptr && !(isfinite(weights[i * weight_stride]) && weights[i * weight_stride] >= 0.0f);
+  if ((bad_target || bad_weight) && header != nullptr) {
+    atomicCAS(&header->status, 0, static_cast<int32_t>(Code::kInvalidArgument));  // its message is ready
+  }
+  float* out = stats + i * ld;
+  out[0] = s.max;
+  out[1] = static_cast<float>(s.sum_exp);
+  out[2] = s.target;
+  out[3] = params.with_sum_logits() ? static_cast<float>(s.sum_logits) : 0.0f;
+  if (width == 6) {
+    out[4] = int_as_float_bits(s.argmax < 0 ? -1 : static_cast<int32_t>(s.argmax + vocab_begin));
+    out[5] = static_cast<float>(s.weighted);
+  }
+}
+
+__device__ double block_sum(double value) {
+  __shared__ double warps[kWarps];
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
+  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = value;
+  __syncthreads();
+  value = threadIdx.x < kWarps ? warps[threadIdx.x] : 0.0;
+  if (threadIdx.x < 32) {
+    for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
+  }
+  return value;
+}
+
+// The counted weight of every token, for kMean, as cuda/kernels.cu sums it.
+__global__ void __launch_bounds__(kThreads)
+    shared_upstream_kernel(const float* grad_loss, float value, const void* targets, bool wide_targets,
+                           int64_t target_stride, const float* weights, int64_t weight_stride, int64_t rows,
+                           LossParams params, double* out) {
+  double denominator = 1.0;
+  if (params.reduction == Reduction::kMean) {
+    double mine = 0.0;
+    for (int64_t i = threadIdx.x; i < rows; i += kThreads) {
+      if (!params.ignored(target_of(targets, wide_targets, target_stride, i))) {
+        mine += weights != nullptr ? static_cast<double>(weights[i * weight_stride]) : 1.0;
+      }
+    }
+    denominator = block_sum(mine);
+  }
+  if (threadIdx.x == 0) {
+    const double g = static_cast<double>(grad_loss != nullptr ? grad_loss[0] : value);
+    *out = params.reduction == Reduction::kMean ? (denominator != 0.0 ? g / denominator : 0.0) : g;
+  }
+}
+
+// One block per tile row: z <- the gradient, in place (cuda/kernels.cu's gradient_kernel,
+// element for element), and optionally its two bf16 parts.
+__global__ void __launch_bounds__(kThreads)
+    tile_gradient_kernel(float* z, int64_t ld, int64_t cols, int64_t valid, int64_t col0, Bias bias,
+                         const void* targets, bool wide_targets, int64_t target_stride, const float* weights,
+                         int64_t weight_stride, const float* lse, int64_t lse_stride, const float* grad_loss,
+                         int64_t grad_loss_stride, const double* shared_upstream, int64_t vocab_begin,
+                         LossParams params, Transform t, __nv_bfloat16* hi, __nv_bfloat16* lo) {
+  const int64_t r = blockIdx.x;
+  const int64_t y = target_of(targets, wide_targets, target_stride, r);
+  const double upstream =
+      shared_upstream != nullptr ? *shared_upstream : static_cast<double>(grad_loss[r * grad_loss_stride]);
+  const float weight = weights != nullptr ? weights[r * weight_stride] : 1.0f;
+  const GradientConstants k = gradient_constants(y, upstream, weight, lse[r * lse_stride], params);
+  const float target_term = target_weight(params);
+  const int64_t target_column = y - vocab_begin - col0;
+  const bool identity = t.scale == 1.0f && t.cap <= 0.0f;
+  float* row = z + r * ld;
+  for (int64_t c = threadIdx.x; c < cols; c += kThreads) {
+    float g = 0.0f;
+    if (k.upstream != 0.0f && c < valid) {  // else a token that does not count, or padding
+      const float zc = t.apply(row[c] + bias.at(c));
+      g = expf(zc - k.lse) * k.coefficient - k.uniform;
+      if (c == target_column) g -= target_term;
+      g *= k.upstream;
+      if (!identity) g *= t.slope(zc);
+    }
+    row[c] = g;
+    if (hi != nullptr) {
+      const __nv_bfloat16 h = __float2bfloat16_rn(g);
+      hi[r * ld + c] = h;
+      lo[r * ld + c] = __float2bfloat16_rn(g - __bfloat162float(h));
+    }
+  }
+}
+
+// partial[s, c] <- the sum of dz[r, c] over segment s's rows, in row order.
+__global__ void column_partial_kernel(const float* dz, int64_t ld, int64_t rows, int64_t cols, double* partial) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t s = blockIdx.y;
+  if (c >= cols) return;
+  const int64_t begin = rows * s / kColumnSegments;
+  const int64_t end = rows * (s + 1) / kColumnSegments;
+  double sum = 0.0;
+  for (int64_t r = begin; r < end; ++r) sum += static_cast<double>(dz[r * ld + c]);
+  partial[s * cols + c] = sum;
+}
+
+__global__ void column_total_kernel(const double* partial, int64_t cols, double* sums, bool first) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= cols) return;
+  double sum = 0.0;
+  for (int64_t s = 0; s < kColumnSegments; ++s) sum += partial[s * cols + c];
+  sums[c] = first ? sum : sums[c] + sum;
+}
+
+template <class TOut>
+__global__ void store_doubles_kernel(const double* values, int64_t n, TOut* out, int64_t stride, bool accumulate) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  if constexpr (std::is_same_v<TOut, float>) {
+    out[i * stride] = accumulate ? out[i * stride] + static_cast<float>(values[i]) : static_cast<float>(values[i]);
+  } else {
+    out[i * stride] = from_float<TOut>(static_cast<float>(values[i]));
+  }
+}
+
+template <class TOut>
+__global__ void store_floats_kernel(const float* values, int64_t rows, int64_t cols, int64_t ld, TOut* out,
+                                    int64_t ld_out) {
+  const int64_t total = rows * cols;
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < total;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = k / cols;
+    const int64_t c = k % cols;
+    out[r * ld_out + c] = from_float<TOut>(values[r * ld + c]);
+  }
+}
+
+template <class TIn>
+__global__ void widen_kernel(const TIn* in, int64_t rows, int64_t cols, int64_t ld, float* out, int64_t ld_out) {
+  const int64_t total = rows * cols;
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < total;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = k / cols;
+    const int64_t c = k % cols;
+    out[r * ld_out + c] = to_float(in[r * ld + c]);
+  }
+}
+
+template <class T>
+__global__ void poison_kernel(T* base, int64_t rows, int64_t cols, int64_t ld, const cuda::DeviceError* error) {
+  if (error->code == 0) return;
+  const int64_t total = rows * cols;
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < total;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    base[(k / cols) * ld + k % cols] = from_float<T>(NAN);
+  }
+}
+
+Status launched(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return {};
+  return {Code::kSystemError, std::string("cuda: ") + what + ": " + cudaGetErrorString(e)};
+}
+
+template <class F>
+void with_type(DataType dtype, F&& f) {
+  if (dtype == kFloat32) {
+    f(static_cast<float*>(nullptr));
+  } else if (dtype == kBFloat16) {
+    f(static_cast<__nv_bfloat16*>(nullptr));
+  } else {
+    f(static_cast<__half*>(nullptr));
+  }
+}
+
+unsigned grid_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
+
+// A grid-stride launch over `total` elements: at most 4096 blocks.
+unsigned strided_grid(int64_t total) {
+  const int64_t blocks = (total + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < 1 ? 1 : blocks > 4096 ? 4096 : blocks);
+}
+
+}  // namespace
+
+Status init_running(RunningStats* running, int64_t rows, cudaStream_t stream) {
+  if (rows == 0) return {};
+  init_running_kernel<<<grid_for(rows, kThreads), kThreads, 0, stream>>>(running, rows);
+  return launched("head: running statistics");
+}
+
+Status fold_tile(const float* z, int64_t ld, int64_t rows, const TileColumns& columns, const TokenVector& targets,
+                 int64_t vocab_begin, const LossParams& params, bool extras, RunningStats* running,
+                 cudaStream_t stream) {
+  if (rows == 0) return {};
+  fold_tile_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+      z, ld, columns.valid, columns.col0, bias_of(columns), targets.base, targets.dtype == kInt64, targets.stride,
+      vocab_begin, params, transform_of(params), extras, running);
+  return launched("head: tile statistics");
+}
+
+Status finalize_stats(const RunningStats* running, int64_t rows, const TokenVector& targets,
+                      const TokenVector& weights, int64_t vocab_begin, const LossParams& params, int64_t width,
+                      float* stats, int64_t ld, RankHeader* header, cudaStream_t stream) {
+  if (rows == 0) return {};
+  finalize_kernel<<<grid_for(rows, kThreads), kThreads, 0, stream>>>(
+      running, rows, targets.base, targets.dtype == kInt64, targets.stride,
+      reinterpret_cast<const float*>(weights.base), weights.stride, vocab_begin, params, width, stats, ld, header);
+  return launched("head: statistics");
+}
+
+Status shared_upstream(const float* grad_loss, float value, const TokenVector& targets, const TokenVector& weights,
+                       int64_t rows, const LossParams& params, double* out, cudaStream_t stream) {
+  shared_upstream_kernel<<<1, kThreads, 0, stream>>>(grad_loss, value, targets.base, targets.dtype == kInt64,
+                                                     targets.stride, reinterpret_cast<const float*>(weights.base),
+                                                     weights.stride, rows, params, out);
+  return launched("head: upstream gradient");
+}
+
+Status tile_gradient(float* z, int64_t ld, int64_t rows, const TileColumns& columns, const TokenVector& targets,
+                     const TokenVector& weights, const TokenVector& lse, const TokenVector& grad_loss,
+                     const double* shared, int64_t vocab_begin, const LossParams& params, void* hi, void* lo,
+                     cudaStream_t stream) {
+  if (rows == 0 || columns.cols == 0) return {};
+  tile_gradient_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+      z, ld, columns.cols, columns.valid, columns.col0, bias_of(columns), targets.base, targets.dtype == kInt64,
+      targets.stride, reinterpret_cast<const float*>(weights.base), weights.stride,
+      reinterpret_cast<const float*>(lse.base), lse.stride, reinterpret_cast<const float*>(grad_loss.base),
+      grad_loss.stride, shared, vocab_begin, params, transform_of(params), static_cast<__nv_bfloat16*>(hi),
+      static_cast<__nv_bfloat16*>(lo));
+  return launched("head: tile gradient");
+}
+
+Status column_sums(const float* dz, int64_t ld, int64_t rows, int64_t cols, double* partial, double* sums, bool first,
+                   cudaStream_t stream) {
+  if (cols == 0) return {};
+  column_partial_kernel<<<dim3(grid_for(cols, kThreads), static_cast<unsigned>(kColumnSegments)), kThreads, 0,
+                          stream>>>(dz, ld, rows, cols, partial);
+  if (Status s = launched("head: column sums"); !s.ok()) return s;
+  column_total_kernel<<<grid_for(cols, kThreads), kThreads, 0, stream>>>(partial, cols, sums, first);
+  return launched("head: column totals");
+}
+
+Status store_doubles(const double* values, int64_t n, void* out, DataType out_dtype, int64_t stride, bool accumulate,
+                     cudaStream_t stream) {
+  if (n == 0) return {};
+  with_type(out_dtype, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    store_doubles_kernel<T><<<grid_for(n, kThreads), kThreads, 0, stream>>>(values, n, static_cast<T*>(out), stride,
+                                                                            accumulate);
+  });
+  return launched("head: bias gradient");
+}
+
+Status store_floats(const float* values, int64_t rows, int64_t cols, int64_t ld, void* out, DataType out_dtype,
+                    int64_t ld_out, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return {};
+  with_type(out_dtype, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    store_floats_kernel<T><<<strided_grid(rows * cols), kThreads, 0, stream>>>(values, rows, cols, ld,
+                                                                               static_cast<T*>(out), ld_out);
+  });
+  return launched("head: gradient store");
+}
+
+Status widen(const void* in, DataType dtype, int64_t rows, int64_t cols, int64_t ld, float* out, int64_t ld_out,
+             cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return {};
+  with_type(dtype, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    widen_kernel<T><<<strided_grid(rows * cols), kThreads, 0, stream>>>(static_cast<const T*>(in), rows, cols, ld,
+                                                                        out, ld_out);
+  });
+  return launched("head: fp32 staging");
+}
+
+Status poison(void* base, DataType dtype, int64_t rows, int64_t cols, int64_t ld, const cuda::DeviceError* error,
+              cudaStream_t stream) {
+  if (base == nullptr || rows == 0 || cols == 0) return {};
+  with_type(dtype, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    poison_kernel<T><<<strided_grid(rows * cols), kThreads, 0, stream>>>(static_cast<T*>(base), rows, cols, ld, error);
+  });
+  return launched("head: poisoning the outputs");
+}
+
+}  // namespace vpce::detail::head_cuda
