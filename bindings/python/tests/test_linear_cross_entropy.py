@@ -194,16 +194,33 @@ def test_the_thread_count_changes_no_bit():
 
 
 @pytest.mark.parametrize("mode,reduction", [("recompute", "none"), ("chunked", "sum")])
-def test_bf16_within_bf16_rounding(mode, reduction):
-    hidden, weight, bias, target = problem(dtype=torch.bfloat16, hidden_size=64)
+@pytest.mark.parametrize("dtype,rounding", [(torch.bfloat16, 2.0**-7), (torch.float16, 2.0**-9)],
+                         ids=["bf16", "fp16"])
+def test_half_precision_within_its_rounding(mode, reduction, dtype, rounding):
+    hidden, weight, bias, target = problem(dtype=dtype, hidden_size=64)
     grad_loss = upstream(tuple(target.shape) if reduction == "none" else ())
     got = run(hidden, weight, bias, target, 0.1, grad_loss, mode=mode, reduction=reduction)
     want = reference(hidden, weight, bias, target, grad_loss, 0.1, reduction=reduction)
     assert got[0].dtype == torch.float32
-    assert relative_error(got[0], want[0]) < 1e-5  # fp32 GEMM on the bf16 values
+    assert relative_error(got[0], want[0]) < 1e-5  # fp32 GEMM on the half-precision values
     for g, r in zip(got[1:], want[1:]):
-        assert g.dtype == torch.bfloat16
-        assert relative_error(g, r) < 2.0**-7  # each element rounded once to bf16
+        assert g.dtype == dtype
+        assert relative_error(g, r) < rounding  # each element rounded once to the dtype
+
+
+def test_strided_hidden_and_int32_targets():
+    # Hidden states [b, s, H] transposed to [s, b, H] (copied), a weight that is a row
+    # slice of a wider one (read in place), int32 targets.
+    hidden, weight, bias, target = problem(shape=(3, 7))
+    size = weight.shape[1]
+    h = hidden.clone().requires_grad_()
+    w = torch.cat([weight, weight], dim=1).requires_grad_()  # [V, 2H]: the first H columns are the weight
+    loss = vt.linear_cross_entropy(h.transpose(0, 1), w[:, :size], target.t().int(), bias=bias)
+    grad_loss = upstream(tuple(loss.shape))
+    loss.backward(grad_loss)
+    want = reference(hidden.transpose(0, 1), weight, bias, target.t(), grad_loss)
+    check_fp32((loss.detach(), h.grad.transpose(0, 1), w.grad[:, :size], None), (*want[:3], None))
+    assert not w.grad[:, size:].any()
 
 
 def test_float64_inputs_are_computed_in_float32():
