@@ -1,4 +1,4 @@
-// head/cuda/device_head.cu: the fused head on CUDA tensors (see head/device_head.h): cuBLAS
+// head/cuda/device_head.cc: the fused head on CUDA tensors (see head/device_head.h): cuBLAS
 // GEMMs per tile into an fp32 buffer, head_kernels.cu's epilogues, and the forward's exact
 // protocol of cuda/dispatch.cu (the same RankHeader with hidden_size = H, the same device
 // gather, group check, merge and loss, the same asynchronous errors read by
@@ -8,9 +8,16 @@
 // offsets, the tokens into blocks of Nb. Tile (i, j) is z = h_i W_j^T, an fp32 [nb, vb]
 // GEMM (cublasGemmEx, fp32 compute, fp32/bf16/fp16 operands, no TF32) with row stride vb,
 // always issued with the same shape and operands, in the forward, the backward's recompute
-// and the chunked mode, so that they see the same logits. Every token's statistics are
-// folded panel after panel (column order). The backward holds an fp32 [N, Vb] panel of logit
-// gradients; the chunked mode a [chunk, V_r] block of logits, laid out panel by panel.
+// and the chunked mode, so that they see the same logits (cuBLAS is deterministic for the
+// same call; its choice of kernel may also depend on the output's alignment, which is 256
+// bytes for every tile in every mode when Nb is a multiple of 64 or covers every token, as
+// the defaults do). Every token's statistics are folded panel after panel (column order).
+// The backward holds an fp32 [N, Vb] panel of logit gradients; the chunked mode a
+// [chunk, V_r] block of logits, laid out panel by panel.
+//
+// The GPU's default tiles differ from the CPU's (HeadOptions fields left 0): Vb up to 4096
+// and Nb and the chunk such that a panel [N, Vb] and a block [chunk, V_r] hold at most
+// 64 Mi floats (256 MiB), so that each GEMM is large enough for the device.
 //
 // Backward GEMMs, fp32 accumulation in a fixed order (no atomics):
 //   grad_hidden += dz_j W_j over the panels j in order (beta 0 for the first unless
