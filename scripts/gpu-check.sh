@@ -45,7 +45,8 @@ if [ "$mode" = all ] || [ "$mode" = build ]; then
 fi
 
 if [ "$mode" = all ] || [ "$mode" = run ]; then
-  export LD_LIBRARY_PATH="$PWD/$bundle${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # cuBLAS from the machine's CUDA toolkit, wherever its loader path does not name it.
+  export LD_LIBRARY_PATH="$PWD/$bundle${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}:/usr/local/cuda/lib64:/usr/local/cuda/lib"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader || true
   echo "gpu-check: tests against the CPU fp64 oracle"
   "$bundle/vpce_cuda_tests" --gtest_brief=1
