@@ -198,6 +198,8 @@ struct Settings {
   bool chunked = false;  // forward_backward instead of forward + backward
   DataType grad_dtype = kFloat32;
   bool accumulate = false;  // gradients added into fp32 buffers holding 0.25
+  bool int32_targets = false;
+  int bad_rank = -1;  // this rank passes an lse of the wrong dtype
 };
 
 Want oracle_of(const HeadProblem& p, const std::vector<VocabShard>& shards, const Settings& s) {
@@ -288,7 +290,9 @@ HeadRun run_head(const HeadProblem& p, const std::vector<VocabShard>& shards, co
     Communicator& comm = ranks == 1 ? static_cast<Communicator&>(loopback) : staged;
     std::vector<int64_t> targets = p.targets;
     if (tweak_targets) tweak_targets(r, targets);
-    DeviceBuffer y(targets.data(), targets.size() * sizeof(int64_t));
+    std::vector<int32_t> narrow_targets(targets.begin(), targets.end());
+    DeviceBuffer y(s.int32_targets ? static_cast<const void*>(narrow_targets.data()) : targets.data(),
+                   targets.size() * (s.int32_targets ? sizeof(int32_t) : sizeof(int64_t)));
     DeviceBuffer loss(nullptr, (reduced ? 1 : n) * sizeof(float));
     DeviceBuffer lse(nullptr, n * sizeof(float));
     DeviceBuffer argmax(nullptr, n * sizeof(float));
@@ -307,9 +311,9 @@ HeadRun run_head(const HeadProblem& p, const std::vector<VocabShard>& shards, co
     const TensorView bv =
         TensorView::contiguous(static_cast<char*>(bias.p) + shard.vocab_begin * e, p.dtype, {rows}, kGpu);
     HeadInputs inputs{hv, wv, p.with_bias ? &bv : nullptr};
-    const TensorView yv = TensorView::contiguous(y.p, kInt64, {n}, kGpu);
+    const TensorView yv = TensorView::contiguous(y.p, s.int32_targets ? kInt32 : kInt64, {n}, kGpu);
     const TensorView lv = TensorView::contiguous(loss.p, kFloat32, {reduced ? 1 : n}, kGpu);
-    const TensorView ev = TensorView::contiguous(lse.p, kFloat32, {n}, kGpu);
+    const TensorView ev = TensorView::contiguous(lse.p, r == s.bad_rank ? kFloat16 : kFloat32, {n}, kGpu);
     const TensorView tw = TensorView::contiguous(token_weights.p, kFloat32, {n}, kGpu);
     const TensorView av = TensorView::contiguous(argmax.p, kFloat32, {n}, kGpu);
     const TensorView nv = TensorView::contiguous(entropy.p, kFloat32, {n}, kGpu);
@@ -464,6 +468,49 @@ TEST(CudaHead, EveryOptionEveryReduction) {
       s.chunked = chunked;
       s.grad_scalar = 0.75f;
       expect_matches_oracle(p, shards_from_sizes({400, 0, 600}), s, 1e-5, 2e-5);
+    }
+  }
+}
+
+TEST(CudaHead, Int32Targets) {
+  REQUIRE_GPU();
+  HeadProblem p = head_problem(21, 16, 300, kFloat32, true, 13);
+  p.targets[4] = -100;
+  Settings s;
+  s.int32_targets = true;
+  s.head.vocab_block = 64;
+  expect_matches_oracle(p, shards_from_sizes(even_splits(300, 2)), s, 1e-5, 2e-5);
+  s.chunked = true;
+  s.loss.reduction = Reduction::kMean;
+  expect_matches_oracle(p, shards_from_sizes(even_splits(300, 2)), s, 1e-5, 2e-5);
+}
+
+// A rank whose own arguments are bad still joins the gather: it returns its error, the
+// others learn it from the device (NaN outputs, the same message from device_status()).
+TEST(CudaHead, ARankWithBadArgumentsStillJoins) {
+  REQUIRE_GPU();
+  const HeadProblem p = head_problem(24, 16, 200, kFloat32, false, 14);
+  for (bool chunked : {false, true}) {
+    SCOPED_TRACE(chunked ? "chunked" : "recompute");
+    Settings s;
+    s.bad_rank = 1;
+    s.chunked = chunked;
+    s.loss.reduction = chunked ? Reduction::kSum : Reduction::kNone;
+    s.head.token_block = 8;
+    s.head.chunk_tokens = 8;
+    const HeadRun run = run_head(p, shards_from_sizes(even_splits(200, 3)), s);
+    for (std::size_t r = 0; r < 3; ++r) {
+      const RankRun& got = run.ranks[r];
+      if (r == 1) {
+        EXPECT_EQ(got.status.code(), Code::kInvalidArgument) << got.status.to_string();
+        EXPECT_NE(got.status.message().find("lse.dtype"), std::string::npos) << got.status.to_string();
+      } else {
+        EXPECT_TRUE(got.status.ok()) << got.status.to_string();
+        EXPECT_EQ(got.device_status.code(), Code::kRemoteError) << got.device_status.to_string();
+        EXPECT_NE(got.device_status.message().find("lse.dtype"), std::string::npos) << got.device_status.to_string();
+        EXPECT_TRUE(std::isnan(got.loss[0]));
+      }
+      EXPECT_EQ(got.gathers, chunked ? 3 : 1) << "rank " << r;  // 24 tokens in chunks of 8
     }
   }
 }
