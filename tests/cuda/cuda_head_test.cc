@@ -428,7 +428,12 @@ TEST_P(CudaHeadVsOracle, PlainAndSmoothed) {
 
 INSTANTIATE_TEST_SUITE_P(DtypesRanksBiasMode, CudaHeadVsOracle,
                          testing::Combine(testing::Values(kFloat32, kBFloat16, kFloat16), testing::Values(1, 2, 4),
-                                          testing::Bool(), testing::Bool()));
+                                          testing::Bool(), testing::Bool()),
+                         [](const testing::TestParamInfo<CudaHeadVsOracle::ParamType>& info) {
+                           return to_string(std::get<0>(info.param)) + "_R" + std::to_string(std::get<1>(info.param)) +
+                                  (std::get<2>(info.param) ? "_bias" : "_nobias") +
+                                  (std::get<3>(info.param) ? "_chunked" : "_recompute");
+                         });
 
 TEST(CudaHead, DefaultTilesAndOneTile) {
   REQUIRE_GPU();
