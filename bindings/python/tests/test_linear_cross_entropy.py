@@ -295,7 +295,7 @@ def test_chunked_mode_in_the_autograd_function_allows_one_backward():
 
 def test_the_autograd_function_matches_the_custom_op_path():
     hidden, weight, bias, target = problem()
-    for mode, reduction in (("recompute", "none"), ("chunked", "mean")):
+    for mode, reduction in (("recompute", "none"), ("recompute", "sum")):
         grad_loss = upstream(tuple(target.shape) if reduction == "none" else ())
         options = {"mode": mode, "reduction": reduction, "z_loss_weight": 1e-3}
         h, w, b = leaves(hidden, weight, bias)
@@ -431,16 +431,30 @@ def test_opcheck(sample):
 
 
 @needs_custom_ops
-def test_the_op_is_used_in_eager_mode(monkeypatch):
+def test_the_op_is_used_in_eager_mode_for_the_recompute_mode(monkeypatch):
+    # (The chunked mode takes the autograd.Function in eager mode, which scales the
+    # gradients in place; the custom op's backward cannot change its outputs.)
     def not_this_path(*args):
         raise AssertionError("the autograd.Function path, where the custom op should run")
 
     monkeypatch.setattr(_torch_head._LinearCrossEntropy, "apply", not_this_path)
     hidden, weight, bias, target = problem()
-    for options in ({}, {"mode": "chunked", "reduction": "sum"}):
+    for options in ({}, {"reduction": "mean"}):
         got = run(hidden, weight, bias, target, 0.1, **options)
         check_fp32(got, reference(hidden, weight, bias, target, None, 0.1, reduction=options.get("reduction",
                                                                                                    "none")))
+
+
+@needs_custom_ops
+def test_the_chunked_op_in_eager_mode_gives_the_reference():
+    hidden, weight, bias, target = problem()
+    h, w, b = leaves(hidden, weight, bias)
+    loss, *_ = torch.ops.vpce.linear_cross_entropy_chunked(h, w, b, target, 0.1, 0, False, '{"reduction": "sum"}',
+                                                           True, True, True)
+    grad_loss = upstream(())
+    loss.backward(grad_loss)
+    want = reference(hidden, weight, bias, target, grad_loss, 0.1, reduction="sum")
+    check_fp32((loss.detach(), h.grad, w.grad, b.grad), want)
 
 
 # ---- gloo groups ---------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from . import _vpce
 from ._torch_arguments import (_OPTION_NAMES, _TARGET_DTYPES, _WIDENED_TARGET_DTYPES, _as_rows, _as_targets,
                                _options, _real)
 from ._torch_collective import _BLOCK_HEADER, _Blocks, _Collective
-from ._torch_compile import _CUSTOM_OPS
+from ._torch_compile import _CUSTOM_OPS, _compiling
 from ._torch_groups import _group
 from ._torch_ops import _KEYED_GROUPS, _decode_options, _encode_options, _group_key
 
@@ -398,12 +398,12 @@ def _head_chunked(hidden, weight, bias, target, label_smoothing, tp_group, seque
 
 
 def _scaled(gradient, grad_loss, dtype):
-    """A chunked-mode gradient (float32, upstream 1) times the upstream gradient, in dtype;
-    in place in the buffer when it is returned as it is."""
+    """A chunked-mode gradient (float32, upstream 1) times the upstream gradient, in place,
+    then in dtype."""
     if gradient is None:
         return None
     g = grad_loss.reshape(()).to(torch.float32)
-    return gradient.mul_(g) if dtype == torch.float32 else (gradient * g).to(dtype)
+    return gradient.mul_(g).to(dtype)
 
 
 # ---- the autograd.Function ----------------------------------------------------------------
@@ -561,6 +561,8 @@ if _CUSTOM_OPS:
                 weight.new_empty(weight.shape, dtype=f32) if need_weight else _nothing(hidden).float(),
                 bias.new_empty(bias.shape, dtype=f32) if need_bias and bias is not None else _nothing(hidden).float())
 
+    # The backward scales the gradients out of place (the op's outputs are not to be
+    # changed); eager calls take the autograd.Function, which scales them in place.
     def _setup_chunked(ctx, inputs, output):
         hidden, weight, bias = inputs[:3]
         ctx.save_for_backward(*output[1:])
@@ -646,6 +648,8 @@ def linear_cross_entropy(hidden, weight, target, label_smoothing=0.0, tp_group=N
                                                                              label_smoothing, options):
         key, encoded = _group_key(tp_group), _encode_options(options)
         if options.get("mode", "recompute") == "chunked":
+            if not _compiling():  # eager: the Function, which scales the gradients in place
+                return _LinearCrossEntropy.apply(*args)
             needs = _needs(hidden, weight, bias)
             loss, *_ = torch.ops.vpce.linear_cross_entropy_chunked(hidden, weight, bias, target,
                                                                    float(label_smoothing), key, sequence_parallel,
