@@ -76,12 +76,12 @@ struct HeadGradients {
 // Tile and chunk sizes; 0 picks the default. Results depend on them (a different tile cut
 // is a different order of fp32 sums), never on the thread count.
 struct HeadOptions {
-  // Tokens per tile (default 256) and vocabulary rows per tile (default 512, at most V_r);
+  // Tokens per tile (default 512) and vocabulary rows per tile (default 1024, at most V_r);
   // the backward also holds an fp32 [N, vocab_block] buffer of logit gradients.
   int64_t token_block = 0;
   int64_t vocab_block = 0;
   // Chunked mode: tokens per chunk (default: the largest multiple of token_block whose
-  // [chunk, V_r] fp32 logits fit in 64 MiB, at least one block).
+  // [chunk, V_r] fp32 logits fit in 128 MiB, at least one block).
   int64_t chunk_tokens = 0;
 };
 

@@ -16,7 +16,10 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Rows of grad_weight per GEMM of its sweep: a fixed cut, so each row's sum over the tokens
 // is one GEMM of a fixed shape whatever the thread count.
-constexpr int64_t kWeightPieceRows = 64;
+constexpr int64_t kWeightPieceRows = 512;
+// The backward's logit gradients of one vocabulary block are held for this many bytes of
+// tokens at a time (at least one token block): its memory does not grow with N.
+constexpr int64_t kGradientBufferBytes = int64_t{8} << 20;
 
 int thread_count(int num_threads) {
 #if defined(_OPENMP)
@@ -204,7 +207,6 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
                      const Upstream& upstream, const HeadGradientArgs& grads) {
   const int64_t n = args.tokens(), h = args.hidden_size(), vr = args.vocab_rows();
   const int64_t nb = args.tiles.token_block, vb = args.tiles.vocab_block;
-  const int64_t token_blocks = blocks_of(n, nb);
   const int threads = thread_count(ctx.num_threads);
   // grad_hidden accumulates over the vocabulary blocks in fp32: in grad_hidden itself when it
   // is fp32, else in a buffer written out at the end.
@@ -213,12 +215,13 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
   float* dh = hidden_direct ? grads.hidden.matrix.row<float>(0) : hidden_sum.data();
   const int64_t lddh = hidden_direct ? grads.hidden.matrix.row_stride : h;
   bool dh_started = grads.hidden.accumulate && hidden_direct;
-  // grad_weight and grad_bias rows are each written once (their sum runs over all N in one
-  // GEMM): straight into grad_weight when fp32, else through a [Vb, H] buffer.
+  // grad_weight and grad_bias rows: straight into grad_weight when fp32, else through a
+  // [Vb, H] buffer written out once per vocabulary block.
   const bool weight_direct = grads.weight.present() && grads.weight.matrix.dtype == kFloat32;
   std::vector<float> weight_block(grads.weight.present() && !weight_direct ? static_cast<std::size_t>(vb * h) : 0);
   std::vector<double> bias_block(grads.bias.present() ? static_cast<std::size_t>(vb) : 0);
-  std::vector<float> dx(static_cast<std::size_t>(n * vb));
+  const int64_t group = std::max<int64_t>(1, kGradientBufferBytes / (vb * nb * 4)) * nb;
+  std::vector<float> dx(static_cast<std::size_t>(std::min(group, n) * vb));
   std::vector<float> staging;
   const TokenVector& targets = args.targets;
   for (int64_t v0 = 0; v0 < vr; v0 += vb) {
@@ -232,38 +235,47 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
     int64_t ldw = 0;
     const float* w = ops.weight_rows(v0, cols, staging, &ldw);
     const float beta_h = dh_started ? 1.0f : 0.0f;
-    parallel_rows(token_blocks, threads, [&](int64_t i) {
-      const int64_t r0 = i * nb, rows = std::min(nb, n - r0);
-      float* tile = dx.data() + r0 * vb;
-      gemm(false, true, rows, cols, h, ops.hidden_row(r0), ops.hidden_ld(), w, ldw, 0.0f, tile, vb);
-      add_bias(tile, vb, rows, cols, ops.bias() != nullptr ? ops.bias() + v0 : nullptr);
-      const RowMatrix x{reinterpret_cast<char*>(tile), kFloat32, rows, width, vb};
-      Upstream up = upstream;
-      up.per_token = token_slice(upstream.per_token, r0, rows);
-      gradient_rows_kernel(x, token_slice(targets, r0, rows), token_slice(args.weights, r0, rows),
-                           token_slice(lse, r0, rows), up, ctx.vocab_begin + v0, ctx.params, 1, x);
-      if (grads.hidden.present()) {
-        gemm(false, false, rows, h, cols, tile, vb, w, ldw, beta_h, dh + r0 * lddh, lddh);
-      }
-    });
-    dh_started = true;
-    if (grads.weight.present() || grads.bias.present()) {
-      const WeightTarget target{
-          !grads.weight.present() ? nullptr : weight_direct ? grads.weight.matrix.row<float>(v0) : weight_block.data(),
-          weight_direct ? grads.weight.matrix.row_stride : h, grads.bias.present() ? bias_block.data() : nullptr};
-      const float beta_w = weight_direct && grads.weight.accumulate ? 1.0f : 0.0f;
-      weight_gradient(dx.data(), vb, n, ops.hidden_row(0), ops.hidden_ld(), h, cols, beta_w, false, target,
-                      threads);
-      if (grads.weight.present() && !weight_direct) {
-        store_rows(grads.weight.matrix, grads.weight.accumulate, v0, cols, weight_block.data(), h, threads);
-      }
-      zero_rows(grads.weight, v0 + cols, width - cols, threads);
-      if (grads.bias.present()) {
-        for (int64_t c = 0; c < cols; ++c) {
-          store(grads.bias.matrix, grads.bias.accumulate, v0 + c, 0, static_cast<float>(bias_block[c]));
+    const WeightTarget target{
+        !grads.weight.present() ? nullptr : weight_direct ? grads.weight.matrix.row<float>(v0) : weight_block.data(),
+        weight_direct ? grads.weight.matrix.row_stride : h, grads.bias.present() ? bias_block.data() : nullptr};
+    // The tokens in super-blocks of `group` rows whose logit gradients fit the buffer; the
+    // weight's gradient sums them in super-block order (no tokens: one empty super-block,
+    // which writes the zero sums).
+    int64_t s0 = 0;
+    do {
+      const int64_t group_rows = std::min(group, n - s0);
+      parallel_rows(blocks_of(group_rows, nb), threads, [&](int64_t i) {
+        const int64_t r0 = s0 + i * nb, rows = std::min(nb, n - r0);
+        float* tile = dx.data() + (r0 - s0) * vb;
+        gemm(false, true, rows, cols, h, ops.hidden_row(r0), ops.hidden_ld(), w, ldw, 0.0f, tile, vb);
+        add_bias(tile, vb, rows, cols, ops.bias() != nullptr ? ops.bias() + v0 : nullptr);
+        const RowMatrix x{reinterpret_cast<char*>(tile), kFloat32, rows, width, vb};
+        Upstream up = upstream;
+        up.per_token = token_slice(upstream.per_token, r0, rows);
+        gradient_rows_kernel(x, token_slice(targets, r0, rows), token_slice(args.weights, r0, rows),
+                             token_slice(lse, r0, rows), up, ctx.vocab_begin + v0, ctx.params, 1, x);
+        if (grads.hidden.present()) {
+          gemm(false, false, rows, h, cols, tile, vb, w, ldw, beta_h, dh + r0 * lddh, lddh);
         }
-        zero_rows(grads.bias, v0 + cols, width - cols, threads);
+      });
+      if (grads.weight.present() || grads.bias.present()) {
+        // The first super-block writes the sums (over grad_weight itself, unless adding into it).
+        const float beta_w = s0 > 0 || (weight_direct && grads.weight.accumulate) ? 1.0f : 0.0f;
+        weight_gradient(dx.data(), vb, group_rows, ops.hidden_row(s0), ops.hidden_ld(), h, cols, beta_w, s0 > 0,
+                        target, threads);
       }
+      s0 += group;
+    } while (s0 < n);
+    dh_started = true;
+    if (grads.weight.present() && !weight_direct) {
+      store_rows(grads.weight.matrix, grads.weight.accumulate, v0, cols, weight_block.data(), h, threads);
+    }
+    zero_rows(grads.weight, v0 + cols, width - cols, threads);
+    if (grads.bias.present()) {
+      for (int64_t c = 0; c < cols; ++c) {
+        store(grads.bias.matrix, grads.bias.accumulate, v0 + c, 0, static_cast<float>(bias_block[c]));
+      }
+      zero_rows(grads.bias, v0 + cols, width - cols, threads);
     }
   }
   if (grads.hidden.present()) {

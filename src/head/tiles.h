@@ -50,10 +50,10 @@ class Fp32Operands {
 void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, int64_t row_begin,
                  int64_t rows, float* keep, const RowMatrix& stats);
 
-// Recompute mode's backward over every token: the tiles recomputed, turned into their
-// logit gradients in an [N, Vb] buffer, then grad_hidden += dx W_j per token block and
-// grad_weight_j, grad_bias_j = dx^T h, column sums (over all N at once, so each is written
-// once).
+// Recompute mode's backward over every token: for each vocabulary block j, the tiles
+// recomputed and turned into their logit gradients dx in a buffer of a few MiB (a
+// super-block of tokens at a time), grad_hidden += dx W_j per token block, and
+// grad_weight_j, grad_bias_j += dx^T h, column sums per super-block in token order.
 void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, const TokenVector& lse,
                      const Upstream& upstream, const HeadGradientArgs& grads);
 

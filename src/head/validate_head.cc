@@ -6,10 +6,10 @@
 namespace vpce::detail {
 namespace {
 
-constexpr int64_t kDefaultTokenBlock = 256;
-constexpr int64_t kDefaultVocabBlock = 512;
+constexpr int64_t kDefaultTokenBlock = 512;
+constexpr int64_t kDefaultVocabBlock = 1024;
 constexpr int64_t kMaxBlock = 16384;               // a tile row is one of the kernels' blocks
-constexpr int64_t kDefaultChunkBytes = int64_t{64} << 20;
+constexpr int64_t kDefaultChunkBytes = int64_t{128} << 20;
 
 Status check_block(const char* name, int64_t value) {
   if (value < 0 || value > kMaxBlock) {
