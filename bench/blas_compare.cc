@@ -4,7 +4,8 @@
 // the unfused training step's three GEMMs (logits, grad_hidden, grad_weight) at
 // N x V x H, and the fused head's tile GEMMs. Row-major fp32 throughout, as vpce calls them.
 //
-//   vpce_blas_compare_openblas [N V H Nb Vb]   (defaults 4096 32000 1024 256 1024)
+//   vpce_blas_compare_onednn [N V H Nb Vb]   (defaults 4096 32000 1024 256 1024; OpenBLAS and
+//   BLIS from Debian's libopenblas-openmp-dev and libblis-openmp-dev when installed)
 #include <omp.h>
 
 #include <algorithm>

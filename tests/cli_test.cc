@@ -259,6 +259,23 @@ TEST_F(Cli, PerfChecksItsOptionsBeforeRunning) {
   expect_usage_error(run_cli("perf -b 16 -e 16 -f nan", dir_), "a finite f > 1", dir_);
 }
 
+TEST_F(Cli, PerfHeadPrintsItsTableWithNothingWrong) {
+  const Command c = run_cli("perf --head -b 40 -e 80 -H 24 -V 700,333 -t 2 -d all -n 1 -w 0 --token-block 16 "
+                            "--vocab-block 64 --chunk-tokens 32", dir_);
+  ASSERT_EQ(c.status, 0) << c.err;
+  // 2 token counts x 2 vocabularies x 3 dtypes x 2 modes, each with a #wrong of 0 at the end.
+  int rows = 0;
+  std::istringstream lines(c.out);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.empty() || line[0] == '#' || line.find("tokens") != std::string::npos) continue;
+    EXPECT_EQ(line.substr(line.find_last_not_of(' ')), "0") << line;
+    ++rows;
+  }
+  EXPECT_EQ(rows, 24) << c.out;
+  expect_usage_error(run_cli("perf --head --mode both2", dir_), "--mode", dir_);
+  expect_usage_error(run_cli("perf --head -H 0", dir_), "--hidden: expected an integer in [1, 65536], got 0", dir_);
+}
+
 TEST_F(Cli, OverflowingNpyDimensionSaysItOverflows) {
   write_npy(dir_ / "huge.npy", "<f4", "(99999999999999999999, 37)", logits_.data(), 16);
   expect_usage_error(run_cli("run --logits " + (dir_ / "huge.npy").string() + " --targets x --out " +

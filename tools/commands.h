@@ -70,6 +70,9 @@ struct PerfConfig {
 
 // Prints the nccl-tests-style table; fails if any checked element is wrong.
 Status perf_command(const PerfConfig& config);
+// The checks of perf's options that every mode shares (-b, -e, -f, -n, -w, -t, --threads,
+// --label-smoothing, and that the logits of a row fit in memory).
+Status check_perf_config(const PerfConfig& config);
 // `vpce perf --head`: the fused head's table (tools/perf_head_command.cc).
 Status perf_head_command(const PerfConfig& config);
 

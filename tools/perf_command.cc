@@ -323,7 +323,9 @@ Timing time_row(const Row& row, const PerfConfig& config, bool in_place, const B
 
 // Every option checked before anything is allocated or timed: the library's own checks of
 // the loss options for each -V, and the largest row against this machine's memory.
-Status check_config(const PerfConfig& config) {
+}  // namespace
+
+Status check_perf_config(const PerfConfig& config) {
   if (config.min_tokens < 1 || config.max_tokens < config.min_tokens || !(config.factor > 1.0) ||
       !std::isfinite(config.factor)) {
     return {Code::kInvalidArgument, "-b, -e, -f: expected 1 <= b <= e and a finite f > 1, got b " +
@@ -354,6 +356,8 @@ Status check_config(const PerfConfig& config) {
   }
   return {};
 }
+
+namespace {
 
 Status sweep(const PerfConfig& config) {
   std::vector<DataType> dtypes;
@@ -432,7 +436,7 @@ Status sweep(const PerfConfig& config) {
 }  // namespace
 
 Status perf_command(const PerfConfig& config) {
-  if (Status s = check_config(config); !s.ok()) return s;
+  if (Status s = check_perf_config(config); !s.ok()) return s;
   return catch_out_of_memory("perf: rows of up to " + std::to_string(config.max_tokens) + " tokens",
                              [&] { return sweep(config); });
 }

@@ -5,7 +5,7 @@
 // shapes with the same BLAS on the same threads (logits = h W^T, grad_hidden = dx W,
 // grad_weight = dx^T h: oneDNN's sgemm on each rank's [N, V/R, H]). Prints per row: the time,
 // the GFLOP/s of the step's useful work (6 N V H), the time as a percentage of the three
-// GEMMs' (median of the iterations' ratios), the peak memory beyond inputs and gradients per
+// GEMMs' (median of the iterations' ratios; also as process CPU time), the peak memory beyond inputs and gradients per
 // rank (the resident-set high-water mark, reset before the call, so oneDNN's own buffers
 // count) as MiB and as a percentage of the logits' N x V/R x 4 bytes, and #wrong.
 //
@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <fstream>
 #include <memory>
 #include <random>
@@ -43,6 +44,13 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// The CPU time of every thread of the process, in seconds.
+double process_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
 
 // The process's resident set now and its high-water mark since the last reset, in bytes.
 int64_t status_field(const char* field) {
@@ -249,12 +257,40 @@ const char* dtype_name(DataType d) { return d == kFloat32 ? "fp32" : d == kBFloa
 
 }  // namespace
 
+namespace {
+
+Status sweep_head(const PerfConfig& config);
+
+}  // namespace
+
 Status perf_head_command(const PerfConfig& config) {
+  if (Status s = check_perf_config(config); !s.ok()) return s;
+  for (const int64_t hidden : config.hidden) {
+    for (const int64_t vocab : config.vocab) {
+      // The unfused step's logits, the weight (input, fp32 copy, gradient) and the hidden
+      // states (input, fp32 copy and gradient per rank), at 4 bytes per element.
+      const double n = static_cast<double>(config.max_tokens), v = static_cast<double>(vocab);
+      const double h = static_cast<double>(hidden);
+      const double bytes = 4.0 * (n * v + 3.0 * v * h + 3.0 * n * h * config.ranks);
+      if (Status s = check_fits_in_memory("-e, -V, -H", bytes,
+                                          std::to_string(config.max_tokens) + " tokens x V " + std::to_string(vocab) +
+                                              " x H " + std::to_string(hidden));
+          !s.ok()) {
+        return s;
+      }
+    }
+  }
+  return catch_out_of_memory("perf --head: rows of up to " + std::to_string(config.max_tokens) + " tokens",
+                             [&] { return sweep_head(config); });
+}
+
+namespace {
+
+Status sweep_head(const PerfConfig& config) {
   // Every buffer of 128 KiB or more is its own mapping, returned to the system when freed,
   // so that the resident set measures what a call holds (glibc would otherwise raise the
   // threshold and keep freed buffers resident).
   mallopt(M_MMAP_THRESHOLD, 128 * 1024);
-  if (Status s = check_threads("--threads", config.threads); !s.ok()) return s;
   const int hardware = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   const int threads = config.threads > 0 ? config.threads : std::max(1, hardware / config.ranks);
   std::vector<DataType> dtypes;
@@ -274,8 +310,9 @@ Status perf_head_command(const PerfConfig& config) {
               config.ranks, threads);
   std::printf("# vs3gemm: time / time of the unfused step's three GEMMs (oneDNN sgemm, same shapes and threads)\n");
   std::printf("# extra: peak memory per rank beyond inputs and gradients; %%logits: of N x V/R x 4 bytes\n");
-  std::printf("%8s %6s %8s %3s %5s %-9s %10s %9s %9s %9s %9s %7s\n", "tokens", "H", "V", "R", "dtype", "mode",
-              "time(ms)", "GFLOP/s", "vs3gemm", "extra", "%logits", "#wrong");
+  std::printf("# cpu: the same ratio of the process's CPU time (all threads), which a shared machine perturbs less\n");
+  std::printf("%8s %6s %8s %3s %5s %-9s %10s %9s %9s %6s %9s %9s %7s\n", "tokens", "H", "V", "R", "dtype", "mode",
+              "time(ms)", "GFLOP/s", "vs3gemm", "cpu", "extra", "%logits", "#wrong");
   for (const int64_t hidden : config.hidden) {
     for (const int64_t vocab : config.vocab) {
       for (int64_t tokens = config.min_tokens; tokens <= config.max_tokens;
@@ -296,28 +333,34 @@ Status perf_head_command(const PerfConfig& config) {
                 return Status{};
               }, "-t", &st);
             };
-            std::vector<double> times, ratios;
+            std::vector<double> times, ratios, cpu_ratios;
             int64_t extra = 0;
             for (int it = 0; it < config.warmup + config.iterations; ++it) {
               const int64_t before = status_field("VmRSS:");
               reset_peak();
               auto t0 = Clock::now();
+              const double c0 = process_cpu_seconds();
               if (Status e = fused(false); !e.ok()) return e;
               for (const Status& e : st) {
                 if (!e.ok()) return e;
               }
               const double t_fused = seconds_since(t0);
+              const double c_fused = process_cpu_seconds() - c0;
               extra = std::max(extra, status_field("VmHWM:") - before);
               t0 = Clock::now();
+              const double c1 = process_cpu_seconds();
               if (Status e = gemms(); !e.ok()) return e;
               const double t_gemms = seconds_since(t0);
+              const double c_gemms = process_cpu_seconds() - c1;
               if (it >= config.warmup) {
                 times.push_back(t_fused);
                 ratios.push_back(t_fused / t_gemms);
+                cpu_ratios.push_back(c_fused / c_gemms);
               }
             }
             std::sort(times.begin(), times.end());
             std::sort(ratios.begin(), ratios.end());
+            std::sort(cpu_ratios.begin(), cpu_ratios.end());
             int64_t wrong = -1;
             if (config.check != 0) {
               if (Status e = fused(true); !e.ok()) return e;
@@ -329,10 +372,11 @@ Status perf_head_command(const PerfConfig& config) {
             const double t = times[times.size() / 2];
             const double logits_bytes = static_cast<double>(tokens) * (static_cast<double>(vocab) / config.ranks) * 4.0;
             const double extra_per_rank = static_cast<double>(extra) / config.ranks;
-            std::printf("%8lld %6lld %8lld %3d %5s %-9s %10.2f %9.1f %8.0f%% %7.1fMi %8.2f%% %7s\n",
+            std::printf("%8lld %6lld %8lld %3d %5s %-9s %10.2f %9.1f %8.0f%% %5.0f%% %7.1fMi %8.2f%% %7s\n",
                         static_cast<long long>(tokens), static_cast<long long>(hidden), static_cast<long long>(vocab),
                         config.ranks, dtype_name(dtype), chunked ? "chunked" : "recompute", t * 1e3,
                         6.0 * tokens * vocab * hidden / t * 1e-9, ratios[ratios.size() / 2] * 100.0,
+                        cpu_ratios[cpu_ratios.size() / 2] * 100.0,
                         extra_per_rank / (1 << 20), extra_per_rank / logits_bytes * 100.0,
                         wrong < 0 ? "-" : std::to_string(wrong).c_str());
             std::fflush(stdout);
@@ -347,4 +391,5 @@ Status perf_head_command(const PerfConfig& config) {
   return {};
 }
 
+}  // namespace
 }  // namespace vpce::tools
