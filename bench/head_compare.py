@@ -1,0 +1,211 @@
+"""bench/head_compare.py: the output layer and its loss, side by side on the same inputs,
+the same machine, the same threads, in one run: PyTorch's F.linear + F.cross_entropy (the
+logits built, upcast to fp32 as users do), PyTorch's F.linear_cross_entropy (PyTorch
+>= 2.15: its reference path, options=None, and its chunked path with each of the choices
+of torch.nn.LinearCrossEntropyOptions: the defaults, acc_policy "accurate" and "compact",
+chunking_method "aspect_ratio:4", a fixed batch_chunk_size, allow_retain_graph), vpce's
+unfused path (F.linear, then vpce.torch.vocab_parallel_cross_entropy on the built logits),
+and vpce's fused head, vpce.torch.linear_cross_entropy, in its two modes (recompute and
+chunked). One rank; every case is the mean loss of [tokens, H] hidden states through a
+[V, H] weight (no bias), forward and backward, gradients of both.
+
+Method. Each case runs in a fresh Python process, so that its memory is its own, with
+torch.set_num_threads(--threads) (vpce's kernels take the same number). Time: the median
+wall-clock time of --repeat forward+backward calls after --warmup. Memory: Python's
+tracemalloc does not see PyTorch's allocations, and PyTorch's CPU allocator keeps no
+statistics of its own, so the peak is the operating system's: before each call the
+process's peak resident set (VmHWM) is reset to its current one (Linux: writing 5 to
+/proc/self/clear_refs), and the extra peak of the call is VmHWM after it minus VmRSS before
+it; the table gives the largest over the timed calls, in MiB and in multiples of the fp32
+logits' size ([tokens, V] x 4 bytes). PyTorch's CPU allocator gives large blocks back to
+the system when they are freed (glibc's mmap threshold), so what a call allocates and
+frees shows in its peak. Accuracy: the largest difference of the loss from a float64
+reference computed from the same (fp32 or bf16) values.
+
+A benchmark, not a test; the numbers depend on the machine and its load. Usage:
+  python bench/head_compare.py [--tokens 2048 --hidden 512 --vocab 32000 --dtype fp32|bf16]
+with vpce's Python package importable (pip install .) and, for the F.linear_cross_entropy
+rows, PyTorch >= 2.15 (e.g. the venv of scripts/torch-venv.sh); rows that this PyTorch
+cannot run are listed as skipped."""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def status_mb(field):
+    """VmRSS or VmHWM (the peak) of this process, in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(field)
+
+
+def reset_peak():
+    """Starts VmHWM again from the current RSS (Linux: write 5 to clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def load(directory, name, dtype):
+    array = torch.from_numpy(np.load(os.path.join(directory, name + ".npy")))
+    return array.view(torch.bfloat16) if dtype == "bf16" and array.dtype == torch.int16 else array
+
+
+def lce_options(name):
+    """The torch.nn.LinearCrossEntropyOptions of an F.linear_cross_entropy case (None for the
+    reference path)."""
+    choice = name.split(":", 1)[1] if ":" in name else "reference"
+    if choice == "reference":
+        return None
+    options = torch.nn.LinearCrossEntropyOptions
+    return {
+        "defaults": lambda: options(),
+        "accurate": lambda: options(acc_policy="accurate"),
+        "compact": lambda: options(acc_policy="compact"),
+        "aspect_ratio:4": lambda: options(chunking_method="aspect_ratio:4"),
+        "batch_chunk_size=512": lambda: options(chunking_method=None, batch_chunk_size=512),
+        "allow_retain_graph": lambda: options(allow_retain_graph=True),
+    }[choice]()
+
+
+CASES = [
+    ("torch F.linear + F.cross_entropy", "torch-unfused"),
+    ("torch F.linear_cross_entropy (options=None)", "lce"),
+    ("torch F.linear_cross_entropy (LinearCrossEntropyOptions())", "lce:defaults"),
+    ("torch F.linear_cross_entropy (acc_policy='accurate')", "lce:accurate"),
+    ("torch F.linear_cross_entropy (acc_policy='compact')", "lce:compact"),
+    ("torch F.linear_cross_entropy (chunking_method='aspect_ratio:4')", "lce:aspect_ratio:4"),
+    ("torch F.linear_cross_entropy (batch_chunk_size=512)", "lce:batch_chunk_size=512"),
+    ("torch F.linear_cross_entropy (allow_retain_graph=True)", "lce:allow_retain_graph"),
+    ("vpce unfused: F.linear + vocab_parallel_cross_entropy", "vpce-unfused"),
+    ("vpce linear_cross_entropy, mode='recompute'", "vpce-recompute"),
+    ("vpce linear_cross_entropy, mode='chunked'", "vpce-chunked"),
+]
+
+
+def step(name, hidden, weight, target, threads):
+    """One forward and backward of case `name`: (loss, gradients)."""
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    if name == "torch-unfused":
+        logits = F.linear(h, w)
+        loss = F.cross_entropy(logits.float(), target)
+    elif name.startswith("lce"):
+        loss = F.linear_cross_entropy(h, w, target, options=lce_options(name))
+    elif name == "vpce-unfused":
+        import vpce.torch as vt  # noqa: PLC0415
+
+        logits = F.linear(h, w)
+        loss = vt.vocab_parallel_cross_entropy(logits, target, num_threads=threads).mean()
+    else:
+        import vpce.torch as vt  # noqa: PLC0415
+
+        mode = name.split("-", 1)[1]
+        loss = vt.linear_cross_entropy(h, w, target, mode=mode, reduction="mean", num_threads=threads)
+    loss.backward()
+    return loss.detach(), (h.grad, w.grad)
+
+
+def worker(args):
+    torch.set_num_threads(args.threads)
+    hidden = load(args.input, "hidden", args.dtype)
+    weight = load(args.input, "weight", args.dtype)
+    target = load(args.input, "target", args.dtype)
+    if args.worker.startswith("lce") and not hasattr(F, "linear_cross_entropy"):
+        print(json.dumps({"skipped": f"torch {torch.__version__} has no F.linear_cross_entropy"}))
+        return 0
+    if args.worker.startswith("vpce"):
+        import vpce.torch  # noqa: F401, PLC0415 (imported before anything is measured)
+    times, peaks = [], []
+    loss = None
+    for _ in range(args.warmup + args.repeat):
+        loss = grads = None
+        reset_peak()
+        before = status_mb("VmRSS")
+        start = time.perf_counter()
+        loss, grads = step(args.worker, hidden, weight, target, args.threads)
+        times.append(time.perf_counter() - start)
+        peaks.append(status_mb("VmHWM") - before)
+        del grads
+    reference = float(np.load(os.path.join(args.input, "reference_loss.npy")))
+    print(json.dumps({"ms": 1e3 * statistics.median(times[args.warmup:]), "extra_peak_mb": max(peaks[args.warmup:]),
+                      "loss_error": abs(float(loss.double()) - reference)}))
+    return 0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per case before it is given up")
+    parser.add_argument("--only", help="comma-separated case keys (default: all): " +
+                        ", ".join(key for _, key in CASES))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--input", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    cases = CASES if not args.only else [c for c in CASES if c[1] in args.only.split(",")]
+    with tempfile.TemporaryDirectory() as directory:
+        generator = torch.Generator().manual_seed(0)
+        hidden = torch.randn(args.tokens, args.hidden, generator=generator)
+        weight = torch.randn(args.vocab, args.hidden, generator=generator) * args.hidden**-0.5 * 2
+        target = torch.randint(0, args.vocab, (args.tokens,), generator=generator)
+        if args.dtype == "bf16":
+            hidden, weight = hidden.bfloat16(), weight.bfloat16()
+        for name, tensor in (("hidden", hidden), ("weight", weight), ("target", target)):
+            saved = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+            np.save(os.path.join(directory, name + ".npy"), saved.numpy())
+        logits = hidden.double() @ weight.double().t()
+        reference = F.cross_entropy(logits, target).item()
+        np.save(os.path.join(directory, "reference_loss.npy"), np.array(reference))
+        del logits
+        results = {}
+        for label, key in cases:
+            try:
+                out = subprocess.run([sys.executable, __file__, "--worker", key, "--input", directory, "--dtype",
+                                      args.dtype, "--threads", str(args.threads), "--repeat", str(args.repeat),
+                                      "--warmup", str(args.warmup)], capture_output=True, text=True,
+                                     timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                results[label] = {"skipped": f"over --timeout {args.timeout:.0f} s"}
+                continue
+            if out.returncode != 0:
+                last = (out.stderr.strip().splitlines() or ["?"])[-1]
+                results[label] = {"skipped": f"failed: {last[:100]}"}
+                continue
+            results[label] = json.loads(out.stdout.strip().splitlines()[-1])
+    logits_mb = args.tokens * args.vocab * 4 / 2**20
+    print(f"# {args.tokens} tokens, H {args.hidden}, V {args.vocab}, {args.dtype} inputs, fp32 logits "
+          f"{logits_mb:.0f} MiB; {args.threads} threads; torch {torch.__version__}; median of {args.repeat} "
+          f"forward+backward (mean loss, gradients of hidden and weight) after {args.warmup} warm-up")
+    print("# extra peak: the largest per-call peak of resident memory beyond what was resident before the call")
+    first = next((r["ms"] for r in results.values() if "ms" in r), None)
+    print(f"# {'case':<66} {'fwd+bwd ms':>10} {'vs first':>8} {'extra peak MiB':>14} {'x logits':>8} "
+          f"{'|loss err|':>10}")
+    for label, r in results.items():
+        if "ms" not in r:
+            print(f"  {label:<66} skipped: {r['skipped']}")
+            continue
+        print(f"  {label:<66} {r['ms']:10.1f} {first / r['ms']:8.2f} {r['extra_peak_mb']:14.0f} "
+              f"{r['extra_peak_mb'] / logits_mb:8.2f} {r['loss_error']:10.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
