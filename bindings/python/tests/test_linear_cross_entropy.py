@@ -9,8 +9,10 @@ accumulation fusion into weight.main_grad, errors; on gloo groups of 1, 2 and 4 
 with equal and uneven vocabulary slices, replicated and sequence-parallel hidden states,
 the collectives of each mode counted, the same loss on every rank and a rank that fails
 before the gathers giving every rank its error; on PyTorch >= 2.4 the custom ops under
-torch.compile (no graph break, inductor against the reference, opcheck). The tests that
-need torch.library.custom_op skip on PyTorch 1.13."""
+torch.compile (no graph break, inductor against the reference, opcheck); with the real
+megatron-core, docs/python.md's replacement of GPTModel's output layer and loss against
+Megatron's own ColumnParallelLinear and vocab_parallel_cross_entropy on groups of 1 and 2.
+The tests that need torch.library.custom_op or megatron-core skip on PyTorch 1.13."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -623,3 +625,74 @@ def check_one_rank_fails(group, rank, size):
 @pytest.mark.parametrize("size", [1, 2, 4])
 def test_gloo_group(size):
     spawn(group_worker, size)
+
+
+# ---- the real megatron-core (when installed: PyTorch >= 2.6) -------------------------------
+
+def output_layer_and_loss(model, hidden_states, labels, output_weight=None, mode="recompute"):
+    """docs/python.md's replacement of GPTModel's output_layer + compute_language_model_loss."""
+    from megatron.core import parallel_state  # noqa: PLC0415
+
+    layer = model.output_layer
+    weight = output_weight if output_weight is not None else layer.weight
+    loss = vt.linear_cross_entropy(
+        hidden_states, weight, labels.transpose(0, 1).contiguous(),
+        tp_group=parallel_state.get_tensor_model_parallel_group(), bias=layer.bias,
+        sequence_parallel=layer.sequence_parallel, gradient_accumulation_fusion=layer.gradient_accumulation_fusion,
+        mode=mode, reduction="none" if mode == "recompute" else "sum")
+    return loss.transpose(0, 1).contiguous() if mode == "recompute" else loss
+
+
+def megatron_worker(rank, size, init_file):
+    # Megatron's own output layer (a ColumnParallelLinear on this rank's rows) and its
+    # vocab_parallel_cross_entropy, as GPTModel runs them, against the docs' replacement on
+    # the same weights: the per-token loss [b, s], the gradients of the hidden states and of
+    # this rank's weight rows; tied weights (output_weight) too; the chunked mode's sum.
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from megatron.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy  # noqa: PLC0415
+    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
+    from test_megatron_core import megatron_init  # noqa: PLC0415
+
+    megatron_init(rank, size, init_file)
+    torch.manual_seed(0)  # the same weights on every rank before the layer takes its rows
+    config = TransformerConfig(num_layers=1, hidden_size=24, num_attention_heads=4, use_cpu_initialization=True,
+                               tensor_model_parallel_size=size, params_dtype=torch.float32)
+    layer = ColumnParallelLinear(24, 4 * 37, config=config, init_method=torch.nn.init.normal_, bias=False,
+                                 gather_output=False, skip_bias_add=False)
+    model = SimpleNamespace(output_layer=layer)
+    generator = torch.Generator().manual_seed(1)
+    hidden_states = torch.randn(8, 2, 24, generator=generator)  # [s, b, H]
+    labels = torch.randint(0, 4 * 37, (2, 8), generator=generator)  # [b, s]
+    loss_mask = (torch.rand(2, 8, generator=generator) > 0.2).float()
+    # Megatron: GPTModel's output_layer, then compute_language_model_loss.
+    h_megatron = hidden_states.clone().requires_grad_()
+    logits, _ = layer(h_megatron)
+    want = vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous()).transpose(0, 1)
+    (want * loss_mask).sum().backward()
+    want_weight_grad = layer.weight.grad.clone()
+    for tied in (False, True):
+        layer.weight.grad = None
+        tied_weight = layer.weight.detach().clone().requires_grad_() if tied else None
+        h = hidden_states.clone().requires_grad_()
+        loss = output_layer_and_loss(model, h, labels, output_weight=tied_weight)
+        (loss * loss_mask).sum().backward()
+        weight_grad = tied_weight.grad if tied else layer.weight.grad
+        assert loss.shape == want.shape and relative_error(loss.detach(), want.detach()) < 1e-6
+        assert relative_error(h.grad, h_megatron.grad) < 1e-5
+        assert relative_error(weight_grad, want_weight_grad) < 1e-5
+    # The chunked mode: the masked tokens' labels ignored, the loss summed.
+    layer.weight.grad = None
+    h = hidden_states.clone().requires_grad_()
+    loss = output_layer_and_loss(model, h, labels.masked_fill(loss_mask == 0, -100), mode="chunked")
+    loss.backward()
+    assert relative_error(loss.detach(), (want * loss_mask).sum().detach()) < 1e-6
+    assert relative_error(h.grad, h_megatron.grad) < 1e-5
+    assert relative_error(layer.weight.grad, want_weight_grad) < 1e-5
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_against_megatron_cores_output_layer_and_loss(size):
+    pytest.importorskip("megatron.core", reason="megatron-core (needs PyTorch >= 2.6) is not installed")
+    spawn(megatron_worker, size)
