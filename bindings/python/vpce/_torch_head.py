@@ -1,10 +1,11 @@
 """The fused head, vpce.torch.linear_cross_entropy: Megatron's output layer (a
 ColumnParallelLinear whose rank holds a slice of the vocabulary's rows of the weight) and
 vpce's loss in one autograd step, on vpce's C++ head (vpce/head.h), which never builds the
-logits. This module has the arguments, the collectives around the head (the sequence-
-parallel all-gather of the hidden states, the all-reduce or reduce-scatter of their
-gradient) and the torch.autograd.Function path; the custom ops (PyTorch >= 2.4) are in
-_torch_ops and call the same functions.
+logits. This module has the public function, its arguments, the collectives around the
+head (the sequence-parallel all-gather of the hidden states, the all-reduce or
+reduce-scatter of their gradient), the torch.autograd.Function path and the custom ops
+(PyTorch >= 2.4; the group key and options' JSON of _torch_ops), both on the same
+forward and backward functions.
 
 Two modes:
   - "recompute" (the default): the forward keeps the lse (4 bytes per token) and the
@@ -14,8 +15,9 @@ Two modes:
     reduce-scatter, as Megatron's layer does) in the backward.
   - "chunked" (reduction "sum" or "mean"): the forward also computes the gradients, for
     an upstream gradient of 1, into fresh buffers (fp32), and makes every collective; the
-    backward only multiplies them by the upstream gradient (no GEMM, no collective). One
-    backward per forward (the buffers are scaled in place).
+    backward only multiplies them by the upstream gradient (no GEMM, no collective). In
+    eager mode (the autograd.Function) the buffers are scaled in place: one backward per
+    forward. Under torch.compile (the custom op) the backward scales a copy.
 """
 from __future__ import annotations
 
