@@ -3,11 +3,11 @@ the same machine, the same threads, in one run: PyTorch's F.linear + F.cross_ent
 logits built, upcast to fp32 as users do), PyTorch's F.linear_cross_entropy (PyTorch
 >= 2.15: its reference path, options=None, and its chunked path with each of the choices
 of torch.nn.LinearCrossEntropyOptions: the defaults, acc_policy "accurate" and "compact",
-chunking_method "aspect_ratio:4", a fixed batch_chunk_size, allow_retain_graph), vpce's
-unfused path (F.linear, then vpce.torch.vocab_parallel_cross_entropy on the built logits),
-and vpce's fused head, vpce.torch.linear_cross_entropy, in its two modes (recompute and
-chunked). One rank; every case is the mean loss of [tokens, H] hidden states through a
-[V, H] weight (no bias), forward and backward, gradients of both.
+chunking_method "aspect_ratio:4", a fixed batch_chunk_size, allow_retain_graph, acc_dtype
+float32), vpce's unfused path (F.linear, then vpce.torch.vocab_parallel_cross_entropy on the
+built logits), and vpce's fused head, vpce.torch.linear_cross_entropy, in its two modes
+(recompute and chunked). One rank; every case is the mean loss of [tokens, H] hidden
+states through a [V, H] weight (no bias), forward and backward, gradients of both.
 
 Method. Each case runs in a fresh Python process, so that its memory is its own, with
 torch.set_num_threads(--threads) (vpce's kernels take the same number). Time: the median
@@ -75,6 +75,7 @@ def lce_options(name):
         "aspect_ratio:4": lambda: options(chunking_method="aspect_ratio:4"),
         "batch_chunk_size=512": lambda: options(chunking_method=None, batch_chunk_size=512),
         "allow_retain_graph": lambda: options(allow_retain_graph=True),
+        "acc_dtype=float32": lambda: options(acc_dtype=torch.float32),
     }[choice]()
 
 
@@ -87,6 +88,7 @@ CASES = [
     ("torch F.linear_cross_entropy (chunking_method='aspect_ratio:4')", "lce:aspect_ratio:4"),
     ("torch F.linear_cross_entropy (batch_chunk_size=512)", "lce:batch_chunk_size=512"),
     ("torch F.linear_cross_entropy (allow_retain_graph=True)", "lce:allow_retain_graph"),
+    ("torch F.linear_cross_entropy (acc_dtype=torch.float32)", "lce:acc_dtype=float32"),
     ("vpce unfused: F.linear + vocab_parallel_cross_entropy", "vpce-unfused"),
     ("vpce linear_cross_entropy, mode='recompute'", "vpce-recompute"),
     ("vpce linear_cross_entropy, mode='chunked'", "vpce-chunked"),
