@@ -6,8 +6,8 @@
 // grad_weight = dx^T h: oneDNN's sgemm on each rank's [N, V/R, H]). Prints per row: the time,
 // the GFLOP/s of the step's useful work (6 N V H), the time as a percentage of the three
 // GEMMs' (median of the iterations' ratios; also as process CPU time), the peak memory beyond inputs and gradients per
-// rank (the resident-set high-water mark, reset before the call, so oneDNN's own buffers
-// count) as MiB and as a percentage of the logits' N x V/R x 4 bytes, and #wrong.
+// rank (the resident-set high-water mark of a first, untimed call, reset before it, so
+// oneDNN's own buffers count) as MiB and as a percentage of the logits' N x V/R x 4 bytes, and #wrong.
 //
 // #wrong: a separate call with the same shapes and mode in which only 16 tokens count
 // (token weights 1 there, 0 elsewhere, a summed loss), so that the fp64 oracle of the
@@ -287,10 +287,6 @@ Status perf_head_command(const PerfConfig& config) {
 namespace {
 
 Status sweep_head(const PerfConfig& config) {
-  // Every buffer of 128 KiB or more is its own mapping, returned to the system when freed,
-  // so that the resident set measures what a call holds (glibc would otherwise raise the
-  // threshold and keep freed buffers resident).
-  mallopt(M_MMAP_THRESHOLD, 128 * 1024);
   const int hardware = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   const int threads = config.threads > 0 ? config.threads : std::max(1, hardware / config.ranks);
   std::vector<DataType> dtypes;
@@ -333,11 +329,22 @@ Status sweep_head(const PerfConfig& config) {
                 return Status{};
               }, "-t", &st);
             };
+            // The peak: one call during which every buffer of 128 KiB or more is its own
+            // mapping, returned to the system when freed, so that the resident set's
+            // high-water mark measures what the call holds. The timed calls then run with
+            // glibc's usual reuse of freed buffers (a 32 MiB threshold, its largest dynamic
+            // one): mapping each GEMM's packing buffer afresh would slow the many tile GEMMs.
+            mallopt(M_MMAP_THRESHOLD, 128 * 1024);
+            const int64_t before = status_field("VmRSS:");
+            reset_peak();
+            if (Status e = fused(false); !e.ok()) return e;
+            for (const Status& e : st) {
+              if (!e.ok()) return e;
+            }
+            const int64_t extra = status_field("VmHWM:") - before;
+            mallopt(M_MMAP_THRESHOLD, 32 << 20);
             std::vector<double> times, ratios, cpu_ratios;
-            int64_t extra = 0;
             for (int it = 0; it < config.warmup + config.iterations; ++it) {
-              const int64_t before = status_field("VmRSS:");
-              reset_peak();
               auto t0 = Clock::now();
               const double c0 = process_cpu_seconds();
               if (Status e = fused(false); !e.ok()) return e;
@@ -346,7 +353,6 @@ Status sweep_head(const PerfConfig& config) {
               }
               const double t_fused = seconds_since(t0);
               const double c_fused = process_cpu_seconds() - c0;
-              extra = std::max(extra, status_field("VmHWM:") - before);
               t0 = Clock::now();
               const double c1 = process_cpu_seconds();
               if (Status e = gemms(); !e.ok()) return e;

@@ -222,6 +222,7 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
   std::vector<double> bias_block(grads.bias.present() ? static_cast<std::size_t>(vb) : 0);
   const int64_t group = std::max<int64_t>(1, kGradientBufferBytes / (vb * nb * 4)) * nb;
   std::vector<float> dx(static_cast<std::size_t>(std::min(group, n) * vb));
+  std::vector<double> bias_parts(grads.bias.present() ? static_cast<std::size_t>((group / nb) * vb) : 0);
   std::vector<float> staging;
   const TokenVector& targets = args.targets;
   for (int64_t v0 = 0; v0 < vr; v0 += vb) {
@@ -237,7 +238,7 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
     const float beta_h = dh_started ? 1.0f : 0.0f;
     const WeightTarget target{
         !grads.weight.present() ? nullptr : weight_direct ? grads.weight.matrix.row<float>(v0) : weight_block.data(),
-        weight_direct ? grads.weight.matrix.row_stride : h, grads.bias.present() ? bias_block.data() : nullptr};
+        weight_direct ? grads.weight.matrix.row_stride : h, nullptr};
     // The tokens in super-blocks of `group` rows whose logit gradients fit the buffer; the
     // weight's gradient sums them in super-block order (no tokens: one empty super-block,
     // which writes the zero sums).
@@ -257,11 +258,25 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
         if (grads.hidden.present()) {
           gemm(false, false, rows, h, cols, tile, vb, w, ldw, beta_h, dh + r0 * lddh, lddh);
         }
+        if (grads.bias.present()) {  // the block's column sums while its tile is in cache
+          double* part = bias_parts.data() + i * vb;
+          std::fill(part, part + cols, 0.0);
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* row = tile + r * vb;
+            for (int64_t c = 0; c < cols; ++c) part[c] += static_cast<double>(row[c]);
+          }
+        }
       });
-      if (grads.weight.present() || grads.bias.present()) {
+      if (grads.bias.present()) {  // the blocks' sums in token order
+        for (int64_t i = 0; i < blocks_of(group_rows, nb); ++i) {
+          const double* part = bias_parts.data() + i * vb;
+          for (int64_t c = 0; c < cols; ++c) bias_block[c] = s0 == 0 && i == 0 ? part[c] : bias_block[c] + part[c];
+        }
+      }
+      if (grads.weight.present()) {
         // The first super-block writes the sums (over grad_weight itself, unless adding into it).
         const float beta_w = s0 > 0 || (weight_direct && grads.weight.accumulate) ? 1.0f : 0.0f;
-        weight_gradient(dx.data(), vb, group_rows, ops.hidden_row(s0), ops.hidden_ld(), h, cols, beta_w, s0 > 0,
+        weight_gradient(dx.data(), vb, group_rows, ops.hidden_row(s0), ops.hidden_ld(), h, cols, beta_w, false,
                         target, threads);
       }
       s0 += group;
