@@ -2,6 +2,7 @@
 #include "tiles.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 
@@ -46,7 +47,12 @@ void widen_rows(const RowMatrix& m, int64_t begin, int64_t rows, float* out, int
   parallel_rows(rows, num_threads, [&](int64_t r) {
     const char* src = m.base + (begin + r) * m.row_stride * bytes;
     float* dst = out + r * m.cols;
-    for (int64_t c = 0; c < m.cols; ++c) dst[c] = widen(src + c * bytes, m.dtype);
+    if (m.dtype == kBFloat16) {  // a shift: one loop the compiler vectorises
+      const auto* bits = reinterpret_cast<const uint16_t*>(src);
+      for (int64_t c = 0; c < m.cols; ++c) dst[c] = std::bit_cast<float>(static_cast<uint32_t>(bits[c]) << 16);
+    } else {
+      for (int64_t c = 0; c < m.cols; ++c) dst[c] = widen(src + c * bytes, m.dtype);
+    }
   });
 }
 
@@ -71,19 +77,11 @@ void store(const RowMatrix& m, bool accumulate, int64_t r, int64_t c, float valu
 
 }  // namespace
 
-Fp32Operands::Fp32Operands(const HeadArgs& args, bool full_weight, int num_threads)
-    : args_(args), num_threads_(num_threads) {
+Fp32Operands::Fp32Operands(const HeadArgs& args, bool full, int num_threads) : args_(args) {
   const int64_t n = args.tokens(), h = args.hidden_size(), v = args.vocab_rows();
-  if (args.hidden.dtype == kFloat32) {
-    hidden_ = args.hidden.row<float>(0);
-    hidden_ld_ = args.hidden.row_stride;
-  } else {
+  if (full && args.hidden.dtype != kFloat32) {
     hidden_copy_.resize(static_cast<std::size_t>(n * h));
     widen_rows(args.hidden, 0, n, hidden_copy_.data(), num_threads);
-    hidden_ = hidden_copy_.data();
-    hidden_ld_ = h;
-  }
-  if (full_weight && args.weight.dtype != kFloat32) {
     weight_copy_.resize(static_cast<std::size_t>(v * h));
     widen_rows(args.weight, 0, v, weight_copy_.data(), num_threads);
   }
@@ -96,16 +94,27 @@ Fp32Operands::Fp32Operands(const HeadArgs& args, bool full_weight, int num_threa
   }
 }
 
-const float* Fp32Operands::weight_rows(int64_t begin, int64_t count, std::vector<float>& staging, int64_t* ld) const {
-  if (args_.weight.dtype == kFloat32) {
-    *ld = args_.weight.row_stride;
-    return args_.weight.row<float>(begin);
+const float* Fp32Operands::rows(const RowMatrix& m, const std::vector<float>& copy, int64_t begin, int64_t count,
+                                std::vector<float>& staging, int threads, int64_t* ld) const {
+  if (m.dtype == kFloat32) {
+    *ld = m.row_stride;
+    return m.row<float>(begin);
   }
-  *ld = args_.hidden_size();
-  if (!weight_copy_.empty()) return weight_copy_.data() + begin * args_.hidden_size();
-  staging.resize(static_cast<std::size_t>(count * args_.hidden_size()));
-  widen_rows(args_.weight, begin, count, staging.data(), num_threads_);
+  *ld = m.cols;
+  if (!copy.empty()) return copy.data() + begin * m.cols;
+  staging.resize(static_cast<std::size_t>(count * m.cols));
+  widen_rows(m, begin, count, staging.data(), threads);
   return staging.data();
+}
+
+const float* Fp32Operands::hidden_rows(int64_t begin, int64_t count, std::vector<float>& staging, int threads,
+                                       int64_t* ld) const {
+  return rows(args_.hidden, hidden_copy_, begin, count, staging, threads, ld);
+}
+
+const float* Fp32Operands::weight_rows(int64_t begin, int64_t count, std::vector<float>& staging, int threads,
+                                       int64_t* ld) const {
+  return rows(args_.weight, weight_copy_, begin, count, staging, threads, ld);
 }
 
 void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, int64_t row_begin,
@@ -121,16 +130,20 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
   std::vector<float> target_logit(static_cast<std::size_t>(rows), kNegInf);
   std::vector<float> tiles(keep != nullptr ? 0 : static_cast<std::size_t>(threads * nb * vb));
   std::vector<float> staging;
+  std::vector<std::vector<float>> hidden_staging(static_cast<std::size_t>(threads));  // per thread
   for (int64_t v0 = 0; v0 < vr; v0 += vb) {
     const int64_t cols = valid_columns(ctx.vocab_begin + v0, std::min(vb, vr - v0), ctx.params);
     if (cols == 0) continue;  // padding: no part in the loss
     int64_t ldw = 0;
-    const float* w = ops.weight_rows(v0, cols, staging, &ldw);
+    const float* w = ops.weight_rows(v0, cols, staging, threads, &ldw);
     parallel_rows(token_blocks, threads, [&](int64_t i) {
       const int64_t r0 = i * nb, n = std::min(nb, rows - r0);
       float* tile = keep != nullptr ? keep + r0 * vr + v0 : tiles.data() + thread_index() * nb * vb;
       const int64_t ld = keep != nullptr ? vr : vb;
-      gemm(false, true, n, cols, h, ops.hidden_row(row_begin + r0), ops.hidden_ld(), w, ldw, 0.0f, tile, ld);
+      int64_t ldh = 0;
+      const float* hidden =
+          ops.hidden_rows(row_begin + r0, n, hidden_staging[static_cast<std::size_t>(thread_index())], 1, &ldh);
+      gemm(false, true, n, cols, h, hidden, ldh, w, ldw, 0.0f, tile, ld);
       add_bias(tile, ld, n, cols, ops.bias() != nullptr ? ops.bias() + v0 : nullptr);
       for (int64_t r = 0; r < n; ++r) {
         const float* row = tile + r * ld;
@@ -220,8 +233,12 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
   const bool weight_direct = grads.weight.present() && grads.weight.matrix.dtype == kFloat32;
   std::vector<float> weight_block(grads.weight.present() && !weight_direct ? static_cast<std::size_t>(vb * h) : 0);
   std::vector<double> bias_block(grads.bias.present() ? static_cast<std::size_t>(vb) : 0);
-  const int64_t group = std::max<int64_t>(1, kGradientBufferBytes / (vb * nb * 4)) * nb;
+  // A super-block's logit gradients, and for bf16/fp16 its hidden states in fp32, fit the buffer.
+  const int64_t token_bytes = (vb + (args.hidden.dtype == kFloat32 ? 0 : h)) * 4;
+  const int64_t group = std::max<int64_t>(1, kGradientBufferBytes / (token_bytes * nb)) * nb;
   std::vector<float> dx(static_cast<std::size_t>(std::min(group, n) * vb));
+  std::vector<float> group_staging;
+  std::vector<std::vector<float>> hidden_staging(static_cast<std::size_t>(threads));  // per thread
   std::vector<double> bias_parts(grads.bias.present() ? static_cast<std::size_t>((group / nb) * vb) : 0);
   std::vector<float> staging;
   const TokenVector& targets = args.targets;
@@ -234,7 +251,7 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
       continue;
     }
     int64_t ldw = 0;
-    const float* w = ops.weight_rows(v0, cols, staging, &ldw);
+    const float* w = ops.weight_rows(v0, cols, staging, threads, &ldw);
     const float beta_h = dh_started ? 1.0f : 0.0f;
     const WeightTarget target{
         !grads.weight.present() ? nullptr : weight_direct ? grads.weight.matrix.row<float>(v0) : weight_block.data(),
@@ -248,7 +265,10 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
       parallel_rows(blocks_of(group_rows, nb), threads, [&](int64_t i) {
         const int64_t r0 = s0 + i * nb, rows = std::min(nb, n - r0);
         float* tile = dx.data() + (r0 - s0) * vb;
-        gemm(false, true, rows, cols, h, ops.hidden_row(r0), ops.hidden_ld(), w, ldw, 0.0f, tile, vb);
+        int64_t ldh = 0;
+        const float* hidden =
+            ops.hidden_rows(r0, rows, hidden_staging[static_cast<std::size_t>(thread_index())], 1, &ldh);
+        gemm(false, true, rows, cols, h, hidden, ldh, w, ldw, 0.0f, tile, vb);
         add_bias(tile, vb, rows, cols, ops.bias() != nullptr ? ops.bias() + v0 : nullptr);
         const RowMatrix x{reinterpret_cast<char*>(tile), kFloat32, rows, width, vb};
         Upstream up = upstream;
@@ -276,8 +296,9 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
       if (grads.weight.present()) {
         // The first super-block writes the sums (over grad_weight itself, unless adding into it).
         const float beta_w = s0 > 0 || (weight_direct && grads.weight.accumulate) ? 1.0f : 0.0f;
-        weight_gradient(dx.data(), vb, group_rows, ops.hidden_row(s0), ops.hidden_ld(), h, cols, beta_w, false,
-                        target, threads);
+        int64_t ldh = 0;
+        const float* hidden = ops.hidden_rows(s0, group_rows, group_staging, threads, &ldh);
+        weight_gradient(dx.data(), vb, group_rows, hidden, ldh, h, cols, beta_w, false, target, threads);
       }
       s0 += group;
     } while (s0 < n);
@@ -312,9 +333,9 @@ void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
   const int64_t cols = valid_columns(ctx.vocab_begin, vr, ctx.params);
   std::vector<float> unused;
   int64_t ldw = 0;
-  const float* w = cols > 0 ? ops.weight_rows(0, cols, unused, &ldw) : nullptr;
+  const float* w = cols > 0 ? ops.weight_rows(0, cols, unused, threads, &ldw) : nullptr;
   const bool hidden_direct = grads.hidden.present() && grads.hidden.matrix.dtype == kFloat32;
-  std::vector<float> hidden_rows(grads.hidden.present() && !hidden_direct
+  std::vector<float> hidden_out(grads.hidden.present() && !hidden_direct
                                      ? static_cast<std::size_t>(std::min<int>(threads, token_blocks) * nb * h)
                                      : 0);
   parallel_rows(token_blocks, std::min<int64_t>(threads, token_blocks), [&](int64_t i) {
@@ -337,7 +358,7 @@ void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
       gemm(false, false, n, h, cols, x, vr, w, ldw, grads.hidden.accumulate ? 1.0f : 0.0f,
            grads.hidden.matrix.row<float>(token), grads.hidden.matrix.row_stride);
     } else {
-      float* out = hidden_rows.data() + thread_index() * nb * h;
+      float* out = hidden_out.data() + thread_index() * nb * h;
       gemm(false, false, n, h, cols, x, vr, w, ldw, 0.0f, out, h);
       for (int64_t r = 0; r < n; ++r) {
         for (int64_t c = 0; c < h; ++c) store(grads.hidden.matrix, grads.hidden.accumulate, token + r, c, out[r * h + c]);
@@ -350,8 +371,9 @@ void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
       sums.weight_direct ? grads.weight.matrix.row_stride : h, grads.bias.present() ? sums.bias.data() : nullptr};
   // The first chunk writes the sums (over grad_weight itself, unless accumulating into it).
   const float beta_w = first_chunk && !(sums.weight_direct && grads.weight.accumulate) ? 0.0f : 1.0f;
-  weight_gradient(logits, vr, rows, ops.hidden_row(row_begin), ops.hidden_ld(), h, cols, beta_w, !first_chunk,
-                  target, threads);
+  int64_t ldh = 0;
+  const float* hidden = ops.hidden_rows(row_begin, rows, unused, threads, &ldh);
+  weight_gradient(logits, vr, rows, hidden, ldh, h, cols, beta_w, !first_chunk, target, threads);
 }
 
 void finish_chunked_gradients(const HeadArgs& args, const SweepContext& ctx, const HeadGradientArgs& grads,

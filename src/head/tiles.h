@@ -22,25 +22,26 @@ struct SweepContext {
   int num_threads = 0;
 };
 
-// The operands as fp32 rows: the inputs themselves when fp32, else converted copies
-// (hidden entirely; the weight entirely only when `full_weight`, else one block at a time
-// inside the sweeps). Holds the copies.
+// The operands as fp32 rows: the inputs themselves when fp32; else, for bf16 and fp16,
+// converted copies: all of them when `full` (the chunked mode), else a block at a time into
+// the caller's staging buffer inside the sweeps. Holds the full copies and the bias.
 class Fp32Operands {
  public:
-  Fp32Operands(const HeadArgs& args, bool full_weight, int num_threads);
-  const float* hidden_row(int64_t r) const { return hidden_ + r * hidden_ld_; }
-  int64_t hidden_ld() const { return hidden_ld_; }
-  // Weight rows [begin, begin + count) in fp32 (converted into `staging`, [count, H], when
-  // the weight is not fp32 and not held entirely), and their row stride.
-  const float* weight_rows(int64_t begin, int64_t count, std::vector<float>& staging, int64_t* ld) const;
+  Fp32Operands(const HeadArgs& args, bool full, int num_threads);
+  // Hidden rows [begin, begin + count) / weight rows [begin, begin + count) in fp32
+  // (converted into `staging`, [count, H], on `threads` threads, when needed), and their
+  // row stride.
+  const float* hidden_rows(int64_t begin, int64_t count, std::vector<float>& staging, int threads,
+                           int64_t* ld) const;
+  const float* weight_rows(int64_t begin, int64_t count, std::vector<float>& staging, int threads,
+                           int64_t* ld) const;
   const float* bias() const { return bias_.empty() ? nullptr : bias_.data(); }
 
  private:
+  const float* rows(const RowMatrix& m, const std::vector<float>& copy, int64_t begin, int64_t count,
+                    std::vector<float>& staging, int threads, int64_t* ld) const;
   const HeadArgs& args_;
-  int num_threads_;
   std::vector<float> hidden_copy_, weight_copy_, bias_;
-  const float* hidden_ = nullptr;
-  int64_t hidden_ld_ = 0;
 };
 
 // Token rows [row_begin, row_begin + rows) -> their [rows, W] statistics (as

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -38,6 +39,27 @@ Result run_vpce(const std::string& limits, const std::string& args) {
   const int raw = pipe != nullptr ? pclose(pipe) : -1;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, err, seconds};
+}
+
+// The address space the vpce program's shared libraries take (in CUDA builds cuBLAS alone
+// is hundreds of MiB), from the dynamic loader's list of them (LD_TRACE_LOADED_OBJECTS, as
+// ldd) and their sizes, so that an RLIMIT_AS can be set as that plus what the test allows.
+std::string address_space_plus(int64_t bytes) {
+  const std::string command = std::string("LD_TRACE_LOADED_OBJECTS=1 ") + VPCE_CLI_PATH;
+  std::FILE* pipe = popen(command.c_str(), "r");
+  int64_t libraries = 0;
+  char line[4096];
+  while (pipe != nullptr && std::fgets(line, sizeof(line), pipe) != nullptr) {
+    const std::string text(line);
+    const std::size_t arrow = text.find("=> /");
+    if (arrow == std::string::npos) continue;
+    const std::string path = text.substr(arrow + 3, text.find(" (", arrow) - arrow - 3);
+    std::error_code error;
+    const auto size = fs::file_size(path, error);
+    if (!error) libraries += static_cast<int64_t>(size);
+  }
+  if (pipe != nullptr) pclose(pipe);
+  return "--as " + std::to_string(libraries + bytes);
 }
 
 void expect_one_error_line(const Result& r, const std::string& fragment) {
@@ -106,23 +128,25 @@ TEST_F(Fault, FullDiskLeavesAnEarlierRunsFilesUntouched) {
 
 #ifndef VPCE_SANITIZED_ADDRESS_SPACE  // a sanitizer's shadow memory needs an unlimited address space
 TEST_F(Fault, OutOfMemoryIsAnErrorNotAnAbort) {
-  // 64 MiB of logits under a 150 MiB address space: the copies for the run do not fit.
+  // 64 MiB of logits under 150 MiB of address space beyond the shared libraries: the copies
+  // for the run do not fit.
   ASSERT_EQ(run_vpce("", "gen --tokens 2048 --vocab 8192 --out " + (dir_ / "big").string()).status, 0);
   const fs::path out = dir_ / "out";
-  expect_one_error_line(run_vpce("--as 157286400", "run --logits " + (dir_ / "big" / "logits.npy").string() +
+  expect_one_error_line(run_vpce(address_space_plus(157286400), "run --logits " + (dir_ / "big" / "logits.npy").string() +
                                                         " --targets " + (dir_ / "big" / "targets.npy").string() +
                                                         " --out " + out.string()),
                         "logits; about 192.0 MiB in all): out of memory");
   EXPECT_FALSE(fs::exists(out));
-  expect_one_error_line(run_vpce("--as 157286400", "gen --tokens 8192 --vocab 8192 --out " + out.string()),
+  expect_one_error_line(run_vpce(address_space_plus(157286400), "gen --tokens 8192 --vocab 8192 --out " + out.string()),
                         "gen: --tokens 8192 x --vocab 8192 (about 384 MiB): out of memory");
   EXPECT_FALSE(fs::exists(out));
 }
 
 TEST_F(Fault, RankThreadsThatCannotStartFailAtOnce) {
-  // 1024 rank threads of 8 MiB stacks do not fit in 1 GiB: the ranks already started must
+  // 1024 rank threads of 8 MiB stacks do not fit in 1 GiB (beyond the shared libraries): the
+  // ranks already started must
   // be released, not left waiting for the group's timeout (300 s).
-  const Result r = run_vpce("--as 1073741824", run_args(dir_ / "out") + " --tp 1024");
+  const Result r = run_vpce(address_space_plus(1073741824), run_args(dir_ / "out") + " --tp 1024");
   expect_one_error_line(r, "--tp: expected 1024 rank threads, could start only ");
   EXPECT_LT(r.seconds, 60.0);
   EXPECT_FALSE(fs::exists(dir_ / "out"));

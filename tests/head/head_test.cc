@@ -325,15 +325,18 @@ TEST_P(HeadModes, BitIdenticalForOneAndTwoThreadsAndAcrossRuns) {
 TEST_P(HeadModes, WideTilesSpanSeveralGradientSuperBlocks) {
   // Vb = 16384 columns: the backward holds 8 MiB of logit gradients, 16 token blocks of 8, so
   // 300 tokens take three super-blocks whose weight gradients are summed in order.
-  HeadProblem p = random_head_problem(300, 6, 20000, kFloat32, 51);
-  HeadRun run;
-  run.mode = GetParam();
-  run.loss.reduction = Reduction::kMean;
-  run.ranks = 1;
-  run.head.token_block = 8;
-  run.head.vocab_block = 16384;
-  run.head.chunk_tokens = 104;
-  expect_matches(p, run, run_head(p, run));
+  // bf16: the super-blocks' hidden states are widened to fp32 in the same buffer (120 tokens).
+  for (DataType dtype : {kFloat32, kBFloat16}) {
+    HeadProblem p = random_head_problem(300, 6, 20000, dtype, 51);
+    HeadRun run;
+    run.mode = GetParam();
+    run.loss.reduction = Reduction::kMean;
+    run.ranks = 1;
+    run.head.token_block = 8;
+    run.head.vocab_block = 16384;
+    run.head.chunk_tokens = 104;
+    expect_matches(p, run, run_head(p, run));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Head, HeadModes, ::testing::Values(Mode::kRecompute, Mode::kChunked),
