@@ -359,6 +359,60 @@ TEST(Head, ChunkedLossIsTheForwardsBitForBitAndCountsItsGathers) {
   EXPECT_EQ(std::memcmp(chunked.lse.data(), recompute.lse.data(), recompute.lse.size() * sizeof(float)), 0);
 }
 
+// Counts the collectives a call makes through it.
+class CountingCommunicator : public Communicator {
+ public:
+  explicit CountingCommunicator(Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  Status all_gather(const void* send, void* recv, std::size_t bytes) override {
+    ++gathers;
+    return inner_.all_gather(send, recv, bytes);
+  }
+  const char* name() const override { return "counting"; }
+  int gathers = 0;
+
+ private:
+  Communicator& inner_;
+};
+
+TEST(Head, OneAllGatherPerForwardAndOnePerChunk) {
+  HeadProblem p = random_head_problem(40, 8, 60, kFloat32, 61);
+  const std::vector<VocabShard> shards = shards_from_sizes({25, 35});
+  std::unique_ptr<ThreadGroup> g;
+  ASSERT_TRUE(ThreadGroup::create(2, &g).ok());
+  std::vector<int> forward_gathers(2), chunked_gathers(2);
+  const std::vector<Status> st = g->run([&](Communicator& comm) -> Status {
+    const VocabShard& shard = shards[static_cast<std::size_t>(comm.rank())];
+    const HeadInputs in{p.hidden_view(), p.weight_view(shard.vocab_begin, shard.vocab_end)};
+    const TensorView tv = TensorView::contiguous(p.targets.data(), kInt64, {p.tokens});
+    std::vector<float> loss(1), lse(static_cast<std::size_t>(p.tokens));
+    std::vector<float> gh(static_cast<std::size_t>(p.tokens * p.hidden));
+    const TensorView ghv = TensorView::contiguous(gh.data(), kFloat32, {p.tokens, p.hidden});
+    LossOptions options;
+    options.reduction = Reduction::kSum;
+    HeadOptions head;
+    head.token_block = 8;
+    head.chunk_tokens = 16;
+    CountingCommunicator counting(comm);
+    Status s = linear_cross_entropy_forward(counting, in, tv, shard, options, head,
+                                            TensorView::contiguous(loss.data(), kFloat32, {1}),
+                                            TensorView::contiguous(lse.data(), kFloat32, {p.tokens}));
+    forward_gathers[static_cast<std::size_t>(comm.rank())] = counting.gathers;
+    if (!s.ok()) return s;
+    CountingCommunicator chunked(comm);
+    s = linear_cross_entropy_forward_backward(chunked, in, tv, shard, options, head, 1.0f,
+                                              TensorView::contiguous(loss.data(), kFloat32, {1}),
+                                              TensorView::contiguous(lse.data(), kFloat32, {p.tokens}),
+                                              {{&ghv, false}});
+    chunked_gathers[static_cast<std::size_t>(comm.rank())] = chunked.gathers;
+    return s;
+  });
+  for (const Status& s : st) ASSERT_TRUE(s.ok()) << s.message();
+  EXPECT_EQ(forward_gathers, (std::vector<int>{1, 1}));  // the backward takes no communicator
+  EXPECT_EQ(chunked_gathers, (std::vector<int>{3, 3}));  // ceil(40 / 16)
+}
+
 TEST(Head, StagedStatsMatchTheLossOfTheLogits) {
   // linear_cross_entropy_local_stats, merged and reduced with the staged API, gives the loss
   // of the oracle's logits.
