@@ -238,7 +238,6 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
   const int64_t group = std::max<int64_t>(1, kGradientBufferBytes / (token_bytes * nb)) * nb;
   std::vector<float> dx(static_cast<std::size_t>(std::min(group, n) * vb));
   std::vector<float> group_staging;
-  std::vector<std::vector<float>> hidden_staging(static_cast<std::size_t>(threads));  // per thread
   std::vector<double> bias_parts(grads.bias.present() ? static_cast<std::size_t>((group / nb) * vb) : 0);
   std::vector<float> staging;
   const TokenVector& targets = args.targets;
@@ -262,13 +261,14 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
     int64_t s0 = 0;
     do {
       const int64_t group_rows = std::min(group, n - s0);
+      // The super-block's hidden states in fp32 (converted once for its tiles and its weight
+      // gradient when bf16/fp16).
+      int64_t ldh = 0;
+      const float* hidden = ops.hidden_rows(s0, group_rows, group_staging, threads, &ldh);
       parallel_rows(blocks_of(group_rows, nb), threads, [&](int64_t i) {
         const int64_t r0 = s0 + i * nb, rows = std::min(nb, n - r0);
         float* tile = dx.data() + (r0 - s0) * vb;
-        int64_t ldh = 0;
-        const float* hidden =
-            ops.hidden_rows(r0, rows, hidden_staging[static_cast<std::size_t>(thread_index())], 1, &ldh);
-        gemm(false, true, rows, cols, h, hidden, ldh, w, ldw, 0.0f, tile, vb);
+        gemm(false, true, rows, cols, h, hidden + (r0 - s0) * ldh, ldh, w, ldw, 0.0f, tile, vb);
         add_bias(tile, vb, rows, cols, ops.bias() != nullptr ? ops.bias() + v0 : nullptr);
         const RowMatrix x{reinterpret_cast<char*>(tile), kFloat32, rows, width, vb};
         Upstream up = upstream;
@@ -296,8 +296,6 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
       if (grads.weight.present()) {
         // The first super-block writes the sums (over grad_weight itself, unless adding into it).
         const float beta_w = s0 > 0 || (weight_direct && grads.weight.accumulate) ? 1.0f : 0.0f;
-        int64_t ldh = 0;
-        const float* hidden = ops.hidden_rows(s0, group_rows, group_staging, threads, &ldh);
         weight_gradient(dx.data(), vb, group_rows, hidden, ldh, h, cols, beta_w, false, target, threads);
       }
       s0 += group;
