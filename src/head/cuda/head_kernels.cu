@@ -1,55 +1,22 @@
 // head/cuda/head_kernels.cu: the fused head's CUDA epilogue kernels (see head_kernels.h).
 //
-// The per-element arithmetic is src/cuda/kernels.cu's, restated here for an fp32 tile with
-// a bias (that file's helpers are private to it): the same transform (scale, soft-cap), the
+// The per-element arithmetic is src/cuda/kernels.cu's, for an fp32 tile with a bias: the
+// transform, the parts, their combine and the fixed trees from cuda/device_common.cuh, the
 // same online fold of a thread's elements (fp32 max and exp, fp64 sums, -inf skipped, NaN
-// kept), the same combine (a part is empty only if its max is -inf and its sum is not NaN:
-// docs/design.md's NaN invariant), the same fixed shuffle tree, and the same gradient
-// formula on token_math.h's constants. One block of kThreads per tile row; deterministic.
+// kept) and the same gradient formula on token_math.h's constants. One block of kThreads per tile row; deterministic.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <string>
 #include <type_traits>
 
+#include "../../cuda/device_common.cuh"
 #include "head_kernels.h"
 
 namespace vpce::detail::head_cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-template <class T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-
-struct Transform {
-  float scale;
-  float cap;
-  float inverse_cap;
-  __device__ __forceinline__ float apply(float x) const {
-    const float z = x * scale;
-    return cap > 0.0f ? cap * tanhf(z * inverse_cap) : z;
-  }
-  __device__ __forceinline__ float slope(float z) const {
-    if (cap <= 0.0f) return scale;
-    const float t = z * inverse_cap;
-    return scale * (1.0f - t * t);
-  }
-};
-
-Transform transform_of(const LossParams& p) {
-  return {p.logit_scale, p.softcap, p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f};
-}
+using namespace cuda_common;  // NOLINT: the shared device arithmetic, unqualified
 
 // The bias of the tile's column c (0 without a bias), as the operands' dtype stores it.
 struct Bias {
@@ -79,78 +46,6 @@ Bias bias_of(const TileColumns& c) {
   return Bias{first, c.bias_stride, dtype_kind(c.dtype)};
 }
 
-struct Part {
-  float max;
-  double sum_exp;
-  double sum_logits;
-  double weighted;
-  int32_t argmax;
-};
-
-__device__ __forceinline__ Part empty_part() { return Part{-INFINITY, 0.0, 0.0, 0.0, -1}; }
-
-__device__ __forceinline__ bool empty(const Part& p) { return p.max == -INFINITY && !isnan(p.sum_exp); }
-
-// a <- a then b (b's columns after a's).
-__device__ __forceinline__ void combine(Part& a, const Part& b) {
-  if (empty(b)) {
-    a.sum_logits += b.sum_logits;
-    return;
-  }
-  if (empty(a)) {
-    const double sum_logits = a.sum_logits;
-    a = b;
-    a.sum_logits += sum_logits;
-    return;
-  }
-  const float max = a.max > b.max ? a.max : b.max;
-  const double shift_a = static_cast<double>(a.max) - max;
-  const double shift_b = static_cast<double>(b.max) - max;
-  const double scale_a = exp(shift_a);
-  const double scale_b = exp(shift_b);
-  a.weighted = scale_a * (a.weighted + shift_a * a.sum_exp) + scale_b * (b.weighted + shift_b * b.sum_exp);
-  a.sum_exp = a.sum_exp * scale_a + b.sum_exp * scale_b;
-  a.sum_logits += b.sum_logits;
-  int32_t argmax = a.max == max ? a.argmax : -1;
-  if (b.max == max && (argmax < 0 || b.argmax < argmax)) argmax = b.argmax;
-  a.argmax = argmax;
-  a.max = max;
-}
-
-__device__ Part shuffle_down(const Part& p, int offset) {
-  Part q = empty_part();
-  q.max = __shfl_down_sync(0xffffffffu, p.max, offset);
-  q.sum_exp = __shfl_down_sync(0xffffffffu, p.sum_exp, offset);
-  q.sum_logits = __shfl_down_sync(0xffffffffu, p.sum_logits, offset);
-  q.weighted = __shfl_down_sync(0xffffffffu, p.weighted, offset);
-  q.argmax = __shfl_down_sync(0xffffffffu, p.argmax, offset);
-  return q;
-}
-
-// The block's combined Part, valid in thread 0. Fixed tree: deterministic.
-__device__ Part block_combine(Part p) {
-  __shared__ Part warps[kWarps];
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const Part other = shuffle_down(p, offset);
-    combine(p, other);
-  }
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
-  if (lane == 0) warps[warp] = p;
-  __syncthreads();
-  if (warp == 0) {
-    p = lane < kWarps ? warps[lane] : empty_part();
-    for (int offset = kWarps / 2; offset > 0; offset /= 2) {
-      const Part other = shuffle_down(p, offset);
-      combine(p, other);
-    }
-  }
-  return p;
-}
-
-__device__ __forceinline__ int64_t target_of(const void* targets, bool wide, int64_t stride, int64_t i) {
-  return wide ? static_cast<const int64_t*>(targets)[i * stride] : static_cast<const int32_t*>(targets)[i * stride];
-}
 
 __global__ void init_running_kernel(RunningStats* running, int64_t rows) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -233,17 +128,6 @@ __global__ void finalize_kernel(const RunningStats* running, int64_t rows, const
   }
 }
 
-__device__ double block_sum(double value) {
-  __shared__ double warps[kWarps];
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
-  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = value;
-  __syncthreads();
-  value = threadIdx.x < kWarps ? warps[threadIdx.x] : 0.0;
-  if (threadIdx.x < 32) {
-    for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
-  }
-  return value;
-}
 
 // The counted weight of every token, for kMean, as cuda/kernels.cu sums it.
 __global__ void __launch_bounds__(kThreads)

@@ -1,0 +1,142 @@
+// cuda/device_common.cuh: the device arithmetic the CUDA loss kernels (cuda/kernels.cu)
+// and the fused head's epilogue kernels (head/cuda/head_kernels.cu) share: dtype
+// conversions, the logit transform, a thread's and a block's online statistics (Part) with
+// their combine (a part is empty only if its max is -inf and its sum is not NaN: NaN reaches
+// the loss), the fixed shuffle trees (deterministic), and the targets' reader. Every block
+// has kThreads threads.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "../common/token_math.h"
+
+namespace vpce::detail::cuda_common {
+
+inline constexpr int kThreads = 256;
+inline constexpr int kWarps = kThreads / 32;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+template <class T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+struct Transform {
+  float scale;
+  float cap;
+  float inverse_cap;
+  __device__ __forceinline__ float apply(float x) const {
+    const float z = x * scale;
+    return cap > 0.0f ? cap * tanhf(z * inverse_cap) : z;
+  }
+  // dz/dx at z.
+  __device__ __forceinline__ float slope(float z) const {
+    if (cap <= 0.0f) return scale;
+    const float t = z * inverse_cap;
+    return scale * (1.0f - t * t);
+  }
+};
+
+inline Transform transform_of(const LossParams& p) {
+  return {p.logit_scale, p.softcap, p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f};
+}
+
+// One thread's online statistics, then the block's, relative to their own max. (No member
+// initialisers: an array of them lives in shared memory; empty_part() makes an empty one.)
+struct Part {
+  float max;
+  double sum_exp;
+  double sum_logits;
+  double weighted;  // sum exp(z - max)(z - max)
+  int32_t argmax;   // smallest column holding max
+};
+
+__device__ __forceinline__ Part empty_part() { return Part{-INFINITY, 0.0, 0.0, 0.0, -1}; }
+
+// No mass: every element -inf. (A NaN element leaves max at -inf but sum_exp NaN: that
+// part is not empty, and its NaN must reach the loss.)
+__device__ __forceinline__ bool empty(const Part& p) { return p.max == -INFINITY && !isnan(p.sum_exp); }
+
+__device__ __forceinline__ void combine(Part& a, const Part& b) {
+  if (empty(b)) {
+    a.sum_logits += b.sum_logits;
+    return;
+  }
+  if (empty(a)) {
+    const double sum_logits = a.sum_logits;
+    a = b;
+    a.sum_logits += sum_logits;
+    return;
+  }
+  const float max = a.max > b.max ? a.max : b.max;
+  const double shift_a = static_cast<double>(a.max) - max;
+  const double shift_b = static_cast<double>(b.max) - max;
+  const double scale_a = exp(shift_a);
+  const double scale_b = exp(shift_b);
+  a.weighted = scale_a * (a.weighted + shift_a * a.sum_exp) + scale_b * (b.weighted + shift_b * b.sum_exp);
+  a.sum_exp = a.sum_exp * scale_a + b.sum_exp * scale_b;
+  a.sum_logits += b.sum_logits;
+  int32_t argmax = a.max == max ? a.argmax : -1;
+  if (b.max == max && (argmax < 0 || b.argmax < argmax)) argmax = b.argmax;
+  a.argmax = argmax;
+  a.max = max;
+}
+
+__device__ inline Part shuffle_down(const Part& p, int offset) {
+  Part q = empty_part();
+  q.max = __shfl_down_sync(0xffffffffu, p.max, offset);
+  q.sum_exp = __shfl_down_sync(0xffffffffu, p.sum_exp, offset);
+  q.sum_logits = __shfl_down_sync(0xffffffffu, p.sum_logits, offset);
+  q.weighted = __shfl_down_sync(0xffffffffu, p.weighted, offset);
+  q.argmax = __shfl_down_sync(0xffffffffu, p.argmax, offset);
+  return q;
+}
+
+// The block's combined Part, valid in thread 0. Fixed tree: deterministic.
+__device__ inline Part block_combine(Part p) {
+  __shared__ Part warps[kWarps];
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const Part other = shuffle_down(p, offset);
+    combine(p, other);
+  }
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  if (lane == 0) warps[warp] = p;
+  __syncthreads();
+  if (warp == 0) {
+    p = lane < kWarps ? warps[lane] : empty_part();
+    for (int offset = kWarps / 2; offset > 0; offset /= 2) {
+      const Part other = shuffle_down(p, offset);
+      combine(p, other);
+    }
+  }
+  return p;
+}
+
+__device__ __forceinline__ int64_t target_of(const void* targets, bool wide, int64_t stride, int64_t i) {
+  return wide ? static_cast<const int64_t*>(targets)[i * stride] : static_cast<const int32_t*>(targets)[i * stride];
+}
+
+// The block's sum of `value`, valid in thread 0. Fixed tree: deterministic.
+__device__ inline double block_sum(double value) {
+  __shared__ double warps[kWarps];
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
+  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = value;
+  __syncthreads();
+  value = threadIdx.x < kWarps ? warps[threadIdx.x] : 0.0;
+  if (threadIdx.x < 32) {
+    for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
+  }
+  return value;
+}
+
+}  // namespace vpce::detail::cuda_common
