@@ -35,56 +35,6 @@ using detail::LossInputs;
 using detail::RowMatrix;
 using detail::TokenVector;
 
-// The forward's outputs: float32, one per token (the loss: one element for a reduction),
-// overlapping neither each other nor the inputs.
-Status check_outputs(const LossInputs& in, Device device, const LossOptions& options, const TensorView& loss,
-                     const TensorView& lse, const ForwardExtras& extras, detail::LossOutputs* out) {
-  const int64_t n = in.logits.rows;
-  const std::pair<const TensorView*, const char*> on_device[] = {
-      {&loss, "loss"}, {&lse, "lse"}, {extras.target_is_argmax, "target_is_argmax"}, {extras.entropy, "entropy"}};
-  for (const auto& [view, name] : on_device) {
-    if (view == nullptr) continue;
-    if (Status s = detail::check_device(*view, name, device); !s.ok()) return s;
-  }
-  if (Status s = detail::check_loss_output(loss, "loss", n, options.reduction, &out->loss); !s.ok()) return s;
-  if (Status s = detail::as_float_tokens(lse, "lse", n, &out->lse); !s.ok()) return s;
-  if (extras.target_is_argmax != nullptr) {
-    if (Status s = detail::as_float_tokens(*extras.target_is_argmax, "target_is_argmax", n, &out->target_is_argmax);
-        !s.ok()) {
-      return s;
-    }
-  }
-  if (extras.entropy != nullptr) {
-    if (Status s = detail::as_float_tokens(*extras.entropy, "entropy", n, &out->entropy); !s.ok()) return s;
-  }
-  struct Region {
-    const char* name;
-    const char* begin;
-    const char* end;
-  };
-  auto region = [](const char* name, const TokenVector& v) { return Region{name, v.base, v.end_byte()}; };
-  const Region regions[] = {region("loss", out->loss),
-                            region("lse", out->lse),
-                            region("target_is_argmax", out->target_is_argmax),
-                            region("entropy", out->entropy),
-                            {"the logits", in.logits.begin_byte(), in.logits.end_byte()},
-                            region("the targets", in.targets),
-                            region("the weights", in.weights)};
-  constexpr int kOutputs = 4;
-  constexpr int kRegions = 7;
-  for (int a = 0; a < kOutputs; ++a) {
-    for (int b = a + 1; b < kRegions; ++b) {
-      if (regions[a].begin != nullptr && regions[b].begin != nullptr &&
-          detail::overlaps(regions[a].begin, regions[a].end, regions[b].begin, regions[b].end)) {
-        return {Code::kInvalidArgument,
-                detail::expected_got(regions[a].name, std::string("memory that does not overlap ") + regions[b].name,
-                                     "an overlapping buffer")};
-      }
-    }
-  }
-  return {};
-}
-
 // Every tensor of a device forward, for the check that each is memory of its device.
 struct DeviceTensors {
   const TensorView* logits;
@@ -156,7 +106,13 @@ Status forward(Communicator& comm, const TensorView& logits, const TensorView& t
   LossInputs in;
   detail::LossOutputs out;
   Status local = detail::check_loss_inputs(logits, targets, extras.weights, shard, options, &in);
-  if (local.ok()) local = check_outputs(in, logits.device, options, loss, lse, extras, &out);
+  if (local.ok()) {
+    local = detail::check_forward_outputs(in.logits.rows, logits.device, options, loss, lse, extras,
+                                          {detail::region_of("the logits", in.logits),
+                                           detail::region_of("the targets", in.targets),
+                                           detail::region_of("the weights", in.weights)},
+                                          &out);
+  }
   int64_t n = local.ok() ? in.logits.rows : detail::announced_tokens(targets);
   const bool with_extras = extras.target_is_argmax != nullptr || extras.entropy != nullptr;
   const int64_t width = with_extras ? kStatsWidthWithExtras : kStatsWidth;

@@ -408,4 +408,45 @@ Status as_float_tokens(const TensorView& t, const char* name, int64_t n, TokenVe
   return as_token_vector(t, name, n, out);
 }
 
+Status check_no_overlap(const std::vector<NamedRegion>& outputs, const std::vector<NamedRegion>& inputs) {
+  auto clash = [](const NamedRegion& a, const NamedRegion& b) -> Status {
+    if (a.begin == nullptr || b.begin == nullptr || !overlaps(a.begin, a.end, b.begin, b.end)) return {};
+    return {Code::kInvalidArgument,
+            expected_got(a.name, std::string("memory that does not overlap ") + b.name, "an overlapping buffer")};
+  };
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    for (std::size_t j = i + 1; j < outputs.size(); ++j) {
+      if (Status s = clash(outputs[i], outputs[j]); !s.ok()) return s;
+    }
+    for (const NamedRegion& in : inputs) {
+      if (Status s = clash(outputs[i], in); !s.ok()) return s;
+    }
+  }
+  return {};
+}
+
+Status check_forward_outputs(int64_t n, Device device, const LossOptions& options, const TensorView& loss,
+                             const TensorView& lse, const ForwardExtras& extras,
+                             const std::vector<NamedRegion>& inputs, LossOutputs* out) {
+  const std::pair<const TensorView*, const char*> views[] = {
+      {&loss, "loss"}, {&lse, "lse"}, {extras.target_is_argmax, "target_is_argmax"}, {extras.entropy, "entropy"}};
+  for (const auto& [view, name] : views) {
+    if (view == nullptr) continue;
+    if (Status s = check_device(*view, name, device); !s.ok()) return s;
+  }
+  if (Status s = check_loss_output(loss, "loss", n, options.reduction, &out->loss); !s.ok()) return s;
+  if (Status s = as_float_tokens(lse, "lse", n, &out->lse); !s.ok()) return s;
+  if (extras.target_is_argmax != nullptr) {
+    if (Status s = as_float_tokens(*extras.target_is_argmax, "target_is_argmax", n, &out->target_is_argmax); !s.ok()) {
+      return s;
+    }
+  }
+  if (extras.entropy != nullptr) {
+    if (Status s = as_float_tokens(*extras.entropy, "entropy", n, &out->entropy); !s.ok()) return s;
+  }
+  return check_no_overlap({region_of("loss", out->loss), region_of("lse", out->lse),
+                           region_of("target_is_argmax", out->target_is_argmax), region_of("entropy", out->entropy)},
+                          inputs);
+}
+
 }  // namespace vpce::detail

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "vpce/loss.h"
 #include "vpce/status.h"
@@ -120,5 +121,32 @@ Status as_stats_matrix(const TensorView& t, const char* name, int64_t rows, int6
 
 // A float32 tensor of n elements, one per token.
 Status as_float_tokens(const TensorView& t, const char* name, int64_t n, TokenVector* out);
+
+// A named byte range [begin, end) of an argument, for the overlap checks (begin null: absent).
+struct NamedRegion {
+  const char* name;
+  const char* begin;
+  const char* end;
+};
+inline NamedRegion region_of(const char* name, const TokenVector& v) { return {name, v.base, v.end_byte()}; }
+inline NamedRegion region_of(const char* name, const RowMatrix& m) { return {name, m.begin_byte(), m.end_byte()}; }
+
+// `outputs` overlap neither each other nor `inputs` (kInvalidArgument naming both).
+Status check_no_overlap(const std::vector<NamedRegion>& outputs, const std::vector<NamedRegion>& inputs);
+
+// The forward's outputs, validated.
+struct LossOutputs {
+  TokenVector loss;              // [N] for kNone, [1] otherwise
+  TokenVector lse;               // [N]
+  TokenVector target_is_argmax;  // [N] or absent (needs W = 6)
+  TokenVector entropy;           // [N] or absent (needs W = 6)
+};
+
+// The forward's outputs for n tokens: float32 on `device`, the loss one per token (one
+// element for a reduction), lse and the extras one per token, overlapping neither each other
+// nor `inputs`.
+Status check_forward_outputs(int64_t n, Device device, const LossOptions& options, const TensorView& loss,
+                             const TensorView& lse, const ForwardExtras& extras,
+                             const std::vector<NamedRegion>& inputs, LossOutputs* out);
 
 }  // namespace vpce::detail

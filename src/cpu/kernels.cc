@@ -24,15 +24,6 @@ StorageType storage_of(DataType dtype) {
   return dtype == kFloat32 ? StorageType::kFloat32 : dtype == kBFloat16 ? StorageType::kBFloat16 : StorageType::kFloat16;
 }
 
-int resolved_threads(int num_threads) {
-#if defined(_OPENMP)
-  return num_threads > 0 ? num_threads : omp_get_max_threads();
-#else
-  (void)num_threads;
-  return 1;
-#endif
-}
-
 int64_t block_count(int64_t columns) { return (columns + kBlockColumns - 1) / kBlockColumns; }
 
 // Few rows and many blocks: the (row, block) pairs are spread over the threads instead of
@@ -47,7 +38,7 @@ bool split_blocks(int64_t rows, int64_t blocks, int threads) {
 // rows are fewer than threads. `item` must not depend on which.
 template <class Item>
 void for_each_block(int64_t rows, int64_t blocks, int num_threads, const Item& item) {
-  if (split_blocks(rows, blocks, resolved_threads(num_threads))) {
+  if (split_blocks(rows, blocks, thread_count(num_threads))) {
     parallel_rows(rows * blocks, num_threads, [&](int64_t k) { item(k / blocks, k % blocks); });
   } else {
     parallel_rows(rows, num_threads, [&](int64_t r) {
@@ -120,7 +111,7 @@ void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets, int
     const float target_logit = owns_target ? transform_one(load_float(logits, i, target_col), transform) : kNegInf;
     write_token_stats(row, target_logit, vocab_begin, params, with_extras, stats.row<float>(i));
   };
-  if (split_blocks(logits.rows, blocks, resolved_threads(num_threads))) {
+  if (split_blocks(logits.rows, blocks, thread_count(num_threads))) {
     BlockStats parts[kMaxSplitItems];
     for_each_block(logits.rows, blocks, num_threads, [&](int64_t i, int64_t b) { parts[i * blocks + b] = block(i, b); });
     for (int64_t i = 0; i < logits.rows; ++i) {
@@ -244,7 +235,7 @@ void gradient_rows_kernel(const RowMatrix& logits, const TokenVector& targets, c
     const int64_t target_col = target_at(targets, i) - vocab_begin;
     return target_col >= 0 && target_col < valid ? load_float(logits, i, target_col) : 0.0f;
   };
-  if (split_blocks(logits.rows, blocks, resolved_threads(num_threads))) {
+  if (split_blocks(logits.rows, blocks, thread_count(num_threads))) {
     float targets_x[kMaxSplitItems];
     for (int64_t i = 0; i < logits.rows; ++i) targets_x[i] = target_x(i);
     for_each_block(logits.rows, blocks, num_threads, [&](int64_t i, int64_t b) {

@@ -39,13 +39,6 @@ void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets, int
 void merge_stats_kernel(const float* gathered_base, int64_t rank_stride, int ranks,
                         int64_t row_stride, int num_threads, const RowMatrix& stats);
 
-struct LossOutputs {
-  TokenVector loss;              // [N] for kNone, [1] otherwise
-  TokenVector lse;               // [N]
-  TokenVector target_is_argmax;  // [N] or absent (needs W = 6)
-  TokenVector entropy;           // [N] or absent (needs W = 6)
-};
-
 // merged stats [N, W], targets [N], weights [N] or absent -> the outputs.
 void loss_kernel(const RowMatrix& stats, const TokenVector& targets, const TokenVector& weights,
                  const LossParams& params, int num_threads, const LossOutputs& out);

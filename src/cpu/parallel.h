@@ -11,6 +11,16 @@
 
 namespace vpce::detail {
 
+// The threads a num_threads of 0 (OpenMP's default) or n stands for.
+inline int thread_count(int num_threads) {
+#if defined(_OPENMP)
+  return num_threads > 0 ? num_threads : omp_get_max_threads();
+#else
+  (void)num_threads;
+  return 1;
+#endif
+}
+
 // num_threads: 0 for OpenMP's default, 1 for this thread alone.
 template <class Body>
 void parallel_rows(int64_t n, int num_threads, const Body& body) {

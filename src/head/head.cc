@@ -40,34 +40,11 @@ Status out_of_memory(const char* call) {
   return {Code::kSystemError, std::string(call) + ": could not allocate the tiles' buffers"};
 }
 
-NamedRegion region(const char* name, const TokenVector& v) { return {name, v.base, v.end_byte()}; }
-
-// The forward's outputs: loss (one per token for kNone, else one), lse and the extras,
-// float32, overlapping neither each other nor the inputs.
+// The forward's outputs (loss, lse, extras: float32 on the CPU), overlapping neither each
+// other nor the inputs.
 Status check_forward_outputs(const HeadArgs& a, const LossOptions& options, const TensorView& loss,
                              const TensorView& lse, const ForwardExtras& extras, detail::LossOutputs* out) {
-  const int64_t n = a.tokens();
-  for (const auto& [view, name] : {std::pair{&loss, "loss"}, std::pair{&lse, "lse"},
-                                   std::pair{extras.target_is_argmax, "target_is_argmax"},
-                                   std::pair{extras.entropy, "entropy"}}) {
-    if (view == nullptr) continue;
-    if (Status s = detail::check_device(*view, name, Device{}); !s.ok()) return s;
-  }
-  if (Status s = detail::check_loss_output(loss, "loss", n, options.reduction, &out->loss); !s.ok()) return s;
-  if (Status s = detail::as_float_tokens(lse, "lse", n, &out->lse); !s.ok()) return s;
-  if (extras.target_is_argmax != nullptr) {
-    if (Status s = detail::as_float_tokens(*extras.target_is_argmax, "target_is_argmax", n, &out->target_is_argmax);
-        !s.ok()) {
-      return s;
-    }
-  }
-  if (extras.entropy != nullptr) {
-    if (Status s = detail::as_float_tokens(*extras.entropy, "entropy", n, &out->entropy); !s.ok()) return s;
-  }
-  return detail::check_no_overlap({region("loss", out->loss), region("lse", out->lse),
-                                   region("target_is_argmax", out->target_is_argmax),
-                                   region("entropy", out->entropy)},
-                                  detail::input_regions(a));
+  return detail::check_forward_outputs(a.tokens(), Device{}, options, loss, lse, extras, detail::input_regions(a), out);
 }
 
 int64_t stats_width(const ForwardExtras& extras) {
@@ -158,8 +135,8 @@ Status linear_cross_entropy_backward(const HeadInputs& inputs, const TensorView&
     return s;
   }
   std::vector<NamedRegion> regions = detail::input_regions(a);
-  regions.push_back(region("lse", lse_in));
-  regions.push_back(region("grad_loss", upstream));
+  regions.push_back(detail::region_of("lse", lse_in));
+  regions.push_back(detail::region_of("grad_loss", upstream));
   HeadGradientArgs g;
   if (Status s = detail::check_head_gradients(gradients, a, regions, &g); !s.ok()) return s;
   const detail::SweepContext ctx = sweep_context(shard, options);
@@ -204,7 +181,7 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
     for (const auto& [v, name] : {std::pair{&out.loss, "loss"}, std::pair{&out.lse, "lse"},
                                   std::pair{&out.target_is_argmax, "target_is_argmax"},
                                   std::pair{&out.entropy, "entropy"}}) {
-      regions.push_back(region(name, *v));
+      regions.push_back(detail::region_of(name, *v));
     }
     local = detail::check_head_gradients(gradients, a, regions, &g);
   }

@@ -49,12 +49,6 @@ Status check_head_inputs(const HeadInputs& inputs, const TensorView& targets, co
                          const VocabShard& shard, const LossOptions& options, const HeadOptions& head,
                          HeadArgs* out);
 
-// A named byte range [begin, end) of an argument, for the overlap checks.
-struct NamedRegion {
-  const char* name;
-  const char* begin;
-  const char* end;
-};
 // The regions of hidden, weight, bias, targets and token weights.
 std::vector<NamedRegion> input_regions(const HeadArgs& args);
 
@@ -63,7 +57,5 @@ std::vector<NamedRegion> input_regions(const HeadArgs& args);
 Status check_head_gradients(const HeadGradients& gradients, const HeadArgs& args,
                             const std::vector<NamedRegion>& inputs, HeadGradientArgs* out);
 
-// `outputs` overlap neither each other nor `inputs` (kInvalidArgument naming both).
-Status check_no_overlap(const std::vector<NamedRegion>& outputs, const std::vector<NamedRegion>& inputs);
 
 }  // namespace vpce::detail

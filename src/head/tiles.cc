@@ -22,15 +22,6 @@ constexpr int64_t kWeightPieceRows = 512;
 // tokens at a time (at least one token block): its memory does not grow with N.
 constexpr int64_t kGradientBufferBytes = int64_t{8} << 20;
 
-int thread_count(int num_threads) {
-#if defined(_OPENMP)
-  return num_threads > 0 ? num_threads : omp_get_max_threads();
-#else
-  (void)num_threads;
-  return 1;
-#endif
-}
-
 int thread_index() {
 #if defined(_OPENMP)
   return omp_get_thread_num();

@@ -123,23 +123,6 @@ std::vector<NamedRegion> input_regions(const HeadArgs& args) {
   return r;
 }
 
-Status check_no_overlap(const std::vector<NamedRegion>& outputs, const std::vector<NamedRegion>& inputs) {
-  auto clash = [](const NamedRegion& a, const NamedRegion& b) -> Status {
-    if (a.begin == nullptr || b.begin == nullptr || !overlaps(a.begin, a.end, b.begin, b.end)) return {};
-    return {Code::kInvalidArgument,
-            expected_got(a.name, std::string("memory that does not overlap ") + b.name, "an overlapping buffer")};
-  };
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    for (std::size_t j = i + 1; j < outputs.size(); ++j) {
-      if (Status s = clash(outputs[i], outputs[j]); !s.ok()) return s;
-    }
-    for (const NamedRegion& in : inputs) {
-      if (Status s = clash(outputs[i], in); !s.ok()) return s;
-    }
-  }
-  return {};
-}
-
 Status check_head_gradients(const HeadGradients& gradients, const HeadArgs& args,
                             const std::vector<NamedRegion>& inputs, HeadGradientArgs* out) {
   HeadGradientArgs g;

@@ -305,8 +305,6 @@ Tiles gpu_tiles(const HeadOptions& head, int64_t n, int64_t vocab_rows) {
 
 // ---- validation -------------------------------------------------------------------------
 
-NamedRegion region_of(const char* name, const TokenVector& v) { return {name, v.base, v.end_byte()}; }
-
 Status check_same_device(const TensorView* t, const char* name, Device expected) {
   if (t == nullptr) return {};
   if (t->device.type == expected.type && t->device.id == expected.id) return {};
@@ -436,21 +434,7 @@ Status check_forward_outputs(const HeadArgs& a, Device d, const LossOptions& opt
   for (const auto& [view, name] : views) {
     if (Status s = check_output_device(view, name, d); !s.ok()) return s;
   }
-  const int64_t n = a.tokens();
-  if (Status s = check_loss_output(loss, "loss", n, options.reduction, &out->loss); !s.ok()) return s;
-  if (Status s = as_float_tokens(lse, "lse", n, &out->lse); !s.ok()) return s;
-  if (extras.target_is_argmax != nullptr) {
-    if (Status s = as_float_tokens(*extras.target_is_argmax, "target_is_argmax", n, &out->target_is_argmax); !s.ok()) {
-      return s;
-    }
-  }
-  if (extras.entropy != nullptr) {
-    if (Status s = as_float_tokens(*extras.entropy, "entropy", n, &out->entropy); !s.ok()) return s;
-  }
-  const std::vector<NamedRegion> outputs = {region_of("loss", out->loss), region_of("lse", out->lse),
-                                            region_of("target_is_argmax", out->target_is_argmax),
-                                            region_of("entropy", out->entropy)};
-  return check_no_overlap(outputs, input_regions(a));
+  return detail::check_forward_outputs(a.tokens(), d, options, loss, lse, extras, input_regions(a), out);
 }
 
 // ---- the sweeps ---------------------------------------------------------------------------
@@ -966,7 +950,7 @@ Status device_linear_cross_entropy_forward_backward(Communicator& comm, const He
     for (const auto& [v, name] : {std::pair{&out.loss, "loss"}, std::pair{&out.lse, "lse"},
                                   std::pair{&out.target_is_argmax, "target_is_argmax"},
                                   std::pair{&out.entropy, "entropy"}}) {
-      regions.push_back(head_cuda::region_of(name, *v));
+      regions.push_back(region_of(name, *v));
     }
     local = head_cuda::check_gradients(gradients, a, inputs.hidden.device, regions, &g);
   }
@@ -1001,8 +985,8 @@ Status device_linear_cross_entropy_backward(const HeadInputs& inputs, const Tens
   if (Status s = as_float_tokens(lse, "lse", a.tokens(), &lse_in); !s.ok()) return s;
   if (Status s = check_loss_output(grad_loss, "grad_loss", a.tokens(), options.reduction, &upstream); !s.ok()) return s;
   std::vector<NamedRegion> regions = input_regions(a);
-  regions.push_back(head_cuda::region_of("lse", lse_in));
-  regions.push_back(head_cuda::region_of("grad_loss", upstream));
+  regions.push_back(region_of("lse", lse_in));
+  regions.push_back(region_of("grad_loss", upstream));
   HeadGradientArgs g;
   if (Status s = head_cuda::check_gradients(gradients, a, d, regions, &g); !s.ok()) return s;
   if (!g.hidden.present() && !g.weight.present() && !g.bias.present()) return {};
