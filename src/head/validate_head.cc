@@ -91,6 +91,11 @@ Status check_head_inputs(const HeadInputs& inputs, const TensorView& targets, co
       return {Code::kInvalidArgument,
               expected_got("bias.dtype", to_string(hidden.dtype) + " (hidden's dtype)", to_string(bias.dtype))};
     }
+    if (bias.ndim >= 0 && bias.ndim <= TensorView::kMaxDims && bias.numel() != a.weight.rows) {
+      return {Code::kInvalidArgument,
+              expected_got("bias.shape", std::to_string(a.weight.rows) + " elements (one per weight row)",
+                           std::to_string(bias.numel()) + " elements")};
+    }
     if (Status s = as_token_vector(bias, "bias", a.weight.rows, &a.bias); !s.ok()) return s;
   }
   if (Status s = check_options(options, shard.vocab_size); !s.ok()) return s;
@@ -168,7 +173,13 @@ Status check_head_gradients(const HeadGradients& gradients, const HeadArgs& args
     }
     if (Status s = check_dtype_of("grad_bias", gradients.bias); !s.ok()) return s;
     TokenVector v;
-    if (Status s = as_token_vector(*gradients.bias.tensor, "grad_bias", args.weight.rows, &v); !s.ok()) return s;
+    const TensorView& t = *gradients.bias.tensor;
+    if (t.ndim >= 0 && t.ndim <= TensorView::kMaxDims && t.numel() != args.weight.rows) {
+      return {Code::kInvalidArgument,
+              expected_got("grad_bias.shape", std::to_string(args.weight.rows) + " elements (bias's)",
+                           std::to_string(t.numel()) + " elements")};
+    }
+    if (Status s = as_token_vector(t, "grad_bias", args.weight.rows, &v); !s.ok()) return s;
     if (v.n > 1 && v.stride < 1) {
       return {Code::kInvalidArgument,
               expected_got("grad_bias.strides", "a positive stride (each element its own memory)",

@@ -475,6 +475,9 @@ TEST(HeadErrors, NameTheArgumentTheExpectedAndTheActualValue) {
   expect_error(forward_on_one(f, {f.hidden, short_weight}), "weight.shape[0]: expected 10");
   const TensorView bf16_weight = TensorView::matrix(f.p.weight_base(), kBFloat16, 10, 4, f.p.ld_weight);
   expect_error(forward_on_one(f, {f.hidden, bf16_weight}), "weight.dtype: expected float32 (hidden's dtype), got bfloat16");
+  const TensorView short_bias = f.p.bias_view(0, 9);
+  expect_error(forward_on_one(f, {f.hidden, f.weight, &short_bias}),
+               "bias.shape: expected 10 elements (one per weight row), got 9 elements");
   HeadOptions odd;
   odd.chunk_tokens = 100;
   odd.token_block = 64;
