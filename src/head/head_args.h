@@ -20,7 +20,8 @@ struct HeadTiles {
 struct HeadArgs {
   RowMatrix hidden;     // [N, H]
   RowMatrix weight;     // [V_r, H], the same dtype
-  TokenVector bias;     // [V_r] or absent
+  TokenVector bias;     // [V_r]; its base is null for an empty range even when given
+  bool has_bias = false;
   TokenVector targets;  // [N]
   TokenVector weights;  // [N] token weights, or absent
   uint64_t inputs_hash = 0;

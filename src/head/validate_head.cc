@@ -97,6 +97,7 @@ Status check_head_inputs(const HeadInputs& inputs, const TensorView& targets, co
                            std::to_string(bias.numel()) + " elements")};
     }
     if (Status s = as_token_vector(bias, "bias", a.weight.rows, &a.bias); !s.ok()) return s;
+    a.has_bias = true;
   }
   if (Status s = check_options(options, shard.vocab_size); !s.ok()) return s;
   if (Status s = resolve_tiles(head, a.weight.rows, &a.tiles); !s.ok()) return s;
@@ -168,7 +169,7 @@ Status check_head_gradients(const HeadGradients& gradients, const HeadArgs& args
     g.weight.accumulate = gradients.weight.accumulate;
   }
   if (gradients.bias.tensor != nullptr) {
-    if (args.bias.base == nullptr) {
+    if (!args.has_bias) {
       return {Code::kInvalidArgument, expected_got("grad_bias", "null (there is no bias)", "a tensor")};
     }
     if (Status s = check_dtype_of("grad_bias", gradients.bias); !s.ok()) return s;

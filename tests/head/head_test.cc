@@ -82,7 +82,11 @@ HeadResult run_head(HeadProblem& p, const HeadRun& run) {
     for (int64_t i = 0; i < vr; ++i) detail::narrow(run.accumulate ? run.prefill : NAN, gb.data() + i * gd.bytes(), gd);
     const TensorView ghv = TensorView::contiguous(gh.data(), gd, {n, h});
     const TensorView gwv = TensorView::contiguous(gw.data(), gd, {vr, h});
-    const TensorView gbv = TensorView::contiguous(gb.data(), gd, {vr});
+    TensorView gbv = TensorView::contiguous(gb.data(), gd, {vr});
+    if (vr == 0) {  // as PyTorch gives empty tensors: no memory at all
+      bias.data = nullptr;
+      gbv.data = nullptr;
+    }
     HeadGradients grads{{&ghv, run.accumulate}, {&gwv, run.accumulate},
                         {p.with_bias && run.want_bias ? &gbv : nullptr, run.accumulate}};
     std::vector<float> weights = p.weights;

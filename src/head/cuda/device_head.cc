@@ -397,7 +397,7 @@ Status check_gradients(const HeadGradients& gradients, const HeadArgs& a, Device
     g.weight.accumulate = gradients.weight.accumulate;
   }
   if (gradients.bias.tensor != nullptr) {
-    if (a.bias.base == nullptr) {
+    if (!a.has_bias) {
       return {Code::kInvalidArgument, expected_got("grad_bias", "null (there is no bias)", "a tensor")};
     }
     if (Status s = check_one("grad_bias", gradients.bias); !s.ok()) return s;
