@@ -15,11 +15,16 @@ One-call API::
 Staged API (a framework that runs its own all-gather): calculate_local_stats,
 merge_stats, calculate_loss, then backward. Errors raise vpce.Error, whose message names
 the argument, the expected and the actual value.
+
+The fused head (linear + cross-entropy without the logits; vpce.torch.linear_cross_entropy
+wraps it): linear_cross_entropy_forward / _backward (recompute mode), _forward_backward
+(chunked mode), _local_stats (staged), all_reduce_hidden_gradient, with HeadOptions.
 """
 from ._vpce import (
     STATS_WIDTH,
     STATS_WIDTH_WITH_EXTRAS,
     Error,
+    HeadOptions,
     LossOptions,
     Reduction,
     SmoothingSemantics,
@@ -27,7 +32,12 @@ from ._vpce import (
     backward,
     calculate_local_stats,
     calculate_loss,
+    all_reduce_hidden_gradient,
     forward,
+    linear_cross_entropy_backward,
+    linear_cross_entropy_forward,
+    linear_cross_entropy_forward_backward,
+    linear_cross_entropy_local_stats,
     merge_stats,
 )
 
@@ -35,6 +45,7 @@ __all__ = [
     "STATS_WIDTH",
     "STATS_WIDTH_WITH_EXTRAS",
     "Error",
+    "HeadOptions",
     "LossOptions",
     "Reduction",
     "SmoothingSemantics",
@@ -42,6 +53,11 @@ __all__ = [
     "backward",
     "calculate_local_stats",
     "calculate_loss",
+    "all_reduce_hidden_gradient",
     "forward",
+    "linear_cross_entropy_backward",
+    "linear_cross_entropy_forward",
+    "linear_cross_entropy_forward_backward",
+    "linear_cross_entropy_local_stats",
     "merge_stats",
 ]
