@@ -16,7 +16,10 @@
 // 1e-5 of the largest magnitude of its tensor for fp32 operands, 1e-2 for bf16/fp16).
 #include <malloc.h>
 #include <oneapi/dnnl/dnnl.h>
+
+#if defined(_OPENMP)
 #include <omp.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -181,7 +184,11 @@ Status fused_step(Communicator& comm, Problem& p, bool counted, int threads, con
 
 // One rank's three GEMMs of the unfused step, fp32, on `threads` threads.
 void unfused_gemms(RankData& d, const Shape& s, int threads) {
+#if defined(_OPENMP)
   omp_set_num_threads(threads);
+#else
+  static_cast<void>(threads);
+#endif
   const int64_t vr = d.shard.vocab_end - d.shard.vocab_begin, n = s.tokens, h = s.hidden;
   dnnl_sgemm('N', 'T', n, vr, h, 1.0f, d.hidden32.data(), h, d.weight32.data(), h, 0.0f, d.logits.data(), vr);
   dnnl_sgemm('N', 'N', n, h, vr, 1.0f, d.logits.data(), vr, d.weight32.data(), h, 0.0f, d.grad_hidden.data(), h);
