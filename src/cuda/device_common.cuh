@@ -2,7 +2,8 @@
 // and the fused head's epilogue kernels (head/cuda/head_kernels.cu) share: dtype
 // conversions, the logit transform, a thread's and a block's online statistics (Part) with
 // their combine (a part is empty only if its max is -inf and its sum is not NaN: NaN reaches
-// the loss), the fixed shuffle trees (deterministic), and the targets' reader. Every block
+// the loss), the fixed shuffle trees (deterministic), the targets' reader, and the launches' host-side
+// helpers. Every block
 // has kThreads threads.
 #pragma once
 
@@ -10,6 +11,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <string>
 
 #include "../common/token_math.h"
 
@@ -138,5 +140,29 @@ __device__ inline double block_sum(double value) {
   }
   return value;
 }
+
+// ---- host side of the launches ----
+
+// kSystemError naming `what` if the last launch failed.
+inline Status launched(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return {};
+  return {Code::kSystemError, std::string("cuda: ") + what + ": " + cudaGetErrorString(e)};
+}
+
+// f(T*) with T the element type of `dtype` (float, __nv_bfloat16 or __half; the pointer null).
+template <class F>
+void with_type(DataType dtype, F&& f) {
+  if (dtype == kFloat32) {
+    f(static_cast<float*>(nullptr));
+  } else if (dtype == kBFloat16) {
+    f(static_cast<__nv_bfloat16*>(nullptr));
+  } else {
+    f(static_cast<__half*>(nullptr));
+  }
+}
+
+// Blocks of `threads` covering n.
+inline unsigned grid_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
 }  // namespace vpce::detail::cuda_common

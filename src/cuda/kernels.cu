@@ -301,24 +301,6 @@ __global__ void write_header_kernel(RankHeader header, RankHeader* out) {
   if (threadIdx.x == 0) *out = header;
 }
 
-Status launched(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return {};
-  return {Code::kSystemError, std::string("cuda: ") + what + ": " + cudaGetErrorString(e)};
-}
-
-template <class F>
-void with_input_type(DataType dtype, F&& f) {
-  if (dtype == kFloat32) {
-    f(static_cast<float*>(nullptr));
-  } else if (dtype == kBFloat16) {
-    f(static_cast<__nv_bfloat16*>(nullptr));
-  } else {
-    f(static_cast<__half*>(nullptr));
-  }
-}
-
-unsigned grid_for(int64_t rows, int threads) { return static_cast<unsigned>((rows + threads - 1) / threads); }
 
 }  // namespace
 
@@ -326,7 +308,7 @@ Status local_stats(const RowMatrix& logits, const TokenVector& targets, const To
                    const LossParams& params, const RowMatrix& stats, RankHeader* header, cudaStream_t stream) {
   if (logits.rows == 0) return {};
   const int64_t valid = valid_columns(vocab_begin, logits.cols, params);
-  with_input_type(logits.dtype, [&](auto* type) {
+  with_type(logits.dtype, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     local_stats_kernel<T><<<static_cast<unsigned>(logits.rows), kThreads, 0, stream>>>(
         reinterpret_cast<const T*>(logits.base), logits.row_stride, logits.cols, valid, targets.base,
@@ -386,9 +368,9 @@ Status gradient(const RowMatrix& logits, const TokenVector& targets, const Token
     shared = shared_upstream;
   }
   const int64_t valid = valid_columns(vocab_begin, logits.cols, params);
-  with_input_type(logits.dtype, [&](auto* in_type) {
+  with_type(logits.dtype, [&](auto* in_type) {
     using TIn = std::remove_pointer_t<decltype(in_type)>;
-    with_input_type(grad.dtype, [&](auto* out_type) {
+    with_type(grad.dtype, [&](auto* out_type) {
       using TOut = std::remove_pointer_t<decltype(out_type)>;
       gradient_kernel<TIn, TOut><<<static_cast<unsigned>(logits.rows), kThreads, 0, stream>>>(
           reinterpret_cast<const TIn*>(logits.base), logits.row_stride, reinterpret_cast<TOut*>(grad.base),
