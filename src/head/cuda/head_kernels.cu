@@ -250,24 +250,6 @@ __global__ void poison_kernel(T* base, int64_t rows, int64_t cols, int64_t ld, c
   }
 }
 
-Status launched(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return {};
-  return {Code::kSystemError, std::string("cuda: ") + what + ": " + cudaGetErrorString(e)};
-}
-
-template <class F>
-void with_type(DataType dtype, F&& f) {
-  if (dtype == kFloat32) {
-    f(static_cast<float*>(nullptr));
-  } else if (dtype == kBFloat16) {
-    f(static_cast<__nv_bfloat16*>(nullptr));
-  } else {
-    f(static_cast<__half*>(nullptr));
-  }
-}
-
-unsigned grid_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
 // A grid-stride launch over `total` elements: at most 4096 blocks.
 unsigned strided_grid(int64_t total) {
