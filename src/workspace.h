@@ -9,12 +9,37 @@
 #include "vpce/loss.h"
 
 namespace vpce {
+namespace detail {
+
+// Floats kept between calls: grown, never shrunk, and never zeroed, so that a call that finds
+// them large enough neither allocates nor touches fresh pages (for the fused head's buffers
+// of tens of MiB, page faults and zeroing cost a few per cent of a step).
+class HostFloats {
+ public:
+  // At least n floats (their values unspecified); throws std::bad_alloc.
+  float* reserve(std::size_t n) {
+    if (n > size_) {
+      data_.reset();
+      data_.reset(new float[n]);
+      size_ = n;
+    }
+    return data_.get();
+  }
+  std::size_t bytes() const { return size_ * sizeof(float); }
+
+ private:
+  std::unique_ptr<float[]> data_;
+  std::size_t size_ = 0;
+};
+
+}  // namespace detail
 
 struct Workspace::Buffers {
   std::vector<std::byte> send;    // this rank's payload: header + [N, W] stats
   std::vector<std::byte> recv;    // every rank's payload, rank order
   std::vector<std::byte> merged;  // [N, W] merged stats
-  std::vector<float> head;        // the fused head's tiles and fp32 staging (head/)
+  detail::HostFloats head_tiles;   // the fused head's per-thread logit tiles (head/tiles.cc)
+  detail::HostFloats head_logits;  // its chunk of logits, or the backward's logit gradients
   std::shared_ptr<void> device;       // the device buffers, for device tensors (cuda/dispatch.cu)
   std::shared_ptr<void> device_head;  // the fused head's device buffers (head/cuda/)
 };

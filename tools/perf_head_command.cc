@@ -84,6 +84,7 @@ struct RankData {
   std::vector<float> grad_hidden, grad_weight, grad_bias;
   // The unfused step's buffers, fp32: logits [N, Vr], their gradient (the same buffer).
   std::vector<float> hidden32, weight32, logits;
+  Workspace workspace;  // kept between the steps, as a training loop keeps it
 };
 
 std::vector<std::byte> random_values(int64_t count, DataType dtype, float std, uint64_t seed) {
@@ -172,14 +173,16 @@ Status fused_step(Communicator& comm, Problem& p, bool counted, int threads, con
   if (counted) extras.weights = &tw;
   if (s.chunked) {
     return linear_cross_entropy_forward_backward(comm, in, targets, d.shard, options, head, 1.0f, loss_v, lse_v,
-                                                 grads, extras);
+                                                 grads, extras, &d.workspace);
   }
-  if (Status st = linear_cross_entropy_forward(comm, in, targets, d.shard, options, head, loss_v, lse_v, extras);
+  if (Status st =
+          linear_cross_entropy_forward(comm, in, targets, d.shard, options, head, loss_v, lse_v, extras, &d.workspace);
       !st.ok()) {
     return st;
   }
   const TensorView gl = TensorView::contiguous(grad_loss.data(), kFloat32, {1});
-  return linear_cross_entropy_backward(in, targets, lse_v, gl, d.shard, options, head, grads, extras.weights);
+  return linear_cross_entropy_backward(in, targets, lse_v, gl, d.shard, options, head, grads, extras.weights,
+                                       &d.workspace);
 }
 
 // One rank's three GEMMs of the unfused step, fp32, on `threads` threads.

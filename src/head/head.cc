@@ -102,7 +102,7 @@ Status linear_cross_entropy_forward(Communicator& comm, const HeadInputs& inputs
       comm, *buffers, exchange_call(a, n, width, shard, inputs, options, extras.weights != nullptr), local,
       [&](const RowMatrix& stats) -> Status {
         try {
-          detail::sweep_stats(a, *ops, ctx, 0, n, nullptr, stats);
+          detail::sweep_stats(a, *ops, ctx, 0, n, nullptr, stats, buffers->head_tiles);
         } catch (const std::bad_alloc&) {
           return out_of_memory("linear_cross_entropy_forward");
         }
@@ -140,9 +140,12 @@ Status linear_cross_entropy_backward(const HeadInputs& inputs, const TensorView&
   HeadGradientArgs g;
   if (Status s = detail::check_head_gradients(gradients, a, regions, &g); !s.ok()) return s;
   const detail::SweepContext ctx = sweep_context(shard, options);
+  Workspace own;
+  Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
   try {
     const detail::Fp32Operands ops(a, false, options.num_threads);
-    detail::sweep_gradients(a, ops, ctx, lse_in, detail::upstream_of(upstream, a.targets, a.weights, ctx.params), g);
+    detail::sweep_gradients(a, ops, ctx, lse_in, detail::upstream_of(upstream, a.targets, a.weights, ctx.params), g,
+                            buffers->head_logits);
   } catch (const std::bad_alloc&) {
     return out_of_memory("linear_cross_entropy_backward");  // before any output was written
   }
@@ -191,12 +194,15 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
   const detail::SweepContext ctx = sweep_context(shard, options);
   // Everything is allocated before the first gather, so that no later step can fail alone.
   std::optional<detail::Fp32Operands> ops;
-  std::vector<float> logits, all_stats;
+  Workspace own;
+  Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
+  float* logits = nullptr;
+  std::vector<float> all_stats;
   detail::ChunkedSums sums;
   if (local.ok()) {
     try {
       ops.emplace(a, true, options.num_threads);
-      logits.resize(static_cast<std::size_t>(std::min(chunk, n) * a.vocab_rows()));
+      logits = buffers->head_logits.reserve(static_cast<std::size_t>(std::min(chunk, n) * a.vocab_rows()));
       all_stats.resize(static_cast<std::size_t>(n * width));
       sums.weight_direct = g.weight.present() && g.weight.matrix.dtype == kFloat32;
       if (g.weight.present() && !sums.weight_direct) {
@@ -213,8 +219,6 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
   const float one[1] = {grad_loss};
   const TokenVector scalar{const_cast<char*>(reinterpret_cast<const char*>(one)), kFloat32, 1, 1};
   const detail::Upstream upstream = detail::upstream_of(scalar, a.targets, a.weights, ctx.params);
-  Workspace own;
-  Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
   const RowMatrix stats_all{reinterpret_cast<char*>(all_stats.data()), kFloat32, n, width, width};
   int64_t row = 0;
   do {
@@ -224,7 +228,7 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
         comm, *buffers, exchange_call(a, rows, width, shard, inputs, options, extras.weights != nullptr), local,
         [&](const RowMatrix& stats) -> Status {
           try {
-            detail::sweep_stats(a, *ops, ctx, row, rows, logits.data(), stats);
+            detail::sweep_stats(a, *ops, ctx, row, rows, logits, stats, buffers->head_tiles);
           } catch (const std::bad_alloc&) {
             return out_of_memory("linear_cross_entropy_forward_backward");
           }
@@ -241,7 +245,7 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
       out.lse.at<float>(t) =
           detail::token_loss(dst, detail::target_at(a.targets, t), w, ctx.params, width == kStatsWidthWithExtras).lse;
     }
-    detail::chunk_gradients(a, *ops, ctx, row, rows, logits.data(), out.lse, upstream, g, row == 0, sums);
+    detail::chunk_gradients(a, *ops, ctx, row, rows, logits, out.lse, upstream, g, row == 0, sums);
     row += rows;
   } while (row < n);
   detail::finish_chunked_gradients(a, ctx, g, sums);
@@ -270,7 +274,8 @@ Status linear_cross_entropy_local_stats(const HeadInputs& inputs, const TensorVi
   }
   try {
     const detail::Fp32Operands ops(a, false, options.num_threads);
-    detail::sweep_stats(a, ops, sweep_context(shard, options), 0, a.tokens(), nullptr, out);
+    detail::HostFloats tiles;
+    detail::sweep_stats(a, ops, sweep_context(shard, options), 0, a.tokens(), nullptr, out, tiles);
   } catch (const std::bad_alloc&) {
     return out_of_memory("linear_cross_entropy_local_stats");
   }

@@ -109,7 +109,7 @@ const float* Fp32Operands::weight_rows(int64_t begin, int64_t count, std::vector
 }
 
 void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, int64_t row_begin,
-                 int64_t rows, float* keep, const RowMatrix& stats) {
+                 int64_t rows, float* keep, const RowMatrix& stats, HostFloats& tiles) {
   const int64_t h = args.hidden_size(), vr = args.vocab_rows();
   const int64_t nb = args.tiles.token_block, vb = args.tiles.vocab_block;
   const int64_t token_blocks = blocks_of(rows, nb);
@@ -119,7 +119,7 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
   const int threads = std::max(1, std::min<int>(thread_count(ctx.num_threads), static_cast<int>(token_blocks)));
   std::vector<BlockStats> folded(static_cast<std::size_t>(rows));
   std::vector<float> target_logit(static_cast<std::size_t>(rows), kNegInf);
-  std::vector<float> tiles(keep != nullptr ? 0 : static_cast<std::size_t>(threads * nb * vb));
+  float* tile_buffers = keep != nullptr ? nullptr : tiles.reserve(static_cast<std::size_t>(threads * nb * vb));
   std::vector<float> staging;
   std::vector<std::vector<float>> hidden_staging(static_cast<std::size_t>(threads));  // per thread
   for (int64_t v0 = 0; v0 < vr; v0 += vb) {
@@ -129,7 +129,7 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
     const float* w = ops.weight_rows(v0, cols, staging, threads, &ldw);
     parallel_rows(token_blocks, threads, [&](int64_t i) {
       const int64_t r0 = i * nb, n = std::min(nb, rows - r0);
-      float* tile = keep != nullptr ? keep + r0 * vr + v0 : tiles.data() + thread_index() * nb * vb;
+      float* tile = keep != nullptr ? keep + r0 * vr + v0 : tile_buffers + thread_index() * nb * vb;
       const int64_t ld = keep != nullptr ? vr : vb;
       int64_t ldh = 0;
       const float* hidden =
@@ -208,7 +208,7 @@ void zero_rows(const GradientArgs& g, int64_t row0, int64_t rows, int num_thread
 }  // namespace
 
 void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, const TokenVector& lse,
-                     const Upstream& upstream, const HeadGradientArgs& grads) {
+                     const Upstream& upstream, const HeadGradientArgs& grads, HostFloats& buffer) {
   const int64_t n = args.tokens(), h = args.hidden_size(), vr = args.vocab_rows();
   const int64_t nb = args.tiles.token_block, vb = args.tiles.vocab_block;
   const int threads = thread_count(ctx.num_threads);
@@ -227,7 +227,7 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
   // A super-block's logit gradients, and for bf16/fp16 its hidden states in fp32, fit the buffer.
   const int64_t token_bytes = (vb + (args.hidden.dtype == kFloat32 ? 0 : h)) * 4;
   const int64_t group = std::max<int64_t>(1, kGradientBufferBytes / (token_bytes * nb)) * nb;
-  std::vector<float> dx(static_cast<std::size_t>(std::min(group, n) * vb));
+  float* dx = buffer.reserve(static_cast<std::size_t>(std::min(group, n) * vb));
   std::vector<float> group_staging;
   std::vector<double> bias_parts(grads.bias.present() ? static_cast<std::size_t>((group / nb) * vb) : 0);
   std::vector<float> staging;
@@ -258,7 +258,7 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
       const float* hidden = ops.hidden_rows(s0, group_rows, group_staging, threads, &ldh);
       parallel_rows(blocks_of(group_rows, nb), threads, [&](int64_t i) {
         const int64_t r0 = s0 + i * nb, rows = std::min(nb, n - r0);
-        float* tile = dx.data() + (r0 - s0) * vb;
+        float* tile = dx + (r0 - s0) * vb;
         gemm(false, true, rows, cols, h, hidden + (r0 - s0) * ldh, ldh, w, ldw, 0.0f, tile, vb);
         add_bias(tile, vb, rows, cols, ops.bias() != nullptr ? ops.bias() + v0 : nullptr);
         const RowMatrix x{reinterpret_cast<char*>(tile), kFloat32, rows, width, vb};
@@ -287,7 +287,7 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
       if (grads.weight.present()) {
         // The first super-block writes the sums (over grad_weight itself, unless adding into it).
         const float beta_w = s0 > 0 || (weight_direct && grads.weight.accumulate) ? 1.0f : 0.0f;
-        weight_gradient(dx.data(), vb, group_rows, hidden, ldh, h, cols, beta_w, false, target, threads);
+        weight_gradient(dx, vb, group_rows, hidden, ldh, h, cols, beta_w, false, target, threads);
       }
       s0 += group;
     } while (s0 < n);

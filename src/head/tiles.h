@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../cpu/kernels.h"
+#include "../workspace.h"
 #include "head_args.h"
 
 namespace vpce::detail {
@@ -47,16 +48,16 @@ class Fp32Operands {
 // Token rows [row_begin, row_begin + rows) -> their [rows, W] statistics (as
 // local_stats_kernel of their logits). With `keep` ([rows, V_r] fp32, row stride V_r), the
 // logits are left there (chunked mode; padding columns are not written); else each tile
-// lives in a per-thread buffer and is dropped.
+// lives in a per-thread buffer taken from `tiles` and is dropped.
 void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, int64_t row_begin,
-                 int64_t rows, float* keep, const RowMatrix& stats);
+                 int64_t rows, float* keep, const RowMatrix& stats, HostFloats& tiles);
 
 // Recompute mode's backward over every token: for each vocabulary block j, the tiles
-// recomputed and turned into their logit gradients dx in a buffer of a few MiB (a
-// super-block of tokens at a time), grad_hidden += dx W_j per token block, and
+// recomputed and turned into their logit gradients dx in a buffer of a few MiB taken from
+// `buffer` (a super-block of tokens at a time), grad_hidden += dx W_j per token block, and
 // grad_weight_j, grad_bias_j += dx^T h, column sums per super-block in token order.
 void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, const TokenVector& lse,
-                     const Upstream& upstream, const HeadGradientArgs& grads);
+                     const Upstream& upstream, const HeadGradientArgs& grads, HostFloats& buffer);
 
 // Chunked mode: the gradients of token rows [row_begin, row_begin + rows) whose logits are
 // in `logits` ([rows, V_r], from sweep_stats), turned into their gradients in place.

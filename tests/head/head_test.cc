@@ -33,6 +33,7 @@ struct HeadRun {
   bool reduce_hidden = false;  // all_reduce_hidden_gradient instead of summing in the test
   bool want_bias = true;
   DataType grad_dtype = kFloat32;  // written-over gradients
+  std::vector<Workspace>* workspaces = nullptr;  // one per rank, kept across runs; null: none
 };
 
 struct HeadResult {
@@ -94,16 +95,17 @@ HeadResult run_head(HeadProblem& p, const HeadRun& run) {
     ForwardExtras extras;
     if (!weights.empty()) extras.weights = &wv;
     int64_t collectives = -1;
+    Workspace* ws = run.workspaces != nullptr ? &(*run.workspaces)[static_cast<std::size_t>(r)] : nullptr;
     Status s;
     if (run.mode == Mode::kRecompute) {
-      s = linear_cross_entropy_forward(comm, in, tv, shard, run.loss, run.head, loss_v, lse_v, extras);
+      s = linear_cross_entropy_forward(comm, in, tv, shard, run.loss, run.head, loss_v, lse_v, extras, ws);
       if (!s.ok()) return s;
       std::vector<float> gl = run.loss.reduction == Reduction::kNone ? p.grad_loss : std::vector<float>{run.grad_scalar};
       const TensorView glv = TensorView::contiguous(gl.data(), kFloat32, {static_cast<int64_t>(gl.size())});
-      s = linear_cross_entropy_backward(in, tv, lse_v, glv, shard, run.loss, run.head, grads, extras.weights);
+      s = linear_cross_entropy_backward(in, tv, lse_v, glv, shard, run.loss, run.head, grads, extras.weights, ws);
     } else {
       s = linear_cross_entropy_forward_backward(comm, in, tv, shard, run.loss, run.head, run.grad_scalar, loss_v,
-                                                lse_v, grads, extras, nullptr, &collectives);
+                                                lse_v, grads, extras, ws, &collectives);
     }
     if (!s.ok()) return s;
     if (run.reduce_hidden) {
@@ -230,6 +232,46 @@ TEST_P(HeadModes, PaddedVocabularyWeightsAndExtrasMatchTheOracle) {
     for (int64_t k = 0; k < p.hidden; ++k) EXPECT_EQ(r.grad_weight[static_cast<std::size_t>(v * p.hidden + k)], 0.0);
     EXPECT_EQ(r.grad_bias[static_cast<std::size_t>(v)], 0.0);
   }
+}
+
+TEST_P(HeadModes, AWorkspaceKeptAcrossCallsOfOtherShapesChangesNothing) {
+  // The workspace's buffers are reused without being cleared: a first problem with logits of
+  // +-1e4 leaves its values in them (larger than the second's buffers need), and the second
+  // (padding columns, ignored tokens, weights) must not read any of it.
+  std::vector<Workspace> workspaces(2);
+  HeadProblem big = random_head_problem(64, 24, 400, kFloat32, 91, 1e4f);
+  HeadRun first;
+  first.mode = GetParam();
+  first.loss.reduction = Reduction::kSum;
+  first.ranks = 2;
+  first.head.token_block = 8;
+  first.head.vocab_block = 64;
+  first.head.chunk_tokens = 64;
+  first.workspaces = &workspaces;
+  expect_ok(run_head(big, first));
+  HeadProblem p = random_head_problem(29, 16, 150, kFloat32, 78);
+  for (int64_t i = 0; i < p.tokens; ++i) {
+    p.weights.push_back(static_cast<float>(i % 3) * 0.5f);
+    if (p.targets[static_cast<std::size_t>(i)] >= 120) p.targets[static_cast<std::size_t>(i)] = 119;
+  }
+  HeadRun run;
+  run.mode = GetParam();
+  run.loss.valid_vocab_size = 120;
+  run.loss.reduction = Reduction::kMean;
+  run.ranks = 2;
+  run.sizes = {70, 80};
+  run.head.token_block = 4;
+  run.head.vocab_block = 32;
+  run.head.chunk_tokens = 8;
+  const HeadResult fresh = run_head(p, run);
+  run.workspaces = &workspaces;
+  const HeadResult reused = run_head(p, run);
+  expect_matches(p, run, reused);
+  EXPECT_EQ(std::memcmp(reused.loss.data(), fresh.loss.data(), fresh.loss.size() * sizeof(float)), 0);
+  EXPECT_EQ(reused.grad_weight, fresh.grad_weight);
+  EXPECT_EQ(reused.grad_bias, fresh.grad_bias);
+  EXPECT_EQ(reused.hidden_parts, fresh.hidden_parts);
+  for (const Workspace& w : workspaces) EXPECT_GT(w.capacity(), 0u);
 }
 
 TEST_P(HeadModes, AccumulatesIntoFp32AndReducesTheHiddenGradient) {

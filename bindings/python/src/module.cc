@@ -309,6 +309,13 @@ struct Head {
   }
   Head(const Head&) = delete;
   Head& operator=(const Head&) = delete;
+  // The CPU head's buffers (tiles, a chunk of logits: tens of MiB), kept between the steps
+  // on each calling thread, as PyTorch's caching allocator keeps its blocks: a step that
+  // finds them large enough neither allocates nor faults in fresh pages. None on a device.
+  vpce::Workspace* workspace() const {
+    thread_local vpce::Workspace cpu_workspace;
+    return inputs.hidden.device.type == vpce::DeviceType::kCPU ? &cpu_workspace : nullptr;
+  }
 
   Array hidden_array, weight_array;
   std::optional<Array> bias_array;
@@ -572,7 +579,7 @@ NB_MODULE(_vpce, m) {
           nb::gil_scoped_release release;
           status = vpce::linear_cross_entropy_forward(comm, operands.inputs, y,
                                                       shard_of(vocab_begin, vocab_end, vocab_size), options,
-                                                      head_options, l, e, extras.views);
+                                                      head_options, l, e, extras.views, operands.workspace());
         }
         check(status);
       },
@@ -605,7 +612,7 @@ NB_MODULE(_vpce, m) {
         nb::gil_scoped_release release;
         check(vpce::linear_cross_entropy_backward(operands.inputs, y, e, g,
                                                   shard_of(vocab_begin, vocab_end, vocab_size), options, head_options,
-                                                  gradients.views, w ? &*w : nullptr));
+                                                  gradients.views, w ? &*w : nullptr, operands.workspace()));
       },
       nb::arg("hidden").none(), nb::arg("weight").none(), nb::arg("bias").none(), nb::arg("targets").none(),
       nb::arg("lse").none(), nb::arg("grad_loss").none(), nb::arg("vocab_begin"), nb::arg("vocab_end"),
@@ -641,7 +648,7 @@ NB_MODULE(_vpce, m) {
           nb::gil_scoped_release release;
           status = vpce::linear_cross_entropy_forward_backward(
               comm, operands.inputs, y, shard_of(vocab_begin, vocab_end, vocab_size), options, head_options,
-              grad_loss, l, e, gradients.views, extras.views, nullptr, &collectives);
+              grad_loss, l, e, gradients.views, extras.views, operands.workspace(), &collectives);
         }
         check(status);
         return collectives;
