@@ -38,8 +38,10 @@ struct Workspace::Buffers {
   std::vector<std::byte> send;    // this rank's payload: header + [N, W] stats
   std::vector<std::byte> recv;    // every rank's payload, rank order
   std::vector<std::byte> merged;  // [N, W] merged stats
-  detail::HostFloats head_tiles;   // the fused head's per-thread logit tiles (head/tiles.cc)
-  detail::HostFloats head_logits;  // its chunk of logits, or the backward's logit gradients
+  // The fused head's (head/tiles.cc): its tiles (the forward's per-thread tiles, then the
+  // backward's logit gradients: one buffer for both), and the chunked mode's chunk of logits.
+  detail::HostFloats head_tiles;
+  detail::HostFloats head_logits;
   std::shared_ptr<void> device;       // the device buffers, for device tensors (cuda/dispatch.cu)
   std::shared_ptr<void> device_head;  // the fused head's device buffers (head/cuda/)
 };

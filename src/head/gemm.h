@@ -1,9 +1,9 @@
 // head/gemm.h: the fused head's one GEMM, fp32, row-major, on the calling thread alone.
 //
-// Through oneDNN's dnnl_sgemm (chosen over OpenBLAS and BLIS by bench/blas_compare.cc, see
-// docs/performance.md). It runs on the calling thread only (the head's tiles are spread
-// over threads by the caller, each tile's GEMM on one), so a tile's result never depends
-// on the thread count.
+// Through oneDNN (chosen over OpenBLAS and BLIS by bench/blas_compare.cc, see
+// docs/performance.md): its matmul primitive, or dnnl_sgemm for a transposed A (gemm.cc).
+// It runs on the calling thread only (the head's tiles are spread over threads by the
+// caller, each tile's GEMM on one), so a tile's result never depends on the thread count.
 #pragma once
 
 #include <cstdint>

@@ -145,7 +145,7 @@ Status linear_cross_entropy_backward(const HeadInputs& inputs, const TensorView&
   try {
     const detail::Fp32Operands ops(a, false, options.num_threads);
     detail::sweep_gradients(a, ops, ctx, lse_in, detail::upstream_of(upstream, a.targets, a.weights, ctx.params), g,
-                            buffers->head_logits);
+                            buffers->head_tiles);
   } catch (const std::bad_alloc&) {
     return out_of_memory("linear_cross_entropy_backward");  // before any output was written
   }
