@@ -11,13 +11,17 @@ states through a [V, H] weight (no bias), forward and backward, gradients of bot
 
 Method. Each case runs in a fresh Python process, so that its memory is its own, with
 torch.set_num_threads(--threads) (vpce's kernels take the same number). Time: the median
-wall-clock time of --repeat forward+backward calls after --warmup. Memory: Python's
+wall-clock time (and process CPU time) of --repeat forward+backward calls after --warmup,
+over --rounds rounds, each round running every case once in a fresh process, the cases
+interleaved (the order rotated each round) so that a slow spell of a shared machine falls on
+all of them alike. Memory: Python's
 tracemalloc does not see PyTorch's allocations, and PyTorch's CPU allocator keeps no
 statistics of its own, so the peak is the operating system's: before each call the
 process's peak resident set (VmHWM) is reset to its current one (Linux: writing 5 to
 /proc/self/clear_refs), and the extra peak of the call is VmHWM after it minus VmRSS before
-it; the table gives the largest over the timed calls, in MiB and in multiples of the fp32
-logits' size ([tokens, V] x 4 bytes). PyTorch's CPU allocator gives large blocks back to
+the first call (so that buffers a case keeps between calls count); the table gives the
+largest over the timed calls, in MiB and in multiples of the fp32 logits' size
+([tokens, V] x 4 bytes). PyTorch's CPU allocator gives large blocks back to
 the system when they are freed (glibc's mmap threshold), so what a call allocates and
 frees shows in its peak. Accuracy: the largest difference of the loss from a float64
 reference computed from the same (fp32 or bf16) values.
@@ -128,20 +132,21 @@ def worker(args):
         return 0
     if args.worker.startswith("vpce"):
         import vpce.torch  # noqa: F401, PLC0415 (imported before anything is measured)
-    times, peaks = [], []
+    times, cpu_times, peaks = [], [], []
     loss = None
+    baseline = status_mb("VmRSS")  # the inputs; what a case keeps between calls counts as extra
     for _ in range(args.warmup + args.repeat):
         loss = grads = None
         reset_peak()
-        before = status_mb("VmRSS")
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss, grads = step(args.worker, hidden, weight, target, args.threads)
         times.append(time.perf_counter() - start)
-        peaks.append(status_mb("VmHWM") - before)
+        cpu_times.append(time.process_time() - cpu_start)
+        peaks.append(status_mb("VmHWM") - baseline)
         del grads
     reference = float(np.load(os.path.join(args.input, "reference_loss.npy")))
-    print(json.dumps({"ms": 1e3 * statistics.median(times[args.warmup:]), "extra_peak_mb": max(peaks[args.warmup:]),
-                      "loss_error": abs(float(loss.double()) - reference)}))
+    print(json.dumps({"ms": [1e3 * t for t in times[args.warmup:]], "cpu_ms": [1e3 * t for t in cpu_times[args.warmup:]],
+                      "extra_peak_mb": max(peaks[args.warmup:]), "loss_error": abs(float(loss.double()) - reference)}))
     return 0
 
 
@@ -154,6 +159,7 @@ def main():
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3, help="fresh processes per case, the cases interleaved")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per case before it is given up")
     parser.add_argument("--only", help="comma-separated case keys (default: all): " +
                         ", ".join(key for _, key in CASES))
@@ -177,35 +183,55 @@ def main():
         reference = F.cross_entropy(logits, target).item()
         np.save(os.path.join(directory, "reference_loss.npy"), np.array(reference))
         del logits
-        results = {}
-        for label, key in cases:
-            try:
-                out = subprocess.run([sys.executable, __file__, "--worker", key, "--input", directory, "--dtype",
-                                      args.dtype, "--threads", str(args.threads), "--repeat", str(args.repeat),
-                                      "--warmup", str(args.warmup)], capture_output=True, text=True,
-                                     timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                results[label] = {"skipped": f"over --timeout {args.timeout:.0f} s"}
-                continue
-            if out.returncode != 0:
-                last = (out.stderr.strip().splitlines() or ["?"])[-1]
-                results[label] = {"skipped": f"failed: {last[:100]}"}
-                continue
-            results[label] = json.loads(out.stdout.strip().splitlines()[-1])
+        results = {label: {"ms": [], "cpu_ms": [], "extra_peak_mb": 0.0} for label, _ in cases}
+        for round_index in range(args.rounds):
+            # Every case once per round, in an order rotated by one each round, so that a slow
+            # spell of a shared machine falls on all of them alike.
+            shift = round_index % len(cases)
+            for label, key in cases[shift:] + cases[:shift]:
+                if "skipped" in results[label]:
+                    continue
+                try:
+                    out = subprocess.run([sys.executable, __file__, "--worker", key, "--input", directory, "--dtype",
+                                          args.dtype, "--threads", str(args.threads), "--repeat", str(args.repeat),
+                                          "--warmup", str(args.warmup)], capture_output=True, text=True,
+                                         timeout=args.timeout)
+                except subprocess.TimeoutExpired:
+                    results[label] = {"skipped": f"over --timeout {args.timeout:.0f} s"}
+                    continue
+                if out.returncode != 0:
+                    last = (out.stderr.strip().splitlines() or ["?"])[-1]
+                    results[label] = {"skipped": f"failed: {last[:100]}"}
+                    continue
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                if "skipped" in r:
+                    results[label] = r
+                    continue
+                merged = results[label]
+                merged["ms"] += r["ms"]
+                merged["cpu_ms"] += r["cpu_ms"]
+                merged["extra_peak_mb"] = max(merged["extra_peak_mb"], r["extra_peak_mb"])
+                merged["loss_error"] = r["loss_error"]
+        for r in results.values():
+            if "ms" in r:
+                r["ms"], r["cpu_ms"] = statistics.median(r["ms"]), statistics.median(r["cpu_ms"])
     logits_mb = args.tokens * args.vocab * 4 / 2**20
     print(f"# {args.tokens} tokens, H {args.hidden}, V {args.vocab}, {args.dtype} inputs, fp32 logits "
-          f"{logits_mb:.0f} MiB; {args.threads} threads; torch {torch.__version__}; median of {args.repeat} "
-          f"forward+backward (mean loss, gradients of hidden and weight) after {args.warmup} warm-up")
-    print("# extra peak: the largest per-call peak of resident memory beyond what was resident before the call")
-    first = next((r["ms"] for r in results.values() if "ms" in r), None)
-    print(f"# {'case':<66} {'fwd+bwd ms':>10} {'vs first':>8} {'extra peak MiB':>14} {'x logits':>8} "
-          f"{'|loss err|':>10}")
+          f"{logits_mb:.0f} MiB; {args.threads} threads; torch {torch.__version__}; median of {args.rounds} rounds x "
+          f"{args.repeat} forward+backward (mean loss, gradients of hidden and weight) after {args.warmup} warm-up, "
+          "each round a fresh process per case, the cases interleaved")
+    print("# extra peak: the largest peak of resident memory beyond the inputs (what a case keeps between calls "
+          "counts); cpu ms: the process's CPU time per call, all threads")
+    first = next((r for r in results.values() if "ms" in r), None)
+    print(f"# {'case':<66} {'fwd+bwd ms':>10} {'vs first':>8} {'cpu ms':>9} {'vs first':>8} {'extra peak MiB':>14} "
+          f"{'x logits':>8} {'|loss err|':>10}")
     for label, r in results.items():
         if "ms" not in r:
             print(f"  {label:<66} skipped: {r['skipped']}")
             continue
-        print(f"  {label:<66} {r['ms']:10.1f} {first / r['ms']:8.2f} {r['extra_peak_mb']:14.0f} "
-              f"{r['extra_peak_mb'] / logits_mb:8.2f} {r['loss_error']:10.2e}")
+        print(f"  {label:<66} {r['ms']:10.1f} {first['ms'] / r['ms']:8.2f} {r['cpu_ms']:9.1f} "
+              f"{first['cpu_ms'] / r['cpu_ms']:8.2f} {r['extra_peak_mb']:14.0f} {r['extra_peak_mb'] / logits_mb:8.2f} "
+              f"{r['loss_error']:10.2e}")
     return 0
 
 
