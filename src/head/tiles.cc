@@ -122,31 +122,57 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
   float* tile_buffers = keep != nullptr ? nullptr : tiles.reserve(static_cast<std::size_t>(threads * nb * vb));
   std::vector<float> staging;
   std::vector<std::vector<float>> hidden_staging(static_cast<std::size_t>(threads));  // per thread
-  for (int64_t v0 = 0; v0 < vr; v0 += vb) {
-    const int64_t cols = valid_columns(ctx.vocab_begin + v0, std::min(vb, vr - v0), ctx.params);
-    if (cols == 0) continue;  // padding: no part in the loss
-    int64_t ldw = 0;
-    const float* w = ops.weight_rows(v0, cols, staging, threads, &ldw);
+  // Tile (i, j at column v0): its GEMM from fp32 hidden and weight rows, its rows folded.
+  auto tile_stats = [&](int64_t i, int64_t v0, int64_t cols, const float* hidden, int64_t ldh, const float* w,
+                        int64_t ldw) {
+    const int64_t r0 = i * nb, n = std::min(nb, rows - r0);
+    float* tile = keep != nullptr ? keep + r0 * vr + v0 : tile_buffers + thread_index() * nb * vb;
+    const int64_t ld = keep != nullptr ? vr : vb;
+    gemm(false, true, n, cols, h, hidden, ldh, w, ldw, 0.0f, tile, ld);
+    add_bias(tile, ld, n, cols, ops.bias() != nullptr ? ops.bias() + v0 : nullptr);
+    for (int64_t r = 0; r < n; ++r) {
+      const float* row = tile + r * ld;
+      const int64_t token = r0 + r;
+      fold_block(folded[static_cast<std::size_t>(token)],
+                 block_stats(row, StorageType::kFloat32, cols, transform, with_sum_logits, with_extras), v0);
+      const int64_t target_col = target_at(args.targets, row_begin + token) - ctx.vocab_begin - v0;
+      if (target_col >= 0 && target_col < cols) {
+        target_logit[static_cast<std::size_t>(token)] = transform_one(row[target_col], transform);
+      }
+    }
+  };
+  auto hidden_of = [&](int64_t i, int64_t* ldh) {
+    const int64_t r0 = i * nb;
+    return ops.hidden_rows(row_begin + r0, std::min(nb, rows - r0),
+                           hidden_staging[static_cast<std::size_t>(thread_index())], 1, ldh);
+  };
+  if (ops.weight_in_fp32()) {
+    // Nothing to convert: each thread takes whole token blocks and sweeps the vocabulary
+    // blocks in order, with no barrier between them (the same tiles, the same fold order).
     parallel_rows(token_blocks, threads, [&](int64_t i) {
-      const int64_t r0 = i * nb, n = std::min(nb, rows - r0);
-      float* tile = keep != nullptr ? keep + r0 * vr + v0 : tile_buffers + thread_index() * nb * vb;
-      const int64_t ld = keep != nullptr ? vr : vb;
       int64_t ldh = 0;
-      const float* hidden =
-          ops.hidden_rows(row_begin + r0, n, hidden_staging[static_cast<std::size_t>(thread_index())], 1, &ldh);
-      gemm(false, true, n, cols, h, hidden, ldh, w, ldw, 0.0f, tile, ld);
-      add_bias(tile, ld, n, cols, ops.bias() != nullptr ? ops.bias() + v0 : nullptr);
-      for (int64_t r = 0; r < n; ++r) {
-        const float* row = tile + r * ld;
-        const int64_t token = r0 + r;
-        fold_block(folded[static_cast<std::size_t>(token)],
-                   block_stats(row, StorageType::kFloat32, cols, transform, with_sum_logits, with_extras), v0);
-        const int64_t target_col = target_at(args.targets, row_begin + token) - ctx.vocab_begin - v0;
-        if (target_col >= 0 && target_col < cols) {
-          target_logit[static_cast<std::size_t>(token)] = transform_one(row[target_col], transform);
-        }
+      const float* hidden = hidden_of(i, &ldh);
+      for (int64_t v0 = 0; v0 < vr; v0 += vb) {
+        const int64_t cols = valid_columns(ctx.vocab_begin + v0, std::min(vb, vr - v0), ctx.params);
+        if (cols == 0) break;  // padding (the last rows): no part in the loss
+        int64_t ldw = 0;
+        const float* w = ops.weight_rows(v0, cols, staging, 1, &ldw);
+        tile_stats(i, v0, cols, hidden, ldh, w, ldw);
       }
     });
+  } else {
+    // bf16/fp16 weight rows: converted once per vocabulary block for every token block.
+    for (int64_t v0 = 0; v0 < vr; v0 += vb) {
+      const int64_t cols = valid_columns(ctx.vocab_begin + v0, std::min(vb, vr - v0), ctx.params);
+      if (cols == 0) continue;  // padding: no part in the loss
+      int64_t ldw = 0;
+      const float* w = ops.weight_rows(v0, cols, staging, threads, &ldw);
+      parallel_rows(token_blocks, threads, [&](int64_t i) {
+        int64_t ldh = 0;
+        const float* hidden = hidden_of(i, &ldh);
+        tile_stats(i, v0, cols, hidden, ldh, w, ldw);
+      });
+    }
   }
   parallel_rows(rows, ctx.num_threads, [&](int64_t r) {
     write_token_stats(folded[static_cast<std::size_t>(r)], target_logit[static_cast<std::size_t>(r)],

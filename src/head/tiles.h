@@ -37,6 +37,8 @@ class Fp32Operands {
   const float* weight_rows(int64_t begin, int64_t count, std::vector<float>& staging, int threads,
                            int64_t* ld) const;
   const float* bias() const { return bias_.empty() ? nullptr : bias_.data(); }
+  // Whether weight_rows() hands out the weight's rows without converting them.
+  bool weight_in_fp32() const { return args_.weight.dtype == kFloat32 || !weight_copy_.empty(); }
 
  private:
   const float* rows(const RowMatrix& m, const std::vector<float>& copy, int64_t begin, int64_t count,
