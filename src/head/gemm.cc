@@ -1,10 +1,11 @@
 // head/gemm.cc: gemm() through oneDNN (see gemm.h): its matmul primitive (brgemm kernels)
-// where A is not transposed, dnnl_sgemm otherwise.
+// where A is not transposed and K is at most 8192, dnnl_sgemm otherwise.
 //
 // Why two: on this machine's AVX-512 the matmul primitive runs the head's tile shapes 5-15 %
 // faster than dnnl_sgemm (and 30 % faster for grad_hidden at H = 512), but for a transposed
 // A (the weight gradient's dx^T h) oneDNN 2.6 has no brgemm kernel and picks the same JIT
-// GEMM as dnnl_sgemm. Measured in docs/performance.md ("oneDNN's matmul primitive").
+// GEMM as dnnl_sgemm; and over a K of 32000 it was slower. Measured in docs/performance.md
+// (seventh session).
 #include "gemm.h"
 
 #include <map>
@@ -102,6 +103,10 @@ class ThreadMatmuls {
   std::map<MatmulShape, std::optional<Matmul>> cache_;
 };
 
+// Above this K (the chunked mode's dh = dx W over the whole shard) the primitive ran slower
+// than dnnl_sgemm here (K = 32000, H = 1024: 113 against 134 GFLOP/s on one thread).
+constexpr int64_t kMatmulMaxK = 8192;
+
 ThreadMatmuls& thread_matmuls() {
   thread_local ThreadMatmuls matmuls;
   return matmuls;
@@ -121,7 +126,7 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const flo
     return;
   }
   OneThread one;
-  if (!trans_a) {
+  if (!trans_a && k <= kMatmulMaxK) {
     ThreadMatmuls& matmuls = thread_matmuls();
     if (const Matmul* mm = matmuls.get({m, n, k, lda, ldb, ldc, trans_b, beta != 0.0f})) {
       matmuls.run(*mm, a, b, c);
