@@ -236,8 +236,8 @@ TEST_P(HeadModes, PaddedVocabularyWeightsAndExtrasMatchTheOracle) {
 
 TEST_P(HeadModes, AWorkspaceKeptAcrossCallsOfOtherShapesChangesNothing) {
   // The workspace's buffers are reused without being cleared: a first problem with logits of
-  // +-1e4 leaves its values in them (larger than the second's buffers need), and the second
-  // (padding columns, ignored tokens, weights) must not read any of it.
+  // a few times 1e4 leaves its values in them (larger than the second's buffers need), and
+  // the second (padding columns, ignored tokens, weights) must not read any of it.
   std::vector<Workspace> workspaces(2);
   HeadProblem big = random_head_problem(64, 24, 400, kFloat32, 91, 1e4f);
   HeadRun first;
