@@ -20,6 +20,7 @@ class HostFloats {
   float* reserve(std::size_t n) {
     if (n > size_) {
       data_.reset();
+      size_ = 0;  // so that a failed allocation leaves it empty, not a stale size
       data_.reset(new float[n]);
       size_ = n;
     }
