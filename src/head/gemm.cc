@@ -58,6 +58,8 @@ class ThreadMatmuls {
   const Matmul* get(const MatmulShape& s) {
     auto it = cache_.find(s);
     if (it == cache_.end()) {
+      // Bounded: varying batch sizes give varying edge tiles, each a shape of its own.
+      if (cache_.size() >= kMaxShapes) cache_.clear();
       it = cache_.emplace(s, make(s)).first;
       if (it->second && scratch_.size() < it->second->scratchpad.get_size()) {
         scratch_.resize(it->second->scratchpad.get_size());
@@ -97,6 +99,7 @@ class ThreadMatmuls {
     }
   }
 
+  static constexpr std::size_t kMaxShapes = 64;
   dnnl::engine engine_{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream_{engine_};
   std::vector<std::byte> scratch_;
