@@ -132,6 +132,16 @@ HWY_INLINE void StoreBf16PairsSoftware(VF even, VF odd, BFloat16* p) {
   _mm512_storeu_si512(p, packed);
 }
 
+// Even- and odd-position values already on bf16's grid (BinadeShift): their upper halves
+// merged by one shift and one VPTERNLOGD, 2 vector operations per 32 values. (A result
+// below 2^-126, off the grid after VSCALEFPS, loses its lower half: truncated.)
+HWY_INLINE void StoreBf16PairsRounded(VF even, VF odd, BFloat16* p) {
+  const __m512i e = _mm512_castps_si512(even.raw), o = _mm512_castps_si512(odd.raw);
+  const __m512i packed = _mm512_ternarylogic_epi32(o, _mm512_srli_epi32(e, 16),
+                                                   _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)), 0xE4);
+  _mm512_storeu_si512(p, packed);
+}
+
 bool HasAvx512Bf16() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
   return has;
@@ -337,6 +347,53 @@ HWY_INLINE VF ExpShifted(DF d, VF z, const LaneShift& shift, const ShiftedPolyno
 HWY_INLINE VF ExpShifted(DF d, VF z, const LaneShift& shift) {
   return ExpShifted(d, z, shift, ShiftedPolynomial<ExpPrecision::kFull>(d));
 }
+
+#if HWY_TARGET == HWY_AVX3
+// A bf16 gradient K e^(z - s) rounded inside the exp, for AVX-512 without AVX512-BF16: the
+// shift c moved by the fraction of log2|K| (then rounded to fp32) makes the polynomial's
+// factor K 2^(c - s log2(e)) = +-2^e (1 + mu), |mu| <= kMaxExcess, so every value of the
+// polynomial, +-2^e (1 + mu) 2^f for f in [0, 1) with its error of 8.6e-5, lies within
+// 2^-9 of the binade [2^e, 2^(e+1)] in relative terms. Adding and subtracting 1.5 x 2^(e+16)
+// rounds it to nearest even on the grid 2^(e-7): bf16's 8 bits inside the binade, and the
+// end 2^e or 2^(e+1) for a value just outside it, which is what bf16 rounds it to as well
+// (it is nearer than half of bf16's spacing there). So the bits are those of rounding the
+// polynomial's fp32 value; VSCALEFPS's power of two keeps them (a result below 2^-126 rounds
+// again, into fp32's subnormals, and the packing then truncates it). Two vector operations
+// per 16 values instead of the integer rounding's five (StoreBf16PairsSoftware). `valid` is
+// false where the shift's fp32 rounding leaves too large a mu: |c| above 2^16 (logits beyond
+// about +-45000) may.
+struct BinadeShift {
+  static constexpr double kMaxExcess = 1.5e-3;  // + 8.7e-5 from the polynomial < 2^-9
+  LaneShift shift;
+  double coefficient;  // K 2^(c - s log2(e)): +-2^e (1 + mu)
+  VF grid;             // +-1.5 x 2^(e+16), the sign of K
+  bool valid;
+};
+
+HWY_INLINE BinadeShift MakeBinadeShift(DF d, float s, double k) {
+  const double s_log2 = static_cast<double>(s) * static_cast<double>(kLog2e);  // exact
+  const double log2_k = std::log2(std::fabs(k));
+  const double e = std::ceil(log2_k);
+  const double target = s_log2 + (e - log2_k);
+  const auto c = static_cast<float>(target);
+  const double correction = std::exp2(static_cast<double>(c) - s_log2);
+  const double coefficient = k * correction;
+  const double excess = std::fabs(coefficient) / std::exp2(e) - 1.0;
+  const bool valid = std::isfinite(c) && std::isfinite(log2_k) && std::fabs(excess) <= BinadeShift::kMaxExcess;
+  const auto grid = static_cast<float>(std::copysign(1.5 * std::exp2(e + 16.0), k));
+  return {{hn::Set(d, c), static_cast<double>(c), correction}, coefficient, hn::Set(d, grid), valid};
+}
+
+// k e^(z - s) as ExpShifted gives it, rounded to bf16 on the way (k and the shift from a
+// valid BinadeShift).
+template <ExpPrecision kPrecision>
+HWY_INLINE VF ExpShiftedBf16(DF d, VF z, const BinadeShift& binade, const ShiftedPolynomial<kPrecision>& poly) {
+  const VF t = hn::MulSub(z, hn::Set(d, kLog2e), binade.shift.value);
+  const VF f{_mm512_reduce_ps(t.raw, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)};
+  const VF rounded = hn::Sub(hn::Add(poly.Horner(f), binade.grid), binade.grid);
+  return VF{_mm512_scalef_ps(rounded.raw, t.raw)};  // times 2^floor(t)
+}
+#endif
 
 // ---- the logit transform ----------------------------------------------------------------
 
@@ -616,15 +673,28 @@ HWY_INLINE void StoreGradient(DF d, VF v, G* p) {
 // kUniform: a uniform term (label smoothing): p coefficient - uniform can cancel, so the
 // exp's relative error is not the gradient's, and a half-precision gradient takes the full
 // exp (the lower degrees' bound holds for a gradient that is p times factors only).
-template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded, bool kUniform = false>
+// kBinade (AVX3, bf16 in and out, kFolded, no AVX512-BF16): the gradient rounded to bf16
+// inside the exp (BinadeShift), for a caller that checked that its BinadeShift is valid.
+template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded, bool kUniform = false, bool kBinade = false>
 void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
+  static_assert(!kBinade || (kFolded && !kHardwareBf16 && kKind == kIdentity && std::is_same_v<T, BFloat16> &&
+                             std::is_same_v<G, BFloat16> && HWY_TARGET == HWY_AVX3));
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
   // upstream (p coefficient - uniform) as one fused multiply-subtract, p = e^(z - lse) from
   // ExpShifted, its factor shift.correction in the coefficient; or, kFolded, the coefficient
   // in the polynomial.
-  const LaneShift shift = MakeLaneShift(d, c.lse);
-  const auto coefficient = static_cast<double>(c.upstream) * static_cast<double>(c.coefficient) * shift.correction;
+  const double k = static_cast<double>(c.upstream) * static_cast<double>(c.coefficient);
+  LaneShift shift = MakeLaneShift(d, c.lse);
+  double coefficient = k * shift.correction;
+#if HWY_TARGET == HWY_AVX3
+  BinadeShift binade{};
+  if constexpr (kBinade) {
+    binade = MakeBinadeShift(d, c.lse, k);
+    shift = binade.shift;
+    coefficient = binade.coefficient;
+  }
+#endif
   const VF scaled_coefficient = hn::Set(d, static_cast<float>(coefficient));
   const VF scaled_uniform = hn::Set(d, c.upstream * c.uniform);
   // A bf16 or fp16 gradient is rounded to 8 or 11 bits: an exp of degree 3 or 4 is enough.
@@ -636,7 +706,11 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
   auto element = [&](VF x) {
     const VF z = Transform<kKind>(d, x, t);
     VF g;
-    if constexpr (kFolded) {
+    if constexpr (kBinade) {
+#if HWY_TARGET == HWY_AVX3
+      g = ExpShiftedBf16(d, z, binade, poly);
+#endif
+    } else if constexpr (kFolded) {
       g = ExpShifted(d, z, shift, poly);
     } else {
       g = hn::MulSub(ExpShifted(d, z, shift, poly), scaled_coefficient, scaled_uniform);
@@ -671,6 +745,8 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
         LoadTwo(d, row + v, even, odd);
         if constexpr (kHardwareBf16) {
           StoreBf16PairsHardware(element(even), element(odd), grad + v);
+        } else if constexpr (kBinade) {
+          StoreBf16PairsRounded(element(even), element(odd), grad + v);
         } else {
           StoreBf16PairsSoftware(element(even), element(odd), grad + v);
         }
@@ -709,7 +785,17 @@ void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams&
   }
   if (t.cap > 0.0f) return Gradient<T, G, kSoftCapped, kHardwareBf16, false>(row, grad, cols, t, c);
   if (t.scale != 1.0f) return Gradient<T, G, kScaled, kHardwareBf16, false>(row, grad, cols, t, c);
-  if (FoldsCoefficient(c)) return Gradient<T, G, kIdentity, kHardwareBf16, true>(row, grad, cols, t, c);
+  if (FoldsCoefficient(c)) {
+#if HWY_TARGET == HWY_AVX3
+    if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16> && !kHardwareBf16) {
+      const double k = static_cast<double>(c.upstream) * static_cast<double>(c.coefficient);
+      if (MakeBinadeShift(DF(), c.lse, k).valid) {
+        return Gradient<T, G, kIdentity, false, true, false, true>(row, grad, cols, t, c);
+      }
+    }
+#endif
+    return Gradient<T, G, kIdentity, kHardwareBf16, true>(row, grad, cols, t, c);
+  }
   return Gradient<T, G, kIdentity, kHardwareBf16, false>(row, grad, cols, t, c);
 }
 
