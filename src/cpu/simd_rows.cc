@@ -2,7 +2,7 @@
 // with Google Highway and compiled for every x86 target it attains (AVX-512, AVX2, SSE4,
 // SSSE3) plus scalar; the best one the CPU supports is chosen at run time.
 //
-// Statistics of a block are taken a chunk of 64 vectors at a time while it is in L1: the
+// Statistics of a block are taken a chunk of 256 vectors at a time while it is in L1: the
 // chunk's max, then the sums of exp(z - m) (and of z when asked) with m the running max,
 // in fp32 lanes within a chunk and fp64 across chunks; with the extras (argmax, the
 // weighted sum) the whole block takes two passes from a stack buffer. The gradient reads
