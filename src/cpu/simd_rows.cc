@@ -375,11 +375,12 @@ HWY_INLINE BinadeShift MakeBinadeShift(DF d, float s, double k) {
   const double log2_k = std::log2(std::fabs(k));
   const double e = std::ceil(log2_k);
   const double target = s_log2 + (e - log2_k);
+  if (!(std::fabs(target) < 0x1p30)) return {MakeLaneShift(d, s), k, hn::Zero(d), false};  // (NaN, infinities)
   const auto c = static_cast<float>(target);
   const double correction = std::exp2(static_cast<double>(c) - s_log2);
   const double coefficient = k * correction;
   const double excess = std::fabs(coefficient) / std::exp2(e) - 1.0;
-  const bool valid = std::isfinite(c) && std::isfinite(log2_k) && std::fabs(excess) <= BinadeShift::kMaxExcess;
+  const bool valid = std::fabs(excess) <= BinadeShift::kMaxExcess;
   const auto grid = static_cast<float>(std::copysign(1.5 * std::exp2(e + 16.0), k));
   return {{hn::Set(d, c), static_cast<double>(c), correction}, coefficient, hn::Set(d, grid), valid};
 }
