@@ -83,12 +83,12 @@ TEST(Adversarial, TargetAtMinusInfinityGivesInfiniteLossFiniteGradient) {
   for (double g : result.grad) EXPECT_TRUE(std::isfinite(g));
 }
 
-// Rows long enough for several of the forward's chunks (64 vectors: 1024 columns on
-// AVX-512, 512 on AVX2), whose max grows from chunk to chunk (so the running sum is
-// rescaled, by up to e^-250), sits in the last chunk far above the rest, sits in the first,
-// or follows chunks of -inf; on every SIMD target, with and without label smoothing.
+// Rows long enough for several of the forward's chunks (256 vectors: 4096 columns on
+// AVX-512, 2048 on AVX2) and two blocks, whose max grows from chunk to chunk (so the running
+// sum is rescaled, by up to e^-205), sits in the last chunk far above the rest, sits in the
+// first, or follows chunks of -inf; on every SIMD target, with and without label smoothing.
 TEST(Adversarial, MaxMovingAcrossChunksMatchesOracle) {
-  constexpr int64_t kTokens = 7, kColumns = 5000;
+  constexpr int64_t kTokens = 7, kColumns = 20480;
   for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
     hwy::SetSupportedTargetsForTest(target);
     for (DataType dtype : {kFloat32, kBFloat16}) {
@@ -97,14 +97,14 @@ TEST(Adversarial, MaxMovingAcrossChunksMatchesOracle) {
         for (int64_t v = 0; v < kColumns; ++v) {
           const auto x = static_cast<float>(v);
           p.set(0, v, x * 0.01f);                             // rising slowly: a new max in every chunk
-          p.set(1, v, x * 0.05f - 100.0f);                    // rising fast: rescaled by e^-50 and less
+          p.set(1, v, x * 0.05f - 100.0f);                    // rising fast: rescaled by up to e^-205
           p.set(2, v, v == kColumns - 3 ? 90.0f : p.at(2, v));  // the max 90 above the rest, at the end
           p.set(3, v, v == 2 ? 40.0f : p.at(3, v));           // the max in the first chunk
           p.set(4, v, 20.0f - x * 0.01f);                     // falling
-          if (smoothing == 0.0f && v < 2500) p.set(5, v, -kInf);  // chunks of -inf, then values
-          if (smoothing == 0.0f && v >= 1000 && v < 3100) p.set(6, v, -kInf);  // values, -inf, values
+          if (smoothing == 0.0f && v < 10000) p.set(5, v, -kInf);  // chunks of -inf, then values
+          if (smoothing == 0.0f && v >= 4096 && v < 12400) p.set(6, v, -kInf);  // values, -inf, values
         }
-        p.targets = {4999, 10, 4997, 2, 0, 2600, 3500};
+        p.targets = {kColumns - 1, 10, kColumns - 3, 2, 0, 10600, 13500};
         const std::vector<double> x = p.as_double();
         RunOptions options;
         options.loss.label_smoothing = smoothing;
@@ -157,7 +157,8 @@ TEST(Adversarial, NanLogitMakesItsTokenNanOnEveryTarget) {
 }
 
 // NaN as whole vectors, chunks, rows and shards (the tester's cases: the last 16 of 1072
-// columns, the last 16 of 48, a rank's whole shard; a chunk of 64 vectors; every column),
+// columns, the last 16 of 48, a rank's whole shard; chunks of 64 and of 256 vectors, the
+// forward's on AVX-512 and AVX2 now; every column),
 // on every target, fp32 and bf16, with and without the extras, one rank and two: the token's
 // loss and lse are NaN, as PyTorch and the oracle give; the other tokens stay exact. (A
 // chunk whose every element is NaN or -inf has max -inf, and was once taken for empty.)
@@ -169,7 +170,8 @@ TEST(Adversarial, NanVectorsChunksRowsAndShardsReachTheLoss) {
   };
   const Span spans[] = {{1072, 1056, 1072, false}, {48, 32, 48, false},       {48, 24, 48, false},
                         {2048, 1024, 2048, false}, {3000, 1000, 2024, false}, {64, 0, 64, false},
-                        {64, 32, 64, true},        {20000, 16384, 16400, false}};
+                        {64, 32, 64, true},        {20000, 16384, 16400, false}, {12288, 4096, 8192, false},
+                        {12288, 8192, 12288, true}};
   for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
     hwy::SetSupportedTargetsForTest(target);
     for (const Span& span : spans) {

@@ -133,9 +133,27 @@ uint16_t nearest_half(double w) {
 }
 
 struct HalfGradientResult {
-  int64_t count = 0, exact = 0, beyond = 0;
+  int64_t count = 0, exact = 0, beyond = 0;  // count, exact: of the results of 2^-126 and more
   double worst_at = 0.0;
 };
+
+// One element of a half-precision gradient against the fp64 value `want`: beyond when more
+// than one unit in the last place from it correctly rounded (a bf16 result below 2^-126
+// flushed to zero, as AVX512-BF16 does, excepted); exact counted over the normal results
+// only (below 2^-126, AVX512-BF16 flushes, the rounding inside the exp truncates, the others
+// round).
+template <class H>
+void tally(H got, double want, double at, HalfGradientResult& r) {
+  const uint16_t nearest = nearest_half<H>(want);
+  const int distance = std::abs(static_cast<int>(got.bits) - static_cast<int>(nearest));
+  const bool subnormal = std::fabs(want) < 0x1p-126;
+  const bool flushed = std::is_same_v<H, BFloat16> && (got.bits & 0x7FFFu) == 0 && subnormal;
+  if (!subnormal) {
+    ++r.count;
+    if (distance == 0) ++r.exact;
+  }
+  if (distance > 1 && !flushed) ++r.beyond, r.worst_at = at;
+}
 
 // The gradient upstream e^(z - lse) coefficient (no smoothing, so no cancellation) rounded to H,
 // with logits of type T (T = H: in place), against the fp64 value correctly rounded: every
@@ -165,13 +183,7 @@ HalfGradientResult half_gradient(StorageType in, StorageType out, float lse, flo
   HalfGradientResult r;
   for (int64_t v = 0; v < kCols; ++v) {
     const double want = static_cast<double>(upstream) * static_cast<double>(coefficient) * std::exp(z[v] - lse);
-    const uint16_t nearest = nearest_half<H>(want);
-    const int distance = std::abs(static_cast<int>(got[v].bits) - static_cast<int>(nearest));
-    // AVX512-BF16 flushes results below 2^-126 to zero, as documented.
-    const bool flushed = std::is_same_v<H, BFloat16> && (got[v].bits & 0x7FFFu) == 0 && std::fabs(want) < 0x1p-126;
-    ++r.count;
-    if (distance == 0) ++r.exact;
-    if (distance > 1 && !flushed) ++r.beyond, r.worst_at = z[v] - lse;
+    tally(got[v], want, z[v] - lse, r);
   }
   return r;
 }
@@ -226,9 +238,9 @@ TEST(Exp, HalfPrecisionGradientsWithinOneUlpOnEveryTarget) {
             half_gradient<Float16, Float16>(StorageType::kFloat16, StorageType::kFloat16, lse, upstream, coefficient),
             half_gradient<float, Float16>(StorageType::kFloat32, StorageType::kFloat16, lse, upstream, coefficient)};
         const char* labels[4] = {"bf16 in place", "fp32 -> bf16", "fp16 in place", "fp32 -> fp16"};
-        // Measured on every target (lse 7.25, upstream 1): 98.1-99.0 % of the elements exactly
-        // rounded in bf16 (degree 3), 99.86-99.98 % in fp16 (degree 4).
-        const double at_least[4] = {0.95, 0.95, 0.99, 0.99};
+        // Measured on every target, over the normal results: at least 98.1 % exactly rounded in
+        // bf16 (degree 3) and 99.7 % in fp16 (degree 4), in every case.
+        const double at_least[4] = {0.97, 0.97, 0.995, 0.995};
         for (int k = 0; k < 4; ++k) {
           const HalfGradientResult& r = results[k];
           EXPECT_EQ(r.beyond, 0) << where << ", " << labels[k] << ": more than 1 ulp off, e.g. at z - lse = "
@@ -249,10 +261,11 @@ TEST(Exp, HalfPrecisionGradientsWithinOneUlpOnEveryTarget) {
 // the exp, with a shift whose fp32 rounding grows with the logits (docs/design.md, "bf16
 // rounding inside the exponential"), up to a limit (about 45000) beyond which the integer
 // rounding takes over. One bf16 logit z0 in a row of 64 and lse swept over z0 - u, u in
-// [-85, 0.5]: every element within one ulp of the fp64 value correctly rounded, at least 95 %
-// of them exactly, for both signs of the upstream gradient.
+// [-85, 0.5] (87 columns: two pairs of vectors, one vector and a partial one on AVX-512):
+// every element within one ulp of the fp64 value correctly rounded, at least 97 % of the
+// normal ones exactly, for both signs of the upstream gradient.
 TEST(Exp, HalfPrecisionGradientsOfLargeLogitsOnEveryTarget) {
-  constexpr int64_t kCols = 64;
+  constexpr int64_t kCols = 87;
   for (int64_t target : targets()) {
     hwy::SetSupportedTargetsForTest(target);
     const std::string name = hwy::TargetName(target);
@@ -260,25 +273,18 @@ TEST(Exp, HalfPrecisionGradientsOfLargeLogitsOnEveryTarget) {
       for (float upstream : {0.7f, -2.5e-4f}) {
         const BFloat16 z0 = from_float<BFloat16>(logit);
         const double z = static_cast<double>(to_float(z0));
-        int64_t count = 0, exact = 0, beyond = 0;
+        HalfGradientResult r;
         for (int i = 0; i < 1000; ++i) {
           const auto lse = static_cast<float>(z + 85.0 - 85.5 * i / 1000.0);
           std::vector<BFloat16> row(kCols, z0);
           block_gradient(row.data(), StorageType::kBFloat16, row.data(), StorageType::kBFloat16, kCols,
                          TransformParams{}, GradientConstants{upstream, lse, 1.0f, 0.0f});
           const double want = static_cast<double>(upstream) * std::exp(z - static_cast<double>(lse));
-          const uint16_t nearest = nearest_half<BFloat16>(want);
-          for (const BFloat16& g : row) {
-            const int distance = std::abs(static_cast<int>(g.bits) - static_cast<int>(nearest));
-            const bool flushed = (g.bits & 0x7FFFu) == 0 && std::fabs(want) < 0x1p-126;
-            ++count;
-            if (distance == 0) ++exact;
-            if (distance > 1 && !flushed) ++beyond;
-          }
+          for (const BFloat16& g : row) tally(g, want, z - static_cast<double>(lse), r);
         }
         const std::string where = name + ", logit " + std::to_string(to_float(z0)) + ", upstream " + std::to_string(upstream);
-        EXPECT_EQ(beyond, 0) << where;
-        EXPECT_GE(static_cast<double>(exact) / static_cast<double>(count), 0.95) << where;
+        EXPECT_EQ(r.beyond, 0) << where << ", e.g. at z - lse = " << r.worst_at;
+        EXPECT_GE(static_cast<double>(r.exact) / static_cast<double>(r.count), 0.97) << where;  // measured: 98.6 % at least
       }
     }
   }
