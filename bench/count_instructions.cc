@@ -34,44 +34,49 @@ namespace {
 // the SSE targets' legacy encodings count as other).
 enum Kind { kVectorOp, kVectorMemory, kVectorMove, kOther };
 
-// Whether an instruction is one of those conversions (VEX or EVEX).
-bool is_conversion(const unsigned char* b) {
+// The fields of a VEX or EVEX instruction that tell it apart.
+struct Encoding {
+  bool vex_or_evex = false;
+  int map = 0, pp = 0;  // opcode map (1 0F, 2 0F38, 3 0F3A); implied prefix (1 66, 2 F3, 3 F2)
+  unsigned char opcode = 0;
+  bool memory = false;  // a memory operand (ModRM.mod != 3)
+};
+
+Encoding decode(const unsigned char* b) {
   int i = 0;
   while (i < 4 && (b[i] == 0x66 || b[i] == 0xf2 || b[i] == 0xf3 || (b[i] >= 0x40 && b[i] <= 0x4f))) ++i;
-  int map = 0, pp = 0, opcode_at = 0;
-  if (b[i] == 0xc4) {
-    map = b[i + 1] & 0x1f, pp = b[i + 2] & 0x03, opcode_at = i + 3;
+  Encoding e;
+  int opcode_at = 0;
+  if (b[i] == 0xc5) {
+    e.map = 1, e.pp = b[i + 1] & 0x03, opcode_at = i + 2;
+  } else if (b[i] == 0xc4) {
+    e.map = b[i + 1] & 0x1f, e.pp = b[i + 2] & 0x03, opcode_at = i + 3;
   } else if (b[i] == 0x62) {
-    map = b[i + 1] & 0x07, pp = b[i + 2] & 0x03, opcode_at = i + 4;
+    e.map = b[i + 1] & 0x07, e.pp = b[i + 2] & 0x03, opcode_at = i + 4;
   } else {
-    return false;
+    return e;
   }
-  const unsigned char opcode = b[opcode_at];
-  return (map == 2 && opcode == 0x13 && pp == 1) ||  // VCVTPH2PS (66)
-         (map == 3 && opcode == 0x1d && pp == 1) ||  // VCVTPS2PH (66)
-         (map == 2 && opcode == 0x72 && pp >= 2);    // VCVTNEPS2BF16 (F3), VCVTNE2PS2BF16 (F2)
+  e.vex_or_evex = true;
+  e.opcode = b[opcode_at];
+  e.memory = (b[opcode_at + 1] >> 6) != 3;
+  return e;
 }
 
-Kind classify(const unsigned char* b) {
-  int i = 0;
-  while (i < 4 && (b[i] == 0x66 || b[i] == 0xf2 || b[i] == 0xf3 || (b[i] >= 0x40 && b[i] <= 0x4f))) ++i;
-  int map = 0, opcode_at = 0;
-  if (b[i] == 0xc5) {
-    map = 1, opcode_at = i + 2;
-  } else if (b[i] == 0xc4) {
-    map = b[i + 1] & 0x1f, opcode_at = i + 3;
-  } else if (b[i] == 0x62) {
-    map = b[i + 1] & 0x07, opcode_at = i + 4;
-  } else {
-    return kOther;
-  }
-  const unsigned char opcode = b[opcode_at];
-  const bool memory = (b[opcode_at + 1] >> 6) != 3;
-  const bool move = map == 1 && (opcode == 0x10 || opcode == 0x11 || opcode == 0x28 || opcode == 0x29 ||
-                                 opcode == 0x6f || opcode == 0x7f || opcode == 0x2b || opcode == 0xe7);
-  const bool broadcast = map == 2 && (opcode == 0x18 || opcode == 0x58 || opcode == 0x59 || opcode == 0x78 || opcode == 0x79);
-  if (move || broadcast) return memory ? kVectorMemory : kVectorMove;
+Kind classify(const Encoding& e) {
+  if (!e.vex_or_evex) return kOther;
+  const unsigned char op = e.opcode;
+  const bool move = e.map == 1 && (op == 0x10 || op == 0x11 || op == 0x28 || op == 0x29 || op == 0x6f || op == 0x7f ||
+                                   op == 0x2b || op == 0xe7);
+  const bool broadcast = e.map == 2 && (op == 0x18 || op == 0x58 || op == 0x59 || op == 0x78 || op == 0x79);
+  if (move || broadcast) return e.memory ? kVectorMemory : kVectorMove;
   return kVectorOp;
+}
+
+// Whether an instruction is one of the conversions the weighted prediction counts twice.
+bool is_conversion(const Encoding& e) {
+  return e.vex_or_evex && ((e.map == 2 && e.opcode == 0x13 && e.pp == 1) ||  // VCVTPH2PS (66)
+                           (e.map == 3 && e.opcode == 0x1d && e.pp == 1) ||  // VCVTPS2PH (66)
+                           (e.map == 2 && e.opcode == 0x72 && e.pp >= 2));   // VCVTNEPS2BF16 (F3), VCVTNE2PS2BF16 (F2)
 }
 
 struct Counts {
@@ -110,10 +115,11 @@ Counts steps(const std::function<void()>& work) {
     waitpid(child, &status, 0);
     if (!WIFSTOPPED(status) || WSTOPSIG(status) == SIGSTOP) break;
     c.all += 1;
-    switch (classify(bytes)) {
+    const Encoding encoding = decode(bytes);
+    switch (classify(encoding)) {
       case kVectorOp:
         c.vector_ops += 1;
-        c.weighted += is_conversion(bytes) ? 2 : 1;
+        c.weighted += is_conversion(encoding) ? 2 : 1;
         break;
       case kVectorMemory: c.memory += 1; break;
       case kVectorMove: c.moves += 1; break;

@@ -110,36 +110,33 @@ HWY_INLINE void StoreBf16PairsHardware(VF even, VF odd, BFloat16* p) {
   _mm512_storeu_si512(p, _mm512_permutexvar_epi16(order, packed));
 }
 
-// The same without AVX512-BF16 (Skylake-SP to Ice Lake), in integer arithmetic with the bits
-// StoreFull gives: each value plus 0x7FFF plus its bit 16 (round to nearest even), except
-// NaN lanes, which keep their upper half (a NaN from arithmetic is quiet, so that half is a
-// NaN); then the odd values' upper halves and the even values' upper halves shifted down,
-// merged by one VPTERNLOGD. No shuffle: 12 vector operations per 32 values, against about
-// 22 for two StoreFull calls.
-HWY_INLINE void StoreBf16PairsSoftware(VF even, VF odd, BFloat16* p) {
+// Even- and odd-position values already on bf16's grid (BinadeShift, or rounded by
+// StoreBf16PairsSoftware): the odd values' upper halves and the even values' upper halves
+// shifted down, merged by one VPTERNLOGD, 2 vector operations per 32 values. (A result
+// below 2^-126, off the grid after VSCALEFPS, loses its lower half: truncated.)
+HWY_INLINE void StoreBf16PairsRounded(VF even, VF odd, BFloat16* p) {
   const __m512i e = _mm512_castps_si512(even.raw), o = _mm512_castps_si512(odd.raw);
-  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-  const __mmask16 e_ordered = _mm512_cmp_ps_mask(even.raw, even.raw, _CMP_ORD_Q);
-  const __mmask16 o_ordered = _mm512_cmp_ps_mask(odd.raw, odd.raw, _CMP_ORD_Q);
-  const __m512i e_round = _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(e, 16), one));
-  const __m512i o_round = _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(o, 16), one));
-  const __m512i e_rounded = _mm512_mask_add_epi32(e, e_ordered, e, e_round);
-  const __m512i o_rounded = _mm512_mask_add_epi32(o, o_ordered, o, o_round);
-  // (o_rounded & 0xFFFF0000) | (e_rounded >> 16): 0xE4 selects the first operand where the
-  // third has a 1 bit, the second elsewhere.
-  const __m512i packed = _mm512_ternarylogic_epi32(o_rounded, _mm512_srli_epi32(e_rounded, 16),
+  // (o & 0xFFFF0000) | (e >> 16): 0xE4 selects the first operand where the third has a 1
+  // bit, the second elsewhere.
+  const __m512i packed = _mm512_ternarylogic_epi32(o, _mm512_srli_epi32(e, 16),
                                                    _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)), 0xE4);
   _mm512_storeu_si512(p, packed);
 }
 
-// Even- and odd-position values already on bf16's grid (BinadeShift): their upper halves
-// merged by one shift and one VPTERNLOGD, 2 vector operations per 32 values. (A result
-// below 2^-126, off the grid after VSCALEFPS, loses its lower half: truncated.)
-HWY_INLINE void StoreBf16PairsRounded(VF even, VF odd, BFloat16* p) {
-  const __m512i e = _mm512_castps_si512(even.raw), o = _mm512_castps_si512(odd.raw);
-  const __m512i packed = _mm512_ternarylogic_epi32(o, _mm512_srli_epi32(e, 16),
-                                                   _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)), 0xE4);
-  _mm512_storeu_si512(p, packed);
+// The same from any fp32 values, without AVX512-BF16 (Skylake-SP to Ice Lake), rounded in
+// integer arithmetic with the bits StoreFull gives: each value plus 0x7FFF plus its bit 16
+// (round to nearest even), except NaN lanes, which keep their upper half (a NaN from
+// arithmetic is quiet, so that half is a NaN); then packed as above. No shuffle: 12 vector
+// operations per 32 values, against about 22 for two StoreFull calls.
+HWY_INLINE void StoreBf16PairsSoftware(VF even, VF odd, BFloat16* p) {
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  auto round = [&](VF v) {
+    const __m512i bits = _mm512_castps_si512(v.raw);
+    const __mmask16 ordered = _mm512_cmp_ps_mask(v.raw, v.raw, _CMP_ORD_Q);
+    const __m512i increment = _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one));
+    return VF{_mm512_castsi512_ps(_mm512_mask_add_epi32(bits, ordered, bits, increment))};
+  };
+  StoreBf16PairsRounded(round(even), round(odd), p);
 }
 
 bool HasAvx512Bf16() {
