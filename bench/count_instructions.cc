@@ -20,8 +20,10 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "cpu/dtype.h"
@@ -90,7 +92,7 @@ struct Counts {
 // Instructions retired by work() in a forked child, counted by single steps between two
 // SIGSTOPs it raises (work ran once before, so that dispatch and page faults are done), each
 // classified from its bytes (read before it runs).
-Counts steps(const std::function<void()>& work) {
+Counts steps(const std::function<void()>& work, const char* trace_path = nullptr) {
   const pid_t child = fork();
   if (child == 0) {
     work();
@@ -103,6 +105,7 @@ Counts steps(const std::function<void()>& work) {
   int status = 0;
   waitpid(child, &status, 0);  // the first SIGSTOP
   Counts c;
+  FILE* trace = trace_path != nullptr ? std::fopen(trace_path, "wb") : nullptr;
   for (;;) {
     user_regs_struct regs;
     ptrace(PTRACE_GETREGS, child, nullptr, &regs);
@@ -115,6 +118,7 @@ Counts steps(const std::function<void()>& work) {
     waitpid(child, &status, 0);
     if (!WIFSTOPPED(status) || WSTOPSIG(status) == SIGSTOP) break;
     c.all += 1;
+    if (trace != nullptr) std::fwrite(&regs.rip, sizeof(regs.rip), 1, trace);
     const Encoding encoding = decode(bytes);
     switch (classify(encoding)) {
       case kVectorOp:
@@ -126,15 +130,20 @@ Counts steps(const std::function<void()>& work) {
       case kOther: break;
     }
   }
+  if (trace != nullptr) std::fclose(trace);
   kill(child, SIGKILL);
   waitpid(child, &status, 0);
   return c;
 }
 
 // Per element: work's counts less an empty call's (the raise and the function call).
-Counts per_element(const std::function<void()>& work, double elements) {
+// With VPCE_COUNT_TRACE=DIR, the addresses of work's instructions in order go to DIR/NAME.rip
+// (8 bytes each), for bench/mca_trace.py.
+Counts per_element(const std::function<void()>& work, double elements, const std::string& name) {
   static const Counts empty = steps([] {});
-  return (steps(work) - empty) / elements;
+  const char* dir = std::getenv("VPCE_COUNT_TRACE");
+  const std::string path = dir != nullptr ? std::string(dir) + "/" + name + ".rip" : std::string();
+  return (steps(work, dir != nullptr ? path.c_str() : nullptr) - empty) / elements;
 }
 
 int run(const char* only) {
@@ -167,15 +176,20 @@ int run(const char* only) {
   for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
     if (only != nullptr && std::strstr(only, hwy::TargetName(target)) == nullptr) continue;
     hwy::SetSupportedTargetsForTest(target);
-    const Counts e = per_element([&] { exp_shifted_lanes(exp_x.data(), 0.0f, exp_y.data(), 4000); }, 4000);
+    const Counts e = per_element([&] { exp_shifted_lanes(exp_x.data(), 0.0f, exp_y.data(), 4000); }, 4000,
+                                 std::string(hwy::TargetName(target)) + "-exp");
     for (int k = 0; k < 3; ++k) {
       const auto type = static_cast<StorageType>(k);
-      const Counts fwd = per_element([&] { block_stats(rows[k], type, kCols, identity, false, false); }, kCols);
+      const std::string name = std::string(hwy::TargetName(target)) + "-" + names[k];
+      const Counts fwd =
+          per_element([&] { block_stats(rows[k], type, kCols, identity, false, false); }, kCols, name + "-forward");
       const Counts out = per_element(
-          [&] { block_gradient(rows[k], type, grad32.data(), StorageType::kFloat32, kCols, identity, constants); }, kCols);
+          [&] { block_gradient(rows[k], type, grad32.data(), StorageType::kFloat32, kCols, identity, constants); }, kCols,
+          name + "-to-fp32");
       // In place: in the child's copy of the row.
       const Counts in = per_element(
-          [&] { block_gradient(rows[k], type, const_cast<void*>(rows[k]), type, kCols, identity, constants); }, kCols);
+          [&] { block_gradient(rows[k], type, const_cast<void*>(rows[k]), type, kCols, identity, constants); }, kCols,
+          name + "-in-place");
       const char* a = show(e);
       const char* b = show(fwd);
       const char* c = show(out);
