@@ -12,6 +12,8 @@
 // Build and run (after scripts/build.sh; BUILD is the build folder):
 //   g++ -O2 -std=c++20 -Isrc -Iinclude bench/count_instructions.cc BUILD/libvpce.a -lhwy -o /tmp/count
 //   /tmp/count [AVX3,AVX2]    (the targets to count; all by default)
+// With VPCE_COUNT_TRACE=DIR (and -no-pie) each pass's instruction trace goes to DIR, for
+// bench/mca_trace.py (llvm-mca's CPU models; docs/performance.md says how far to trust them).
 #include <hwy/targets.h>
 #include <signal.h>
 #include <sys/ptrace.h>
