@@ -21,6 +21,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -149,6 +150,10 @@ Counts per_element(const std::function<void()>& work, double elements, const std
 }
 
 int run(const char* only) {
+  if (const char* dir = std::getenv("VPCE_COUNT_TRACE"); dir != nullptr && access(dir, W_OK) != 0) {
+    std::fprintf(stderr, "VPCE_COUNT_TRACE: expected a writable folder, got '%s' (%s)\n", dir, std::strerror(errno));
+    return 2;
+  }
   constexpr int64_t kCols = kBlockColumns;
   std::vector<float> f32(kCols);
   for (int64_t i = 0; i < kCols; ++i) f32[i] = -8.0f + 16.0f * static_cast<float>((i * 7919) % kCols) / kCols;
