@@ -9,11 +9,10 @@
 // VCVTNE(2)PS2BF16) as two: two micro-operations on Intel's AVX-512 cores, and the fp16
 // rows' in-cache measurements in docs/performance.md land on that reading, not on the plain one.
 //
-// Build and run (after scripts/build.sh; BUILD is the build folder):
-//   g++ -O2 -std=c++20 -Isrc -Iinclude bench/count_instructions.cc BUILD/libvpce.a -lhwy -o /tmp/count
-//   /tmp/count [AVX3,AVX2]    (the targets to count; all by default)
-// With VPCE_COUNT_TRACE=DIR (and -no-pie) each pass's instruction trace goes to DIR, for
-// bench/mca_trace.py (llvm-mca's CPU models; docs/performance.md says how far to trust them).
+// Built with the benchmarks (x86-64 Linux, linked -no-pie); run after scripts/build.sh:
+//   build/bench/vpce_count_instructions [AVX3,AVX2]    (the targets to count; all by default)
+// With VPCE_COUNT_TRACE=DIR each pass's instruction trace goes to DIR, for bench/mca_trace.py
+// (llvm-mca's CPU models; docs/performance.md says how far to trust them).
 #include <hwy/targets.h>
 #include <signal.h>
 #include <sys/ptrace.h>

@@ -9,9 +9,8 @@ CPU's model (all loads from L1, branches free: the in-cache, arithmetic-bound ca
 predicted %bound on an exp-bound machine is then 2 C_exp / (C_forward + C_backward), with C
 the cycles per element, as `vpce perf` computes it from time.
 
-  g++ -O2 -std=c++20 -no-pie -Isrc -Iinclude bench/count_instructions.cc BUILD/libvpce.a -lhwy -o /tmp/count
-  mkdir -p /tmp/trace && VPCE_COUNT_TRACE=/tmp/trace /tmp/count AVX3
-  python3 bench/mca_trace.py /tmp/count /tmp/trace AVX3 znver4 icelake-server
+  mkdir -p /tmp/trace && VPCE_COUNT_TRACE=/tmp/trace build/bench/vpce_count_instructions AVX3
+  python3 bench/mca_trace.py build/bench/vpce_count_instructions /tmp/trace AVX3 znver4 icelake-server
 """
 import argparse
 import os
