@@ -2,7 +2,9 @@
 # Installs what building and testing vpce needs on Debian 12 (as root, or through sudo).
 # Does nothing when everything is already there.
 set -euo pipefail
-packages=(g++ cmake make libgtest-dev libbenchmark-dev libcli11-dev libdlpack-dev libhwy-dev libdnnl-dev python3-torch clang libclang-rt-14-dev
+# ocl-icd-opencl-dev: libdnnl-dev only recommends it, but oneDNN's CMake config fails
+# without OpenCL's library and headers, and the install skips recommendations.
+packages=(g++ cmake make libgtest-dev libbenchmark-dev libcli11-dev libdlpack-dev libhwy-dev libdnnl-dev ocl-icd-opencl-dev python3-torch clang libclang-rt-14-dev
   libopenmpi-dev openmpi-bin libmpich-dev mpich python3-venv python3-pip python3-pytest)
 missing=()
 for p in "${packages[@]}"; do
