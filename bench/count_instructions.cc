@@ -8,6 +8,8 @@
 // prediction weighs each conversion between fp32 and a 16-bit float (VCVTPH2PS, VCVTPS2PH,
 // VCVTNE(2)PS2BF16) as two: two micro-operations on Intel's AVX-512 cores, and the fp16
 // rows' in-cache measurements in docs/performance.md land on that reading, not on the plain one.
+// On a CPU with AVX512-BF16, a row bf16' counts bf16 once more with those instructions turned
+// off (vpce::detail::set_bf16_instructions_allowed), as AVX-512 CPUs without them run it.
 //
 // Built with the benchmarks (x86-64 Linux, linked -no-pie); run after scripts/build.sh:
 //   build/bench/vpce_count_instructions [AVX3,AVX2]    (the targets to count; all by default)
@@ -164,8 +166,12 @@ int run(const char* only) {
   for (int64_t i = 0; i < 4000; ++i) exp_x[i] = -16.0f * static_cast<float>((i * 97) % 4000) / 4000;
   const TransformParams identity;
   const GradientConstants constants{1.0f, 10.0f, 1.0f, 0.0f};
-  const void* rows[3] = {f32.data(), bf16.data(), fp16.data()};
-  const char* names[3] = {"fp32", "bf16", "fp16"};
+  // The fourth row, on an AVX-512 CPU with AVX512-BF16, is bf16 with those instructions
+  // turned off: the software rounding that AVX-512 CPUs without them run.
+  const void* rows[4] = {f32.data(), bf16.data(), fp16.data(), bf16.data()};
+  const StorageType types[4] = {StorageType::kFloat32, StorageType::kBFloat16, StorageType::kFloat16,
+                                StorageType::kBFloat16};
+  const char* names[4] = {"fp32", "bf16", "fp16", "bf16'"};
   std::printf("# per logit (forward = block_stats, backward = block_gradient, 16384 columns) and per element of the "
               "bound's exp (E): all instructions retired / vector operations (VEX or EVEX, not loads, stores or register "
               "moves); predicted %%bound on an exp-bound machine = 2 E / (forward + backward), from vector operations "
@@ -184,9 +190,11 @@ int run(const char* only) {
     hwy::SetSupportedTargetsForTest(target);
     const Counts e = per_element([&] { exp_shifted_lanes(exp_x.data(), 0.0f, exp_y.data(), 4000); }, 4000,
                                  std::string(hwy::TargetName(target)) + "-exp");
-    for (int k = 0; k < 3; ++k) {
-      const auto type = static_cast<StorageType>(k);
-      const std::string name = std::string(hwy::TargetName(target)) + "-" + names[k];
+    for (int k = 0; k < 4; ++k) {
+      if (k == 3 && !(target == HWY_AVX3 && cpu_has_avx512_bf16())) continue;
+      set_bf16_instructions_allowed(k != 3);
+      const StorageType type = types[k];
+      const std::string name = std::string(hwy::TargetName(target)) + "-" + (k == 3 ? "bf16-software" : names[k]);
       const Counts fwd =
           per_element([&] { block_stats(rows[k], type, kCols, identity, false, false); }, kCols, name + "-forward");
       const Counts out = per_element(
@@ -206,7 +214,9 @@ int run(const char* only) {
                   200.0 * e.weighted / (fwd.weighted + out.weighted), 200.0 * e.weighted / (fwd.weighted + in.weighted));
     }
   }
+  set_bf16_instructions_allowed(true);
   hwy::SetSupportedTargetsForTest(0);
+  if (cpu_has_avx512_bf16()) std::printf("# bf16': AVX512-BF16's instructions turned off (the rounding of AVX-512 CPUs without them)\n");
   return 0;
 }
 

@@ -89,8 +89,8 @@ TEST(Adversarial, TargetAtMinusInfinityGivesInfiniteLossFiniteGradient) {
 // first, or follows chunks of -inf; on every SIMD target, with and without label smoothing.
 TEST(Adversarial, MaxMovingAcrossChunksMatchesOracle) {
   constexpr int64_t kTokens = 7, kColumns = 20480;
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
+  for (const SimdVariant& variant : simd_variants()) {
+    use_simd_variant(variant);
     for (DataType dtype : {kFloat32, kBFloat16}) {
       for (float smoothing : {0.0f, 0.1f}) {
         Problem p = random_problem(kTokens, kColumns, dtype, 31, 1.0f);
@@ -111,7 +111,7 @@ TEST(Adversarial, MaxMovingAcrossChunksMatchesOracle) {
         const RunResult result = run_ranks(p, shards_from_sizes({kColumns}), options);
         for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
         const auto want = reference::cross_entropy(x, kTokens, kColumns, p.targets, smoothing, widen(p.grad_loss));
-        const std::string where = std::string(hwy::TargetName(target)) + " " + to_string(dtype) +
+        const std::string where = variant.name + " " + to_string(dtype) +
                                   " smoothing " + std::to_string(smoothing);
         EXPECT_LE(relative_error(widen(result.per_rank[0].loss), want.loss), 1e-6) << where;
         EXPECT_LE(relative_error(widen(result.per_rank[0].lse), want.lse), 1e-6) << where;
@@ -119,7 +119,7 @@ TEST(Adversarial, MaxMovingAcrossChunksMatchesOracle) {
       }
     }
   }
-  hwy::SetSupportedTargetsForTest(0);
+  use_best_simd_variant();
 }
 
 // A NaN logit anywhere among the valid columns makes that token's loss NaN, on every target,
@@ -128,8 +128,8 @@ TEST(Adversarial, MaxMovingAcrossChunksMatchesOracle) {
 TEST(Adversarial, NanLogitMakesItsTokenNanOnEveryTarget) {
   constexpr int64_t kTokens = 5, kColumns = 3000;
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
+  for (const SimdVariant& variant : simd_variants()) {
+    use_simd_variant(variant);
     for (DataType dtype : {kFloat32, kBFloat16}) {
       for (bool extras : {false, true}) {
         Problem p = random_problem(kTokens, kColumns, dtype, 41, 1.0f);
@@ -145,7 +145,7 @@ TEST(Adversarial, NanLogitMakesItsTokenNanOnEveryTarget) {
         const RunResult result = run_ranks(p, shards_from_sizes({1500, 1500}), options);
         for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
         const std::string where =
-            std::string(hwy::TargetName(target)) + " " + to_string(dtype) + (extras ? " extras" : "");
+            variant.name + " " + to_string(dtype) + (extras ? " extras" : "");
         for (int64_t i = 0; i < 4; ++i) EXPECT_TRUE(std::isnan(result.per_rank[0].loss[i])) << where << ", token " << i;
         const auto want = reference::cross_entropy(std::vector<double>(x.end() - kColumns, x.end()), 1, kColumns,
                                                    {p.targets[4]}, 0.0, {1.0});
@@ -153,7 +153,7 @@ TEST(Adversarial, NanLogitMakesItsTokenNanOnEveryTarget) {
       }
     }
   }
-  hwy::SetSupportedTargetsForTest(0);
+  use_best_simd_variant();
 }
 
 // NaN as whole vectors, chunks, rows and shards (the tester's cases: the last 16 of 1072
@@ -172,8 +172,8 @@ TEST(Adversarial, NanVectorsChunksRowsAndShardsReachTheLoss) {
                         {2048, 1024, 2048, false}, {3000, 1000, 2024, false}, {64, 0, 64, false},
                         {64, 32, 64, true},        {20000, 16384, 16400, false}, {12288, 4096, 8192, false},
                         {12288, 8192, 12288, true}};
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
+  for (const SimdVariant& variant : simd_variants()) {
+    use_simd_variant(variant);
     for (const Span& span : spans) {
       for (DataType dtype : {kFloat32, kBFloat16}) {
         for (bool extras : {false, true}) {
@@ -189,7 +189,7 @@ TEST(Adversarial, NanVectorsChunksRowsAndShardsReachTheLoss) {
             options.extras = extras;
             const RunResult result = run_ranks(p, shards_from_sizes(even_splits(span.vocab, ranks)), options);
             for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
-            const std::string where = std::string(hwy::TargetName(target)) + " " + to_string(dtype) + " V " +
+            const std::string where = variant.name + " " + to_string(dtype) + " V " +
                                       std::to_string(span.vocab) + " NaN [" + std::to_string(span.begin) + ", " +
                                       std::to_string(span.end) + ") R " + std::to_string(ranks) +
                                       (extras ? " extras" : "");
@@ -208,7 +208,7 @@ TEST(Adversarial, NanVectorsChunksRowsAndShardsReachTheLoss) {
       }
     }
   }
-  hwy::SetSupportedTargetsForTest(0);
+  use_best_simd_variant();
 }
 
 }  // namespace

@@ -6,7 +6,8 @@
 // argument grows with it), within one subnormal spacing more below it; and the limits
 // (-inf, overflow to +inf, NaN stays NaN). And the backward's gradient where it is rounded to
 // bf16 or fp16 (which takes an exp of degree 3 or 4, docs/design.md): on every target, every
-// element the correctly rounded value or one of its two neighbours, most of them the former;
+// element the correctly rounded value or one of its two neighbours, most of them the former
+// (on a CPU with AVX512-BF16, AVX-512 both with its instructions and without);
 // and the forward's sums over bf16 and fp16 logits (degree 5 on AVX-512).
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
@@ -19,6 +20,7 @@
 
 #include "cpu/dtype.h"
 #include "cpu/simd_rows.h"
+#include "support.h"
 
 namespace vpce::detail {
 namespace {
@@ -224,9 +226,9 @@ TEST(Exp, ForwardSumsOfHalfLogitsOnEveryTarget) {
 }
 
 TEST(Exp, HalfPrecisionGradientsWithinOneUlpOnEveryTarget) {
-  for (int64_t target : targets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    const std::string name = hwy::TargetName(target);
+  for (const test::SimdVariant& variant : test::simd_variants()) {
+    test::use_simd_variant(variant);
+    const std::string& name = variant.name;
     for (float lse : {0.0f, 7.25f, -3.5f, 40.0f}) {
       for (auto [upstream, coefficient] :
            {std::pair{1.0f, 1.0f}, std::pair{0.37f, 1.1f}, std::pair{3e-4f, 1.0f}, std::pair{-0.37f, 1.1f}}) {
@@ -254,7 +256,7 @@ TEST(Exp, HalfPrecisionGradientsWithinOneUlpOnEveryTarget) {
       }
     }
   }
-  hwy::SetSupportedTargetsForTest(0);
+  test::use_best_simd_variant();
 }
 
 // bf16 gradients of large logits, in place: AVX-512 without AVX512-BF16 rounds them inside
@@ -266,9 +268,9 @@ TEST(Exp, HalfPrecisionGradientsWithinOneUlpOnEveryTarget) {
 // normal ones exactly, for both signs of the upstream gradient.
 TEST(Exp, HalfPrecisionGradientsOfLargeLogitsOnEveryTarget) {
   constexpr int64_t kCols = 87;
-  for (int64_t target : targets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    const std::string name = hwy::TargetName(target);
+  for (const test::SimdVariant& variant : test::simd_variants()) {
+    test::use_simd_variant(variant);
+    const std::string& name = variant.name;
     for (float logit : {3000.0f, 12000.0f, 16500.0f, 30000.0f, 44000.0f, 60000.0f}) {
       for (float upstream : {0.7f, -2.5e-4f}) {
         const BFloat16 z0 = from_float<BFloat16>(logit);
@@ -288,7 +290,7 @@ TEST(Exp, HalfPrecisionGradientsOfLargeLogitsOnEveryTarget) {
       }
     }
   }
-  hwy::SetSupportedTargetsForTest(0);
+  test::use_best_simd_variant();
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // tests/simd_targets_test.cc: every SIMD target that Highway compiled and this CPU runs
-// (AVX-512, AVX2, SSE4, SSSE3, scalar on x86), forced one at a time, against the fp64
+// (AVX-512, AVX2, SSE4, SSSE3, scalar on x86; AVX-512 also without AVX512-BF16's
+// instructions on a CPU that has them), forced one at a time, against the fp64
 // oracle: all dtypes, in place and not, every transform, extras, rows longer than a block
 // (so blocks are folded), and a single long row (so blocks are split across threads).
 #include <gtest/gtest.h>
@@ -7,6 +8,7 @@
 
 #include <string>
 
+#include "cpu/simd_rows.h"
 #include "support.h"
 
 namespace vpce::test {
@@ -48,9 +50,9 @@ void check_case(const TargetCase& c, const std::string& target) {
 
 TEST(SimdTargets, EveryTargetMatchesTheOracle) {
   std::vector<std::string> ran;
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    const std::string name = hwy::TargetName(target);
+  for (const SimdVariant& variant : simd_variants()) {
+    use_simd_variant(variant);
+    const std::string& name = variant.name;
     ran.push_back(name);
     for (DataType dtype : {kFloat32, kBFloat16, kFloat16}) {
       for (bool in_place : {false, true}) {
@@ -61,10 +63,10 @@ TEST(SimdTargets, EveryTargetMatchesTheOracle) {
       }
     }
   }
-  hwy::SetSupportedTargetsForTest(0);
+  use_best_simd_variant();
   const std::string list = [&] {
     std::string s;
-    for (const std::string& n : ran) s += n + " ";
+    for (const std::string& n : ran) s += n + ", ";
     return s;
   }();
   RecordProperty("targets", list);
@@ -73,6 +75,9 @@ TEST(SimdTargets, EveryTargetMatchesTheOracle) {
 #if defined(__x86_64__)
   if (hwy::SupportedTargets() & HWY_AVX2) EXPECT_NE(std::find(ran.begin(), ran.end(), "AVX2"), ran.end()) << list;
   if (hwy::SupportedTargets() & HWY_AVX3) EXPECT_NE(std::find(ran.begin(), ran.end(), "AVX3"), ran.end()) << list;
+  if ((hwy::SupportedTargets() & HWY_AVX3) && detail::cpu_has_avx512_bf16()) {
+    EXPECT_NE(std::find(ran.begin(), ran.end(), "AVX3 without AVX512-BF16"), ran.end()) << list;
+  }
 #endif
 }
 

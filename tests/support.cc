@@ -4,7 +4,10 @@
 #include <cmath>
 #include <cstring>
 
+#include <hwy/targets.h>
+
 #include "cpu/dtype.h"
+#include "cpu/simd_rows.h"
 
 namespace vpce::test {
 
@@ -217,5 +220,28 @@ double relative_error(const std::vector<double>& a, const std::vector<double>& b
 }
 
 std::vector<double> widen(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+std::vector<SimdVariant> simd_variants() {
+  std::vector<SimdVariant> variants;
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    variants.push_back({target, true, hwy::TargetName(target)});
+#if HWY_ARCH_X86
+    if (target == HWY_AVX3 && detail::cpu_has_avx512_bf16()) {
+      variants.push_back({target, false, std::string(hwy::TargetName(target)) + " without AVX512-BF16"});
+    }
+#endif
+  }
+  return variants;
+}
+
+void use_simd_variant(const SimdVariant& variant) {
+  hwy::SetSupportedTargetsForTest(variant.target);
+  detail::set_bf16_instructions_allowed(variant.bf16_instructions);
+}
+
+void use_best_simd_variant() {
+  hwy::SetSupportedTargetsForTest(0);
+  detail::set_bf16_instructions_allowed(true);
+}
 
 }  // namespace vpce::test

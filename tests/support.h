@@ -87,4 +87,18 @@ reference::Result oracle(const Problem& problem, const RunOptions& options);
 double relative_error(const std::vector<double>& a, const std::vector<double>& b);
 std::vector<double> widen(const std::vector<float>& v);
 
+// The SIMD variants the kernels' tests run one at a time: every target Highway compiled and
+// this CPU runs and, on a CPU with AVX512-BF16, AVX3 a second time without those
+// instructions (the software bf16 rounding that the AVX-512 CPUs without them take).
+struct SimdVariant {
+  int64_t target;          // a Highway target (HWY_AVX3, ...)
+  bool bf16_instructions;  // whether AVX512-BF16's instructions may be used
+  std::string name;        // "AVX3", "AVX3 without AVX512-BF16", "AVX2", ...
+};
+std::vector<SimdVariant> simd_variants();
+// Makes the kernels run as `variant` until the next call; use_best_simd_variant() goes back
+// to what the CPU runs by default.
+void use_simd_variant(const SimdVariant& variant);
+void use_best_simd_variant();
+
 }  // namespace vpce::test

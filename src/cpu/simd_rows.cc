@@ -20,6 +20,7 @@
 #include <hwy/highway.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -141,7 +142,7 @@ HWY_INLINE void StoreBf16PairsSoftware(VF even, VF odd, BFloat16* p) {
 
 bool HasAvx512Bf16() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
+  return has && bf16_instructions_allowed();
 }
 #endif
 
@@ -992,6 +993,20 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 namespace vpce::detail {
+
+namespace {
+std::atomic<bool> g_bf16_instructions_allowed{true};
+}  // namespace
+
+void set_bf16_instructions_allowed(bool allowed) { g_bf16_instructions_allowed.store(allowed); }
+bool bf16_instructions_allowed() { return g_bf16_instructions_allowed.load(std::memory_order_relaxed); }
+bool cpu_has_avx512_bf16() {
+#if defined(__x86_64__) || defined(__i386__)
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
 
 HWY_EXPORT(BlockStatsImpl);
 HWY_EXPORT(BlockGradientImpl);

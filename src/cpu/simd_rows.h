@@ -65,5 +65,12 @@ float row_max(const void* row, StorageType type, int64_t cols, float* widened);
 double exp_row_in_place(float* row, int64_t cols, float shift);
 // The name of the SIMD target the kernels run on ("AVX3", "AVX2", ...).
 const char* simd_target_name();
+// Whether the AVX3 kernels may round bf16 gradients with AVX512-BF16's VCVTNE(2)PS2BF16 on a
+// CPU that has them (true by default). Tests and bench/count_instructions.cc turn it off so
+// that such a CPU also runs the software rounding that CPUs without them take.
+void set_bf16_instructions_allowed(bool allowed);
+bool bf16_instructions_allowed();
+// Whether this CPU has AVX512-BF16.
+bool cpu_has_avx512_bf16();
 
 }  // namespace vpce::detail

@@ -1,6 +1,6 @@
 // tests/differential/differential_test.cc: the differential property test: a fixed set of
-// seeded cases (see differential.h) on every SIMD target this CPU runs, each against the
-// fp64 oracle. A failure names the seed and target that reproduce it.
+// seeded cases (see differential.h) on every SIMD variant this CPU runs (support.h), each
+// against the fp64 oracle. A failure names the seed and variant that reproduce it.
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
 
@@ -8,6 +8,7 @@
 #include <string>
 
 #include "differential.h"
+#include "support.h"
 
 namespace vpce::test {
 namespace {
@@ -20,19 +21,19 @@ uint64_t cases_per_target() {
 
 TEST(Differential, DrawnCasesMatchTheOracleOnEveryTarget) {
   const uint64_t cases = cases_per_target();
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
+  for (const SimdVariant& variant : simd_variants()) {
+    use_simd_variant(variant);
     int failures = 0;
     for (uint64_t seed = 1; seed <= cases && failures < 5; ++seed) {
-      Choices choices(seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(target));
+      Choices choices(seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(variant.target) + (variant.bf16_instructions ? 0 : 1));
       const std::string failure = run_differential_case(choices);
       if (!failure.empty()) {
         ++failures;
-        ADD_FAILURE() << hwy::TargetName(target) << " seed " << seed << ": " << failure;
+        ADD_FAILURE() << variant.name << " seed " << seed << ": " << failure;
       }
     }
   }
-  hwy::SetSupportedTargetsForTest(0);
+  use_best_simd_variant();
 }
 
 }  // namespace
