@@ -396,6 +396,8 @@ HWY_INLINE VF ExpShiftedBf16(DF d, VF z, const BinadeShift& binade, const Shifte
   const __m512 rounded = _mm512_sub_round_ps(sum, binade.grid.raw, kNearest);
   return VF{_mm512_scalef_ps(rounded, t.raw)};  // times 2^floor(t)
 }
+#else
+struct BinadeShift {};  // (other targets round bf16 after the exp)
 #endif
 
 // ---- the logit transform ----------------------------------------------------------------
@@ -698,9 +700,10 @@ HWY_INLINE void StoreGradient(DF d, VF v, G* p) {
 // exp's relative error is not the gradient's, and a half-precision gradient takes the full
 // exp (the lower degrees' bound holds for a gradient that is p times factors only).
 // kBinade (AVX3, bf16 in and out, kFolded, no AVX512-BF16): the gradient rounded to bf16
-// inside the exp (BinadeShift), for a caller that checked that its BinadeShift is valid.
+// inside the exp with `binade_shift`, the caller's valid BinadeShift of c.lse and its factor.
 template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded, bool kUniform = false, bool kBinade = false>
-void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
+void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c,
+              [[maybe_unused]] const BinadeShift* binade_shift = nullptr) {
   static_assert(!kBinade || (kFolded && !kHardwareBf16 && kKind == kIdentity && std::is_same_v<T, BFloat16> &&
                              std::is_same_v<G, BFloat16> && HWY_TARGET == HWY_AVX3));
   const DF d;
@@ -714,7 +717,7 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
 #if HWY_TARGET == HWY_AVX3
   BinadeShift binade{};
   if constexpr (kBinade) {
-    binade = MakeBinadeShift(d, c.lse, k);
+    binade = *binade_shift;
     shift = binade.shift;
     coefficient = binade.coefficient;
   }
@@ -813,8 +816,8 @@ void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams&
 #if HWY_TARGET == HWY_AVX3
     if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16> && !kHardwareBf16) {
       const double k = static_cast<double>(c.upstream) * static_cast<double>(c.coefficient);
-      if (MakeBinadeShift(DF(), c.lse, k).valid) {
-        return Gradient<T, G, kIdentity, false, true, false, true>(row, grad, cols, t, c);
+      if (const BinadeShift binade = MakeBinadeShift(DF(), c.lse, k); binade.valid) {
+        return Gradient<T, G, kIdentity, false, true, false, true>(row, grad, cols, t, c, &binade);
       }
     }
 #endif
