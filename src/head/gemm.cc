@@ -128,7 +128,7 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const flo
     }
     return;
   }
-  OneThread one;
+  [[maybe_unused]] OneThread one;  // (empty without OpenMP)
   if (!trans_a && k <= kMatmulMaxK) {
     ThreadMatmuls& matmuls = thread_matmuls();
     if (const Matmul* mm = matmuls.get({m, n, k, lda, ldb, ldc, trans_b, beta != 0.0f})) {

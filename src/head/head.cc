@@ -241,7 +241,7 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
       float* dst = stats_all.row<float>(row + r);
       std::memcpy(dst, merged.row<float>(r), static_cast<std::size_t>(width) * sizeof(float));
       const int64_t t = row + r;
-      const float w = a.weights.base != nullptr ? a.weights.at<float>(t) : 1.0f;
+      const double w = a.weights.base != nullptr ? static_cast<double>(a.weights.at<float>(t)) : 1.0;
       out.lse.at<float>(t) =
           detail::token_loss(dst, detail::target_at(a.targets, t), w, ctx.params, width == kStatsWidthWithExtras).lse;
     }
