@@ -140,10 +140,7 @@ HWY_INLINE void StoreBf16PairsSoftware(VF even, VF odd, BFloat16* p) {
   StoreBf16PairsRounded(round(even), round(odd), p);
 }
 
-bool HasAvx512Bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has && bf16_instructions_allowed();
-}
+bool HasAvx512Bf16() { return cpu_has_avx512_bf16() && bf16_instructions_allowed(); }
 #endif
 
 // fp32 -> bf16, rounding to nearest even; NaN stays a (quiet) NaN.
@@ -1005,7 +1002,8 @@ void set_bf16_instructions_allowed(bool allowed) { g_bf16_instructions_allowed.s
 bool bf16_instructions_allowed() { return g_bf16_instructions_allowed.load(std::memory_order_relaxed); }
 bool cpu_has_avx512_bf16() {
 #if defined(__x86_64__) || defined(__i386__)
-  return __builtin_cpu_supports("avx512bf16");
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
 #else
   return false;
 #endif

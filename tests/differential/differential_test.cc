@@ -25,7 +25,8 @@ TEST(Differential, DrawnCasesMatchTheOracleOnEveryTarget) {
     use_simd_variant(variant);
     int failures = 0;
     for (uint64_t seed = 1; seed <= cases && failures < 5; ++seed) {
-      Choices choices(seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(variant.target) + (variant.bf16_instructions ? 0 : 1));
+      // (Both AVX3 variants draw the same cases, so the two bf16 roundings see the same inputs.)
+      Choices choices(seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(variant.target));
       const std::string failure = run_differential_case(choices);
       if (!failure.empty()) {
         ++failures;
