@@ -66,6 +66,9 @@ struct PerfConfig {
   std::vector<int64_t> hidden = {1024};  // -H
   std::string head_mode = "both";        // --mode: recompute, chunked or both
   int64_t token_block = 0, vocab_block = 0, chunk_tokens = 0;  // HeadOptions (0: defaults)
+  // --no-bf16-instructions: run as a CPU without AVX512-BF16 would (the kernels' software bf16
+  // rounding; the head's bf16 operands widened to fp32 for its tiles).
+  bool no_bf16_instructions = false;
 };
 
 // Prints the nccl-tests-style table; fails if any checked element is wrong.
@@ -75,5 +78,10 @@ Status perf_command(const PerfConfig& config);
 Status check_perf_config(const PerfConfig& config);
 // `vpce perf --head`: the fused head's table (tools/perf_head_command.cc).
 Status perf_head_command(const PerfConfig& config);
+// The CPU's model name as /proc/cpuinfo gives it ("unknown CPU" where it does not).
+std::string cpu_model_name();
+// Applies --no-bf16-instructions; returns the header line that says whether this CPU has
+// AVX512-BF16 and whether the run uses it.
+std::string apply_bf16_instructions(const PerfConfig& config);
 
 }  // namespace vpce::tools

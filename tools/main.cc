@@ -121,6 +121,9 @@ int main(int argc, char** argv) {
       ->check(integer_in(0, 16384));
   perf_cmd->add_option("--vocab-block", perf.vocab_block, "--head: vocabulary rows per tile (default 0: the library's)")
       ->check(integer_in(0, 16384));
+  perf_cmd->add_flag("--no-bf16-instructions", perf.no_bf16_instructions,
+                     "run as a CPU without AVX512-BF16: software bf16 rounding, and the head's bf16 operands widened "
+                     "to fp32 for its tiles");
   perf_cmd->add_option("--chunk-tokens", perf.chunk_tokens, "--head: chunked mode's tokens per chunk (default 0: the library's)")
       ->check(integer_in(0, int64_t{1} << 30));
 

@@ -151,19 +151,6 @@ double median(std::vector<double> values) {
   return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
-// The CPU's model name as /proc/cpuinfo gives it ("unknown CPU" where it does not).
-std::string cpu_model_name() {
-  std::ifstream info("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(info, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      const std::size_t colon = line.find(':');
-      if (colon != std::string::npos && colon + 2 <= line.size()) return line.substr(colon + 2);
-    }
-  }
-  return "unknown CPU";
-}
-
 // The term that set a row's bound in most of its iterations ("exp" or "bytes"), with a '*'
 // when some iterations had the other.
 std::string limit_label(const Timing& t) {
@@ -360,6 +347,7 @@ Status check_perf_config(const PerfConfig& config) {
 namespace {
 
 Status sweep(const PerfConfig& config) {
+  const std::string bf16_line = apply_bf16_instructions(config);
   std::vector<DataType> dtypes;
   if (config.dtype == "fp32" || config.dtype == "all") dtypes.push_back(kFloat32);
   if (config.dtype == "bf16" || config.dtype == "all") dtypes.push_back(kBFloat16);
@@ -372,6 +360,7 @@ Status sweep(const PerfConfig& config) {
               config.threads > 0 ? config.threads : std::max(1, hardware / config.ranks), detail::simd_target_name(),
               hardware, static_cast<double>(config.label_smoothing));
   std::printf("# cpu: %s; Highway target %s\n", cpu_model_name().c_str(), detail::simd_target_name());
+  std::printf("# %s\n", bf16_line.c_str());
   std::printf("# bound: copy %.2f GB/s (best of 2 copies of 512 MiB, %d threads), exp %.3f Gexp/s (best of 3, in cache, "
               "%d threads) now; sampled again after every timed iteration\n",
               first_bound.copy_bytes_per_second / 1e9, hardware, first_bound.exps_per_second / 1e9, hardware);
@@ -434,6 +423,26 @@ Status sweep(const PerfConfig& config) {
 }
 
 }  // namespace
+
+std::string cpu_model_name() {
+  std::ifstream info("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(info, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      const std::size_t colon = line.find(':');
+      if (colon != std::string::npos && colon + 2 <= line.size()) return line.substr(colon + 2);
+    }
+  }
+  return "unknown CPU";
+}
+
+std::string apply_bf16_instructions(const PerfConfig& config) {
+  if (config.no_bf16_instructions) detail::set_bf16_instructions_allowed(false);
+  if (!detail::cpu_has_avx512_bf16()) return "bf16: this CPU has no AVX512-BF16 (software rounding, bf16 widened to fp32)";
+  return config.no_bf16_instructions
+             ? "bf16: this CPU's AVX512-BF16 turned off (--no-bf16-instructions): software rounding, bf16 widened to fp32"
+             : "bf16: AVX512-BF16 (its rounding; the head's bf16 tiles from bf16 dot products)";
+}
 
 Status perf_command(const PerfConfig& config) {
   if (Status s = check_perf_config(config); !s.ok()) return s;

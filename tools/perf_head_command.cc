@@ -297,6 +297,7 @@ Status perf_head_command(const PerfConfig& config) {
 namespace {
 
 Status sweep_head(const PerfConfig& config) {
+  const std::string bf16_line = apply_bf16_instructions(config);
   const int hardware = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   const int threads = config.threads > 0 ? config.threads : std::max(1, hardware / config.ranks);
   std::vector<DataType> dtypes;
@@ -314,6 +315,7 @@ Status sweep_head(const PerfConfig& config) {
   if (Status s = ThreadGroup::create(config.ranks, &group); !s.ok()) return s;
   std::printf("# vpce perf --head: fused linear + cross-entropy, forward + backward; R = %d ranks x %d threads\n",
               config.ranks, threads);
+  std::printf("# cpu: %s; %s\n", cpu_model_name().c_str(), bf16_line.c_str());
   std::printf("# vs3gemm: time / time of the unfused step's three GEMMs (oneDNN sgemm, same shapes and threads)\n");
   std::printf("# extra: peak memory per rank beyond inputs and gradients; %%logits: of N x V/R x 4 bytes\n");
   std::printf("# cpu: the same ratio of the process's CPU time (all threads), which a shared machine perturbs less\n");

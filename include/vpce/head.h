@@ -81,7 +81,8 @@ struct HeadOptions {
   int64_t token_block = 0;
   int64_t vocab_block = 0;
   // Chunked mode: tokens per chunk (default: the largest multiple of token_block whose
-  // [chunk, V_r] fp32 logits fit in 128 MiB, at least one block).
+  // [chunk, ceil(V / R)] fp32 logits fit in 128 MiB, at least one block: the same on every
+  // rank, uneven ranges included). Every rank must pass the same value, as for the options.
   int64_t chunk_tokens = 0;
 };
 

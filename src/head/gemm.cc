@@ -1,5 +1,6 @@
 // head/gemm.cc: gemm() through oneDNN (see gemm.h): its matmul primitive (brgemm kernels)
-// where A is not transposed and K is at most 8192, dnnl_sgemm otherwise.
+// where A is not transposed and K is at most 8192, dnnl_sgemm otherwise; gemm_bf16_nt() through
+// the matmul primitive with bf16 operands.
 //
 // Why two: on this machine's AVX-512 the matmul primitive runs the head's tile shapes 5-15 %
 // faster than dnnl_sgemm (and 30 % faster for grad_hidden at H = 512), but for a transposed
@@ -8,6 +9,7 @@
 // (seventh session).
 #include "gemm.h"
 
+#include <bit>
 #include <map>
 #include <optional>
 #include <tuple>
@@ -15,6 +17,8 @@
 
 #include <oneapi/dnnl/dnnl.h>
 #include <oneapi/dnnl/dnnl.hpp>
+
+#include "../cpu/simd_rows.h"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -36,12 +40,14 @@ class OneThread {
 #endif
 };
 
-// A GEMM's shape and strides: the key of its primitive. B is [k, n] (trans_b: stored [n, k]).
+// A GEMM's shape, strides and operand type (fp32, or bf16 for A and B): the key of its
+// primitive. B is [k, n] (trans_b: stored [n, k]).
 struct MatmulShape {
   int64_t m, n, k, lda, ldb, ldc;
-  bool trans_b, add;
+  bool trans_b, add, bf16;
   bool operator<(const MatmulShape& o) const {
-    return std::tie(m, n, k, lda, ldb, ldc, trans_b, add) < std::tie(o.m, o.n, o.k, o.lda, o.ldb, o.ldc, o.trans_b, o.add);
+    return std::tie(m, n, k, lda, ldb, ldc, trans_b, add, bf16) <
+           std::tie(o.m, o.n, o.k, o.lda, o.ldb, o.ldc, o.trans_b, o.add, o.bf16);
   }
 };
 
@@ -68,9 +74,9 @@ class ThreadMatmuls {
     return it->second ? &*it->second : nullptr;
   }
   // With the descriptors it was made for, a CPU matmul's execution has nothing left to fail.
-  void run(const Matmul& mm, const float* a, const float* b, float* c) {
+  void run(const Matmul& mm, const void* a, const void* b, float* c) {
     using dnnl::memory;
-    memory am(mm.a, engine_, const_cast<float*>(a)), bm(mm.b, engine_, const_cast<float*>(b)), cm(mm.c, engine_, c);
+    memory am(mm.a, engine_, const_cast<void*>(a)), bm(mm.b, engine_, const_cast<void*>(b)), cm(mm.c, engine_, c);
     memory sm(mm.scratchpad, engine_, scratch_.data());
     mm.primitive.execute(stream_, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm},
                                    {DNNL_ARG_SCRATCHPAD, sm}});
@@ -81,8 +87,9 @@ class ThreadMatmuls {
   std::optional<Matmul> make(const MatmulShape& s) {
     using dnnl::memory;
     try {
-      const memory::desc a({s.m, s.k}, memory::data_type::f32, memory::dims{s.lda, 1});
-      const memory::desc b({s.k, s.n}, memory::data_type::f32,
+      const memory::data_type operands = s.bf16 ? memory::data_type::bf16 : memory::data_type::f32;
+      const memory::desc a({s.m, s.k}, operands, memory::dims{s.lda, 1});
+      const memory::desc b({s.k, s.n}, operands,
                            s.trans_b ? memory::dims{1, s.ldb} : memory::dims{s.ldb, 1});
       const memory::desc c({s.m, s.n}, memory::data_type::f32, memory::dims{s.ldc, 1});
       dnnl::primitive_attr attr;
@@ -131,7 +138,7 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const flo
   [[maybe_unused]] OneThread one;  // (empty without OpenMP)
   if (!trans_a && k <= kMatmulMaxK) {
     ThreadMatmuls& matmuls = thread_matmuls();
-    if (const Matmul* mm = matmuls.get({m, n, k, lda, ldb, ldc, trans_b, beta != 0.0f})) {
+    if (const Matmul* mm = matmuls.get({m, n, k, lda, ldb, ldc, trans_b, beta != 0.0f, false})) {
       matmuls.run(*mm, a, b, c);
       return;
     }
@@ -140,6 +147,41 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const flo
   // oneDNN's own checks cannot fail.
   static_cast<void>(dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, 1.0f, a, lda, b, ldb, beta, c,
                                ldc));
+}
+
+void gemm_bf16_nt(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
+                  float* c, int64_t ldc) {
+  if (m == 0 || n == 0 || k == 0) {
+    gemm(false, true, m, n, 0, nullptr, 1, nullptr, 1, 0.0f, c, ldc);
+    return;
+  }
+  [[maybe_unused]] OneThread one;  // (empty without OpenMP)
+  ThreadMatmuls& matmuls = thread_matmuls();
+  if (const Matmul* mm = matmuls.get({m, n, k, lda, ldb, ldc, true, false, true})) {
+    matmuls.run(*mm, a, b, c);
+    return;
+  }
+  // No bf16 matmul for this shape (oneDNN without a bf16 implementation on this CPU): the
+  // operands widened (a shift) and the fp32 GEMM.
+  thread_local std::vector<float> wide_a, wide_b;
+  auto widen = [](const uint16_t* x, int64_t rows, int64_t cols, int64_t ld, std::vector<float>& out) {
+    out.resize(static_cast<std::size_t>(rows * cols));
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < cols; ++j) {
+        out[static_cast<std::size_t>(r * cols + j)] = std::bit_cast<float>(static_cast<uint32_t>(x[r * ld + j]) << 16);
+      }
+    }
+  };
+  widen(a, m, k, lda, wide_a);
+  widen(b, n, k, ldb, wide_b);
+  gemm(false, true, m, n, k, wide_a.data(), k, wide_b.data(), k, 0.0f, c, ldc);
+}
+
+bool bf16_gemm_native() {
+  // oneDNN's ISAs nest: one that includes avx512_core_bf16 has all of its bits.
+  static const bool available = cpu_has_avx512_bf16() && (static_cast<unsigned>(dnnl_get_effective_cpu_isa()) &
+                                                           dnnl_cpu_isa_avx512_core_bf16) == dnnl_cpu_isa_avx512_core_bf16;
+  return available && bf16_instructions_allowed();
 }
 
 }  // namespace vpce::detail

@@ -190,7 +190,7 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
   }
   const int64_t n = local.ok() ? a.tokens() : detail::announced_tokens(targets);
   const int64_t width = stats_width(extras);
-  const int64_t chunk = local.ok() ? a.tiles.chunk_tokens : n;
+  const int64_t chunk = detail::agreed_chunk_tokens(head, shard, comm.size());
   const detail::SweepContext ctx = sweep_context(shard, options);
   // Everything is allocated before the first gather, so that no later step can fail alone.
   std::optional<detail::Fp32Operands> ops;

@@ -14,7 +14,6 @@ namespace vpce::detail {
 struct HeadTiles {
   int64_t token_block = 0;   // Nb
   int64_t vocab_block = 0;   // Vb
-  int64_t chunk_tokens = 0;  // chunked mode, a multiple of Nb
 };
 
 struct HeadArgs {
@@ -49,6 +48,12 @@ struct HeadGradientArgs {
 Status check_head_inputs(const HeadInputs& inputs, const TensorView& targets, const TensorView* weights,
                          const VocabShard& shard, const LossOptions& options, const HeadOptions& head,
                          HeadArgs* out);
+
+// The chunked mode's tokens per chunk: head.chunk_tokens, or by default the largest multiple
+// of the token block whose [chunk, ceil(V / ranks)] fp32 logits fit in 128 MiB. It depends only
+// on what the group agrees on (V, the rank count and the options), not on this rank's range or
+// on whether its arguments passed, so every rank makes gathers of the same sizes.
+int64_t agreed_chunk_tokens(const HeadOptions& head, const VocabShard& shard, int ranks);
 
 // The regions of hidden, weight, bias, targets and token weights.
 std::vector<NamedRegion> input_regions(const HeadArgs& args);

@@ -78,6 +78,7 @@ Status all_reduce_hidden_gradient(Communicator& comm, const TensorView& grad_hid
                                        std::to_string(h.cols) + " on rank " + std::to_string(r)};
     }
   }
+  if (g.cols == 0) return {};  // H = 0 on every rank (agreed above): nothing to reduce
   for (int64_t r0 = 0; r0 < g.rows; r0 += piece_rows) {
     const int64_t rows = std::min(piece_rows, g.rows - r0);
     const int64_t count = rows * g.cols;

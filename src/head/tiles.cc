@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "../cpu/dtype.h"
@@ -68,7 +69,8 @@ void store(const RowMatrix& m, bool accumulate, int64_t r, int64_t c, float valu
 
 }  // namespace
 
-Fp32Operands::Fp32Operands(const HeadArgs& args, bool full, int num_threads) : args_(args) {
+Fp32Operands::Fp32Operands(const HeadArgs& args, bool full, int num_threads)
+    : args_(args), bf16_tiles_(args.hidden.dtype == kBFloat16 && bf16_gemm_native()) {
   const int64_t n = args.tokens(), h = args.hidden_size(), v = args.vocab_rows();
   if (full && args.hidden.dtype != kFloat32) {
     hidden_copy_.resize(static_cast<std::size_t>(n * h));
@@ -98,6 +100,17 @@ const float* Fp32Operands::rows(const RowMatrix& m, const std::vector<float>& co
   return staging.data();
 }
 
+void Fp32Operands::logits_tile(int64_t row, int64_t rows, int64_t col, int64_t cols, const float* hidden, int64_t ldh,
+                               const float* w, int64_t ldw, float* tile, int64_t ld) const {
+  const int64_t h = args_.hidden_size();
+  if (bf16_tiles_) {
+    gemm_bf16_nt(rows, cols, h, args_.hidden.row<uint16_t>(row), args_.hidden.row_stride, args_.weight.row<uint16_t>(col),
+                 args_.weight.row_stride, tile, ld);
+  } else {
+    gemm(false, true, rows, cols, h, hidden, ldh, w, ldw, 0.0f, tile, ld);
+  }
+}
+
 const float* Fp32Operands::hidden_rows(int64_t begin, int64_t count, std::vector<float>& staging, int threads,
                                        int64_t* ld) const {
   return rows(args_.hidden, hidden_copy_, begin, count, staging, threads, ld);
@@ -110,7 +123,7 @@ const float* Fp32Operands::weight_rows(int64_t begin, int64_t count, std::vector
 
 void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, int64_t row_begin,
                  int64_t rows, float* keep, const RowMatrix& stats, HostFloats& tiles) {
-  const int64_t h = args.hidden_size(), vr = args.vocab_rows();
+  const int64_t vr = args.vocab_rows();
   const int64_t nb = args.tiles.token_block, vb = args.tiles.vocab_block;
   const int64_t token_blocks = blocks_of(rows, nb);
   const bool with_extras = stats.cols == kStatsWidthWithExtras;
@@ -119,17 +132,25 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
   const int threads = std::max(1, std::min<int>(thread_count(ctx.num_threads), static_cast<int>(token_blocks)));
   std::vector<BlockStats> folded(static_cast<std::size_t>(rows));
   std::vector<float> target_logit(static_cast<std::size_t>(rows), kNegInf);
-  float* tile_buffers = keep != nullptr ? nullptr : tiles.reserve(static_cast<std::size_t>(threads * nb * vb));
+  float* tile_buffers = tiles.reserve(static_cast<std::size_t>(threads * nb * vb));
   std::vector<float> staging;
   std::vector<std::vector<float>> hidden_staging(static_cast<std::size_t>(threads));  // per thread
   // Tile (i, j at column v0): its GEMM from fp32 hidden and weight rows, its rows folded.
   auto tile_stats = [&](int64_t i, int64_t v0, int64_t cols, const float* hidden, int64_t ldh, const float* w,
                         int64_t ldw) {
     const int64_t r0 = i * nb, n = std::min(nb, rows - r0);
-    float* tile = keep != nullptr ? keep + r0 * vr + v0 : tile_buffers + thread_index() * nb * vb;
-    const int64_t ld = keep != nullptr ? vr : vb;
-    gemm(false, true, n, cols, h, hidden, ldh, w, ldw, 0.0f, tile, ld);
+    // Always into the [Nb, Vb] buffer, as the recompute mode's backward makes its tiles: the
+    // GEMM's kernel (hence the last bits) may depend on the output's row stride, and the
+    // chunked mode's loss is the recompute forward's bit for bit.
+    float* tile = tile_buffers + thread_index() * nb * vb;
+    const int64_t ld = vb;
+    ops.logits_tile(row_begin + r0, n, v0, cols, hidden, ldh, w, ldw, tile, ld);
     add_bias(tile, ld, n, cols, ops.bias() != nullptr ? ops.bias() + v0 : nullptr);
+    if (keep != nullptr) {
+      for (int64_t r = 0; r < n; ++r) {
+        std::memcpy(keep + (r0 + r) * vr + v0, tile + r * ld, static_cast<std::size_t>(cols) * sizeof(float));
+      }
+    }
     for (int64_t r = 0; r < n; ++r) {
       const float* row = tile + r * ld;
       const int64_t token = r0 + r;
@@ -141,12 +162,13 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
       }
     }
   };
-  auto hidden_of = [&](int64_t i, int64_t* ldh) {
+  auto hidden_of = [&](int64_t i, int64_t* ldh) -> const float* {
+    if (ops.bf16_tiles()) return nullptr;  // the tiles read the bf16 rows themselves
     const int64_t r0 = i * nb;
     return ops.hidden_rows(row_begin + r0, std::min(nb, rows - r0),
                            hidden_staging[static_cast<std::size_t>(thread_index())], 1, ldh);
   };
-  if (ops.weight_in_fp32()) {
+  if (ops.bf16_tiles() || ops.weight_in_fp32()) {
     // Nothing to convert: each thread takes whole token blocks and sweeps the vocabulary
     // blocks in order, with no barrier between them (the same tiles, the same fold order).
     parallel_rows(token_blocks, threads, [&](int64_t i) {
@@ -156,7 +178,7 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
         const int64_t cols = valid_columns(ctx.vocab_begin + v0, std::min(vb, vr - v0), ctx.params);
         if (cols == 0) break;  // padding (the last rows): no part in the loss
         int64_t ldw = 0;
-        const float* w = ops.weight_rows(v0, cols, staging, 1, &ldw);
+        const float* w = ops.bf16_tiles() ? nullptr : ops.weight_rows(v0, cols, staging, 1, &ldw);
         tile_stats(i, v0, cols, hidden, ldh, w, ldw);
       }
     });
@@ -285,7 +307,7 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
       parallel_rows(blocks_of(group_rows, nb), threads, [&](int64_t i) {
         const int64_t r0 = s0 + i * nb, rows = std::min(nb, n - r0);
         float* tile = dx + (r0 - s0) * vb;
-        gemm(false, true, rows, cols, h, hidden + (r0 - s0) * ldh, ldh, w, ldw, 0.0f, tile, vb);
+        ops.logits_tile(r0, rows, v0, cols, hidden + (r0 - s0) * ldh, ldh, w, ldw, tile, vb);
         add_bias(tile, vb, rows, cols, ops.bias() != nullptr ? ops.bias() + v0 : nullptr);
         const RowMatrix x{reinterpret_cast<char*>(tile), kFloat32, rows, width, vb};
         Upstream up = upstream;

@@ -25,7 +25,10 @@ struct SweepContext {
 
 // The operands as fp32 rows: the inputs themselves when fp32; else, for bf16 and fp16,
 // converted copies: all of them when `full` (the chunked mode), else a block at a time into
-// the caller's staging buffer inside the sweeps. Holds the full copies and the bias.
+// the caller's staging buffer inside the sweeps. Holds the full copies and the bias. bf16
+// operands on a CPU with bf16 dot products (bf16_gemm_native) give the logits' tiles
+// straight from their bf16 rows (gemm_bf16_nt); the fp32 rows then serve the gradients'
+// GEMMs only.
 class Fp32Operands {
  public:
   Fp32Operands(const HeadArgs& args, bool full, int num_threads);
@@ -39,18 +42,27 @@ class Fp32Operands {
   const float* bias() const { return bias_.empty() ? nullptr : bias_.data(); }
   // Whether weight_rows() hands out the weight's rows without converting them.
   bool weight_in_fp32() const { return args_.weight.dtype == kFloat32 || !weight_copy_.empty(); }
+  // Whether the logits' tiles come from the bf16 operands themselves (decided once per call,
+  // so that a backward's tiles are its forward's).
+  bool bf16_tiles() const { return bf16_tiles_; }
+  // tile [rows, cols] (row stride ld) = hidden rows [row, row + rows) times weight rows
+  // [col, col + cols) transposed: from the bf16 operands when bf16_tiles(), else from their
+  // fp32 rows `hidden` (row stride ldh) and `w` (ldw), which may then be null.
+  void logits_tile(int64_t row, int64_t rows, int64_t col, int64_t cols, const float* hidden, int64_t ldh,
+                   const float* w, int64_t ldw, float* tile, int64_t ld) const;
 
  private:
   const float* rows(const RowMatrix& m, const std::vector<float>& copy, int64_t begin, int64_t count,
                     std::vector<float>& staging, int threads, int64_t* ld) const;
   const HeadArgs& args_;
   std::vector<float> hidden_copy_, weight_copy_, bias_;
+  bool bf16_tiles_ = false;
 };
 
 // Token rows [row_begin, row_begin + rows) -> their [rows, W] statistics (as
-// local_stats_kernel of their logits). With `keep` ([rows, V_r] fp32, row stride V_r), the
-// logits are left there (chunked mode; padding columns are not written); else each tile
-// lives in a per-thread buffer taken from `tiles` and is dropped.
+// local_stats_kernel of their logits). Each tile is made in a per-thread [Nb, Vb] buffer
+// taken from `tiles`; with `keep` ([rows, V_r] fp32, row stride V_r) it is also copied there
+// (chunked mode; padding columns are not written), else dropped.
 void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, int64_t row_begin,
                  int64_t rows, float* keep, const RowMatrix& stats, HostFloats& tiles);
 

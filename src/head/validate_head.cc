@@ -39,17 +39,20 @@ Status resolve_tiles(const HeadOptions& head, int64_t vocab_rows, HeadTiles* out
                            "a multiple of the token block " + std::to_string(t.token_block),
                            std::to_string(head.chunk_tokens))};
     }
-    t.chunk_tokens = head.chunk_tokens;
-  } else {
-    const int64_t row_bytes = (vocab_rows > 0 ? vocab_rows : 1) * static_cast<int64_t>(sizeof(float));
-    const int64_t blocks = kDefaultChunkBytes / (row_bytes * t.token_block);
-    t.chunk_tokens = (blocks > 1 ? blocks : 1) * t.token_block;
   }
   *out = t;
   return {};
 }
 
 }  // namespace
+
+int64_t agreed_chunk_tokens(const HeadOptions& head, const VocabShard& shard, int ranks) {
+  if (head.chunk_tokens > 0) return head.chunk_tokens;
+  const int64_t nb = head.token_block > 0 && head.token_block <= kMaxBlock ? head.token_block : kDefaultTokenBlock;
+  const int64_t rows = ranks > 0 && shard.vocab_size > 0 ? (shard.vocab_size + ranks - 1) / ranks : 1;
+  const int64_t blocks = kDefaultChunkBytes / static_cast<int64_t>(sizeof(float)) / rows / nb;
+  return (blocks > 1 ? blocks : 1) * nb;
+}
 
 Status check_head_inputs(const HeadInputs& inputs, const TensorView& targets, const TensorView* weights,
                          const VocabShard& shard, const LossOptions& options, const HeadOptions& head,

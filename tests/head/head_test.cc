@@ -4,15 +4,21 @@
 // and runs; the collectives counted; bad arguments and disagreeing ranks refused.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "cpu/dtype.h"
+#include "cpu/simd_rows.h"
+#include "head/gemm.h"
 #include "head_support.h"
 #include "support.h"
 
@@ -187,6 +193,20 @@ std::vector<LossOptions> every_option() {
   return all;
 }
 
+// Runs `body` once for each way this CPU computes the logits of bf16 operands: with its bf16
+// dot products (gemm_bf16_nt, the default where it has AVX512-BF16) and widened to fp32 (as
+// every other CPU does).
+void for_each_bf16_gemm(const std::function<void()>& body) {
+  std::vector<bool> choices{false};
+  if (detail::bf16_gemm_native()) choices.insert(choices.begin(), true);
+  for (bool native : choices) {
+    detail::set_bf16_instructions_allowed(native);
+    SCOPED_TRACE(native ? "bf16 tiles from bf16 dot products" : "bf16 tiles widened to fp32");
+    body();
+  }
+  detail::set_bf16_instructions_allowed(true);
+}
+
 class HeadModes : public ::testing::TestWithParam<Mode> {};
 
 TEST_P(HeadModes, MatchesTheOracleForEveryOptionAndRankCount) {
@@ -207,6 +227,30 @@ TEST_P(HeadModes, MatchesTheOracleForEveryOptionAndRankCount) {
       if (ranks == 4) run.sizes = {1, 100, 0, 102};  // uneven, one empty
       SCOPED_TRACE("ranks " + std::to_string(ranks) + " smoothing " + std::to_string(loss.label_smoothing));
       expect_matches(p, run, run_head(p, run));
+    }
+  }
+}
+
+// bf16 operands, fp32 gradients: the oracle reads the same stored values, so only fp32's
+// rounding separates them, whichever GEMM makes the tiles.
+TEST_P(HeadModes, Bf16OperandsMatchTheOracleForEveryOptionAndRankCountOnEitherGemm) {
+  const Mode mode = GetParam();
+  uint64_t seed = 101;
+  for (int ranks : {1, 2, 4}) {
+    for (LossOptions loss : every_option()) {
+      if (mode == Mode::kChunked && loss.reduction == Reduction::kNone) loss.reduction = Reduction::kMean;
+      HeadProblem p = random_head_problem(37, 40, 203, kBFloat16, seed++);
+      HeadRun run;
+      run.mode = mode;
+      run.loss = loss;
+      run.ranks = ranks;
+      run.head.token_block = 8;
+      run.head.vocab_block = 16;
+      run.head.chunk_tokens = 16;
+      run.grad_scalar = 1.5f;
+      if (ranks == 4) run.sizes = {1, 100, 0, 102};  // uneven, one empty
+      SCOPED_TRACE("ranks " + std::to_string(ranks) + " smoothing " + std::to_string(loss.label_smoothing));
+      for_each_bf16_gemm([&] { expect_matches(p, run, run_head(p, run)); });
     }
   }
 }
@@ -335,36 +379,43 @@ TEST_P(HeadModes, HalfPrecisionInputsAndGradientsWithinTheirRounding) {
     run.head.token_block = 16;
     run.head.vocab_block = 32;
     run.head.chunk_tokens = 16;
-    // fp32 gradients: only the fp32 GEMMs' rounding (the oracle reads the same stored values).
-    expect_matches(p, run, run_head(p, run));
-    run.grad_dtype = dtype;  // gradients written in the input's dtype: one rounding each
-    const double tol = dtype == kBFloat16 ? 8e-3 : 1e-3;
-    expect_matches(p, run, run_head(p, run), 1e-6, tol);
+    for_each_bf16_gemm([&] {
+      run.grad_dtype = kFloat32;
+      // fp32 gradients: only the fp32 GEMMs' rounding (the oracle reads the same stored values).
+      expect_matches(p, run, run_head(p, run));
+      run.grad_dtype = dtype;  // gradients written in the input's dtype: one rounding each
+      const double tol = dtype == kBFloat16 ? 8e-3 : 1e-3;
+      expect_matches(p, run, run_head(p, run), 1e-6, tol);
+    });
   }
 }
 
 TEST_P(HeadModes, BitIdenticalForOneAndTwoThreadsAndAcrossRuns) {
-  HeadProblem p = random_head_problem(70, 40, 300, kFloat32, 21);
-  HeadRun run;
-  run.mode = GetParam();
-  run.loss.reduction = Reduction::kMean;
-  run.loss.label_smoothing = 0.1f;
-  run.ranks = 2;
-  run.head.token_block = 16;
-  run.head.vocab_block = 64;
-  run.head.chunk_tokens = 32;
-  run.loss.num_threads = 1;
-  const HeadResult one = run_head(p, run);
-  run.loss.num_threads = 2;
-  const HeadResult two = run_head(p, run), again = run_head(p, run);
-  expect_ok(one);
-  for (const HeadResult* r : {&two, &again}) {
-    expect_ok(*r);
-    EXPECT_EQ(std::memcmp(r->loss.data(), one.loss.data(), one.loss.size() * sizeof(float)), 0);
-    EXPECT_EQ(std::memcmp(r->lse.data(), one.lse.data(), one.lse.size() * sizeof(float)), 0);
-    EXPECT_EQ(r->grad_weight, one.grad_weight);
-    EXPECT_EQ(r->grad_bias, one.grad_bias);
-    EXPECT_EQ(r->hidden_parts, one.hidden_parts);
+  for (DataType dtype : {kFloat32, kBFloat16}) {
+    HeadProblem p = random_head_problem(70, 40, 300, dtype, 21);
+    HeadRun run;
+    run.mode = GetParam();
+    run.loss.reduction = Reduction::kMean;
+    run.loss.label_smoothing = 0.1f;
+    run.ranks = 2;
+    run.head.token_block = 16;
+    run.head.vocab_block = 64;
+    run.head.chunk_tokens = 32;
+    for_each_bf16_gemm([&] {
+      run.loss.num_threads = 1;
+      const HeadResult one = run_head(p, run);
+      run.loss.num_threads = 2;
+      const HeadResult two = run_head(p, run), again = run_head(p, run);
+      expect_ok(one);
+      for (const HeadResult* r : {&two, &again}) {
+        expect_ok(*r);
+        EXPECT_EQ(std::memcmp(r->loss.data(), one.loss.data(), one.loss.size() * sizeof(float)), 0);
+        EXPECT_EQ(std::memcmp(r->lse.data(), one.lse.data(), one.lse.size() * sizeof(float)), 0);
+        EXPECT_EQ(r->grad_weight, one.grad_weight);
+        EXPECT_EQ(r->grad_bias, one.grad_bias);
+        EXPECT_EQ(r->hidden_parts, one.hidden_parts);
+      }
+    });
   }
 }
 
@@ -381,7 +432,7 @@ TEST_P(HeadModes, WideTilesSpanSeveralGradientSuperBlocks) {
     run.head.token_block = 8;
     run.head.vocab_block = 16384;
     run.head.chunk_tokens = 104;
-    expect_matches(p, run, run_head(p, run));
+    for_each_bf16_gemm([&] { expect_matches(p, run, run_head(p, run)); });
   }
 }
 
@@ -389,20 +440,120 @@ INSTANTIATE_TEST_SUITE_P(Head, HeadModes, ::testing::Values(Mode::kRecompute, Mo
                          [](const auto& info) { return info.param == Mode::kRecompute ? "Recompute" : "Chunked"; });
 
 TEST(Head, ChunkedLossIsTheForwardsBitForBitAndCountsItsGathers) {
-  HeadProblem p = random_head_problem(50, 16, 90, kFloat32, 31);
+  for (DataType dtype : {kFloat32, kBFloat16}) {
+    HeadProblem p = random_head_problem(50, 16, 90, dtype, 31);
+    for_each_bf16_gemm([&] {
+      HeadRun run;
+      run.loss.reduction = Reduction::kSum;
+      run.ranks = 2;
+      run.head.token_block = 8;
+      run.head.vocab_block = 16;
+      run.head.chunk_tokens = 16;
+      const HeadResult recompute = run_head(p, run);
+      run.mode = Mode::kChunked;
+      const HeadResult chunked = run_head(p, run);
+      expect_ok(chunked);
+      EXPECT_EQ(chunked.collectives, 4);  // ceil(50 / 16)
+      EXPECT_EQ(std::memcmp(chunked.loss.data(), recompute.loss.data(), sizeof(float)), 0);
+      EXPECT_EQ(std::memcmp(chunked.lse.data(), recompute.lse.data(), recompute.lse.size() * sizeof(float)), 0);
+    });
+  }
+}
+
+uint16_t bf16_bits(float value) {
+  uint16_t bits = 0;
+  detail::narrow(value, &bits, kBFloat16);
+  return bits;
+}
+float bf16_value(uint16_t bits) { return detail::widen(&bits, kBFloat16); }
+
+// The default tiles, with more vocabulary rows than one tile (the GEMM's output row stride then
+// differs between a tile of its own and the chunk's logits, and oneDNN may round differently):
+// the chunked mode still gives the forward's loss and lse bit for bit.
+TEST(Head, ChunkedLossIsTheForwardsBitForBitWithTheDefaultTiles) {
+  struct Case {
+    int64_t tokens, hidden, vocab, token_block, vocab_block;
+  };
+  for (const Case& c : {Case{600, 512, 3000, 0, 0}, Case{64, 40, 30, 8, 15}}) {
+    for (DataType dtype : {kFloat32, kBFloat16, kFloat16}) {
+      HeadProblem p = random_head_problem(c.tokens, c.hidden, c.vocab, dtype, 41);
+      for_each_bf16_gemm([&] {
+        HeadRun run;
+        run.loss.reduction = Reduction::kSum;
+        run.head.token_block = c.token_block;
+        run.head.vocab_block = c.vocab_block;
+        const HeadResult recompute = run_head(p, run);
+        run.mode = Mode::kChunked;
+        const HeadResult chunked = run_head(p, run);
+        expect_ok(recompute);
+        expect_ok(chunked);
+        SCOPED_TRACE("N " + std::to_string(c.tokens) + " H " + std::to_string(c.hidden) + " V " +
+                     std::to_string(c.vocab) + " " + to_string(dtype));
+        EXPECT_EQ(std::memcmp(chunked.loss.data(), recompute.loss.data(), sizeof(float)), 0);
+        EXPECT_EQ(std::memcmp(chunked.lse.data(), recompute.lse.data(), recompute.lse.size() * sizeof(float)), 0);
+      });
+    }
+  }
+}
+
+// Uneven ranges with the default chunk: the ranks' own [chunk, V_r] budgets would give them
+// chunks of 1664 and 33280 tokens; the chunk comes from ceil(V / R) instead (3264), so they
+// make the same one gather and the loss is the recompute forward's.
+TEST(Head, UnevenRangesAgreeOnTheDefaultChunk) {
+  HeadProblem p = random_head_problem(2000, 4, 20500, kFloat32, 43, 3.0f, /*with_bias=*/false);
   HeadRun run;
-  run.loss.reduction = Reduction::kSum;
+  run.loss.reduction = Reduction::kMean;
   run.ranks = 2;
-  run.head.token_block = 8;
-  run.head.vocab_block = 16;
-  run.head.chunk_tokens = 16;
+  run.sizes = {20000, 500};
+  run.head.token_block = 64;
   const HeadResult recompute = run_head(p, run);
   run.mode = Mode::kChunked;
   const HeadResult chunked = run_head(p, run);
+  expect_ok(recompute);
   expect_ok(chunked);
-  EXPECT_EQ(chunked.collectives, 4);  // ceil(50 / 16)
+  EXPECT_EQ(chunked.collectives, 1);
   EXPECT_EQ(std::memcmp(chunked.loss.data(), recompute.loss.data(), sizeof(float)), 0);
-  EXPECT_EQ(std::memcmp(chunked.lse.data(), recompute.lse.data(), recompute.lse.size() * sizeof(float)), 0);
+}
+
+// gemm_bf16_nt against the fp64 products of the same bf16 values, with strided and
+// misaligned rows: within fp32 summation's bound k 2^-24 sum |a b| (the products are exact).
+TEST(HeadGemm, Bf16ProductsSummedInFp32WithinTheirBound) {
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const auto& [m, n, k] : std::vector<std::array<int64_t, 3>>{{37, 29, 301}, {1, 1, 1}, {16, 64, 1024}, {5, 3, 0}}) {
+    const int64_t lda = k + 3, ldb = k + 5, ldc = n + 2;
+    std::vector<uint16_t> a(static_cast<std::size_t>(m * lda + 1)), b(static_cast<std::size_t>(n * ldb + 1));
+    for (uint16_t& x : a) x = bf16_bits(normal(rng) * 10.0f);
+    for (uint16_t& x : b) x = bf16_bits(normal(rng));
+    std::vector<float> c(static_cast<std::size_t>(m * ldc), NAN);
+    // One element past the start: no row aligned.
+    for_each_bf16_gemm([&] {
+      detail::gemm_bf16_nt(m, n, k, a.data() + 1, lda, b.data() + 1, ldb, c.data(), ldc);
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t j = 0; j < n; ++j) {
+          double exact = 0.0, magnitude = 0.0;
+          for (int64_t q = 0; q < k; ++q) {
+            const double product = double{bf16_value(a[static_cast<std::size_t>(1 + i * lda + q)])} *
+                                   bf16_value(b[static_cast<std::size_t>(1 + j * ldb + q)]);
+            exact += product;
+            magnitude += std::fabs(product);
+          }
+          ASSERT_LE(std::fabs(c[static_cast<std::size_t>(i * ldc + j)] - exact),
+                    static_cast<double>(k) * 0x1p-24 * magnitude + 1e-30)
+              << "m " << m << " n " << n << " k " << k << " at " << i << ", " << j;
+        }
+      }
+    });
+  }
+}
+
+TEST(HeadGemm, Bf16DotProductsAreUsedWhereTheCpuHasThemUnlessTurnedOff) {
+  if (std::getenv("ONEDNN_MAX_CPU_ISA") == nullptr && std::getenv("DNNL_MAX_CPU_ISA") == nullptr) {
+    EXPECT_EQ(detail::bf16_gemm_native(), detail::cpu_has_avx512_bf16());
+  }
+  detail::set_bf16_instructions_allowed(false);
+  EXPECT_FALSE(detail::bf16_gemm_native());
+  detail::set_bf16_instructions_allowed(true);
 }
 
 // Counts the collectives a call makes through it.
@@ -578,6 +729,52 @@ TEST(HeadErrors, RanksThatDisagreeOnTheHiddenSizeAllFailAlike) {
               std::string::npos)
         << s.message();
   }
+}
+
+// One rank's bad target in the chunked mode with several chunks: the failing rank joins the
+// first gather with the same size as the others, so both return its error, with the same
+// text (the other rank's as a remote error), and neither writes its outputs.
+TEST(HeadErrors, ABadTargetOnOneRankOfTheChunkedModeFailsEveryRankAlike) {
+  HeadProblem p = random_head_problem(100, 8, 20, kFloat32, 5);
+  std::unique_ptr<ThreadGroup> g;
+  ASSERT_TRUE(ThreadGroup::create(2, &g).ok());
+  const std::vector<VocabShard> shards = shards_from_sizes({10, 10});
+  std::vector<std::vector<float>> losses(2, std::vector<float>(1, -7.0f));
+  const std::vector<Status> st = g->run([&](Communicator& comm) {
+    const VocabShard& shard = shards[static_cast<std::size_t>(comm.rank())];
+    std::vector<int64_t> targets = p.targets;
+    if (comm.rank() == 1) targets[3] = 20;  // out of [0, V)
+    const TensorView weight =
+        TensorView::matrix(p.weight_base() + shard.vocab_begin * p.ld_weight * 4, kFloat32, 10, 8, p.ld_weight);
+    std::vector<float> lse(100), gh(100 * 8);
+    const TensorView ghv = TensorView::contiguous(gh.data(), kFloat32, {100, 8});
+    HeadOptions head;
+    head.token_block = 8;
+    head.chunk_tokens = 16;  // seven gathers
+    LossOptions options;
+    options.reduction = Reduction::kSum;
+    return linear_cross_entropy_forward_backward(
+        comm, {p.hidden_view(), weight}, TensorView::contiguous(targets.data(), kInt64, {100}), shard, options, head,
+        1.0f, TensorView::contiguous(losses[static_cast<std::size_t>(comm.rank())].data(), kFloat32, {1}),
+        TensorView::contiguous(lse.data(), kFloat32, {100}), {{&ghv, false}, {}, {}});
+  });
+  ASSERT_EQ(st.size(), 2u);
+  EXPECT_EQ(st[1].code(), Code::kInvalidArgument) << st[1].message();
+  EXPECT_EQ(st[0].code(), Code::kRemoteError) << st[0].message();
+  // The same text on both ranks, as for the forward.
+  EXPECT_EQ(st[0].message(), st[1].message());
+  EXPECT_EQ(st[1].message().rfind("rank 1 of 2: invalid argument: targets: ", 0), 0u) << st[1].message();
+  for (const auto& l : losses) EXPECT_EQ(l[0], -7.0f);
+}
+
+TEST(HeadErrors, TheHiddenGradientOfNoFeaturesReducesToNothing) {
+  std::unique_ptr<ThreadGroup> g;
+  ASSERT_TRUE(ThreadGroup::create(2, &g).ok());
+  const std::vector<Status> st = g->run([&](Communicator& comm) {
+    std::vector<float> none;
+    return all_reduce_hidden_gradient(comm, TensorView::contiguous(none.data(), kFloat32, {5, 0}));
+  });
+  for (const Status& s : st) EXPECT_TRUE(s.ok()) << s.message();
 }
 
 }  // namespace

@@ -274,10 +274,13 @@ struct Tiles {
 int64_t round_down(int64_t value, int64_t multiple) { return value / multiple * multiple; }
 
 // The GPU's tiles: the values given (the chunk rounded down to a multiple of Nb), else tiles
-// of up to kBudget fp32 elements: Vb from N (the backward's [N, Vb] panel), Nb and the chunk
-// from V_r (a [chunk, V_r] block). The same in every mode for the same N, V_r and options,
-// so that the modes see the same logits.
-Tiles gpu_tiles(const HeadOptions& head, int64_t n, int64_t vocab_rows) {
+// of up to kBudget fp32 elements: Vb from N (the backward's [N, Vb] panel, at most V_r), Nb
+// and the chunk from `budget_rows` vocabulary rows (a [chunk, budget_rows] block). The
+// recompute mode takes budget_rows = V_r, the same in its forward and backward for the same N,
+// V_r and options; the chunked mode takes ceil(V / R), which every rank agrees on, so that
+// its gathers have the same sizes on uneven ranges too (where its tiles, and so the last bits
+// of its loss, may then differ from the recompute mode's).
+Tiles gpu_tiles(const HeadOptions& head, int64_t n, int64_t vocab_rows, int64_t budget_rows) {
   Tiles t;
   const int64_t tokens = std::max<int64_t>(n, 1);
   const int64_t rows = std::max<int64_t>(vocab_rows, 1);
@@ -287,7 +290,7 @@ Tiles gpu_tiles(const HeadOptions& head, int64_t n, int64_t vocab_rows) {
     t.vb = std::clamp(round_down(kBudget / tokens, 64), kMinDefaultVocabBlock, kMaxDefaultVocabBlock);
   }
   t.vb = std::max<int64_t>(1, std::min(t.vb, rows));
-  const int64_t fitting = std::max<int64_t>(64, round_down(kBudget / rows, 64));
+  const int64_t fitting = std::max<int64_t>(64, round_down(kBudget / std::max<int64_t>(budget_rows, 1), 64));
   if (head.token_block > 0) {
     t.nb = head.token_block;
   } else if (head.chunk_tokens > 0) {
@@ -745,7 +748,9 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   const int64_t width = with_extras ? kStatsWidthWithExtras : kStatsWidth;
   const int64_t n = local.ok() ? a.tokens() : announced_tokens(*f.targets);
   const int64_t vocab_rows = local.ok() ? a.vocab_rows() : std::max<int64_t>(f.shard->vocab_end - f.shard->vocab_begin, 0);
-  const Tiles tiles = gpu_tiles(*f.head, n, vocab_rows);
+  const int64_t agreed_rows =
+      f.shard->vocab_size > 0 ? (f.shard->vocab_size + comm.size() - 1) / std::max(comm.size(), 1) : 1;
+  const Tiles tiles = gpu_tiles(*f.head, n, vocab_rows, g != nullptr ? agreed_rows : vocab_rows);
   const int64_t chunk = g != nullptr ? std::min(tiles.chunk, n) : n;
   const int64_t chunks = chunk > 0 ? (n + chunk - 1) / chunk : 1;
   // Every gather of the call carries a whole chunk's payload (the last one's tail unused).
@@ -996,7 +1001,7 @@ Status device_linear_cross_entropy_backward(const HeadInputs& inputs, const Tens
   std::shared_ptr<void>* state = workspace != nullptr ? &WorkspaceAccess::buffers(*workspace)->device_head : &own;
   head_cuda::ScopedDevice current(d.id);
   if (Status s = current.status(); !s.ok()) return s;
-  const head_cuda::Tiles tiles = head_cuda::gpu_tiles(head, a.tokens(), a.vocab_rows());
+  const head_cuda::Tiles tiles = head_cuda::gpu_tiles(head, a.tokens(), a.vocab_rows(), a.vocab_rows());
   Call c = head_cuda::make_call(a, tiles, shard, options, kStatsWidth);
   if (Status s = head_cuda::begin(state, d.id, c.stream, &c.b); !s.ok()) return s;
   return head_cuda::run_backward(c, g, lse_in, upstream);
@@ -1021,7 +1026,7 @@ Status device_linear_cross_entropy_local_stats(const HeadInputs& inputs, const T
   std::shared_ptr<void> own;
   head_cuda::ScopedDevice current(d.id);
   if (Status s = current.status(); !s.ok()) return s;
-  const head_cuda::Tiles tiles = head_cuda::gpu_tiles(head, a.tokens(), a.vocab_rows());
+  const head_cuda::Tiles tiles = head_cuda::gpu_tiles(head, a.tokens(), a.vocab_rows(), a.vocab_rows());
   Call c = head_cuda::make_call(a, tiles, shard, options, width);
   if (Status s = head_cuda::begin(&own, d.id, c.stream, &c.b); !s.ok()) return s;
   head_cuda::HeadBuffers& b = *c.b;
