@@ -335,3 +335,40 @@ def default_group_worker(rank, size, init_file):
 @pytest.mark.parametrize("size", [2])
 def test_tp_group_none_means_the_default_group_without_megatron(size):
     spawn(default_group_worker, size)
+
+
+def compiled_group_worker(rank, size, init_file):
+    # Megatron passes its group explicitly. A group torch.compile traces is a stand-in that
+    # cannot run a collective, so the ops must find the real group when they run, even when
+    # the first call of the process is the compiled one (no eager call has seen the group).
+    group = init_group(rank, size, init_file)
+    logits, target, grad_loss = global_problem(seed=29)
+    local = logits.shape[-1] // size
+    begin, end = rank * local, (rank + 1) * local
+    want_loss, want_grad = loss_and_grad(logits, target, grad_loss)
+    leaf = logits[..., begin:end].clone().requires_grad_()
+    step = torch.compile(lambda x: vt.vocab_parallel_cross_entropy(x, target, 0.0, group), fullgraph=True,
+                         backend="aot_eager")
+    loss = step(leaf)
+    loss.backward(grad_loss)
+    assert relative_error(loss.detach(), want_loss) < 1e-6
+    assert relative_error(leaf.grad, want_grad[..., begin:end]) < 1e-6
+    # The fused head on the same group: hidden replicated, this rank's rows of the weight.
+    generator = torch.Generator().manual_seed(31)
+    hidden = torch.randn(5, 3, 16, generator=generator, dtype=torch.float64)
+    weight = (torch.randn(logits.shape[-1], 16, generator=generator, dtype=torch.float64) / 4).requires_grad_()
+    want = torch.nn.functional.cross_entropy((hidden @ weight.T).flatten(0, 1), target.flatten(), reduction="sum")
+    want_grad_weight, = torch.autograd.grad(want, weight)
+    mine = weight[begin:end].detach().float().requires_grad_()
+    head = torch.compile(lambda w: vt.linear_cross_entropy(hidden.float(), w, target, 0.0, group, reduction="sum"),
+                         fullgraph=True, backend="aot_eager")
+    got = head(mine)
+    got.backward()
+    assert relative_error(got.detach(), want) < 1e-6
+    assert relative_error(mine.grad, want_grad_weight[begin:end]) < 1e-5
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not vt._CUSTOM_OPS, reason="torch.library.custom_op needs PyTorch >= 2.4")
+def test_compiled_first_with_an_explicit_group():
+    spawn(compiled_group_worker, 2)

@@ -335,7 +335,9 @@ def test_operand_errors():
         ((hidden > 0, weight, target), {}, TypeError, "hidden.dtype: expected float32, bfloat16, float16 or float64"),
         ((hidden, weight, target.float()), {}, TypeError, "target.dtype: expected int32 or int64"),
         ((hidden, weight[:, :5], target), {}, vpce.Error, "weight"),
-        ((hidden, weight, target[:2]), {}, vpce.Error, "targets"),
+        ((hidden, weight, target[:2]), {}, ValueError, "target.shape: expected hidden's leading shape (7, 3)"),
+        ((hidden, weight, target.T), {}, ValueError, "target.shape: expected hidden's leading shape (7, 3)"),
+        ((hidden, weight, target.flatten()), {}, ValueError, "got (21,)"),
         ((hidden, weight, target + 1000), {}, vpce.Error, "targets"),
     ]
     for args, kwargs, kind, fragment in cases:

@@ -147,8 +147,13 @@ def test_errors_name_the_argument():
         vt.vocab_parallel_cross_entropy(logits, target % 50, colour="red")
     with pytest.raises(ValueError, match="smoothing_semantics"):
         vt.vocab_parallel_cross_entropy(logits, target % 50, 0.1, smoothing_semantics="nemo")
-    with pytest.raises(vpce.Error, match="targets.shape"):
+    with pytest.raises(ValueError, match=r"target.shape: expected the logits' leading shape \(7, 3\)"):
         vt.vocab_parallel_cross_entropy(logits, target[:2] % 50)
+    # [b, s] labels with [s, b, V] logits (the transpose forgotten): as many elements, the
+    # wrong tokens; refused, as Megatron refuses it.
+    for call in (vt.vocab_parallel_cross_entropy, vt._VocabParallelCrossEntropy.apply, vt.unfused_cross_entropy):
+        with pytest.raises(ValueError, match=r"target.shape: .*got \(3, 7\)"):
+            call(logits, (target % 50).T)
 
 
 def test_group_of_several_ranks_needs_a_collective():

@@ -115,6 +115,9 @@ def _forward(ctx, collective, rank, size, logits, target, label_smoothing, inpla
 def _loss(collective, rank, size, logits, target, label_smoothing, inplace, legacy, options):
     """Checks, then vpce's forward: (loss, x read, y read, lse, shard, smoothing, legacy alpha)."""
     _check_logits(logits)
+    if isinstance(target, torch.Tensor) and tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"target.shape: expected the logits' leading shape {tuple(logits.shape[:-1])} (one target "
+                         f"per token, as Megatron), got {tuple(target.shape)}")
     y = _as_targets(target, logits)
     alpha = _legacy_smoothing(label_smoothing, options, logits) if legacy else 0.0
     if inplace:

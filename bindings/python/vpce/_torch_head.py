@@ -32,7 +32,7 @@ from ._torch_arguments import (_OPTION_NAMES, _TARGET_DTYPES, _WIDENED_TARGET_DT
 from ._torch_collective import _BLOCK_HEADER, _Blocks, _Collective
 from ._torch_compile import _CUSTOM_OPS, _compiling
 from ._torch_groups import _group
-from ._torch_ops import _KEYED_GROUPS, _decode_options, _encode_options, _group_key
+from ._torch_ops import _decode_options, _encode_options, _group_key, _keyed_group
 
 _HEAD_OPTION_NAMES = ("token_block", "vocab_block", "chunk_tokens")
 _OWN_OPTION_NAMES = ("mode", "reduction", "gradient_accumulation_fusion", "vocab_range")
@@ -107,7 +107,7 @@ def _check_operand(name, tensor, dims=None):
         raise ValueError(f"{name}.dim(): expected {wanted}, got {tensor.dim()}")
 
 
-def _check_operands(hidden, weight, bias, target, sequence_parallel):
+def _check_operands(hidden, weight, bias, target, sequence_parallel, size):
     _check_operand("hidden", hidden, dims=(1, 8) if not sequence_parallel else (2, 8))
     _check_operand("weight", weight, dims=(2, 2))
     for name, other in (("weight", weight), ("bias", bias)):
@@ -124,6 +124,13 @@ def _check_operands(hidden, weight, bias, target, sequence_parallel):
         raise TypeError(f"target: expected a torch.Tensor, got {type(target).__name__}")
     if target.device != hidden.device:
         raise ValueError(f"target.device: expected hidden's device {hidden.device}, got {target.device}")
+    tokens = tuple(hidden.shape[:-1])
+    if sequence_parallel:  # hidden is this rank's slice of the sequence (dim 0)
+        tokens = (tokens[0] * size, *tokens[1:])
+    if tuple(target.shape) != tokens:
+        what = "the gathered sequence's leading shape" if sequence_parallel else "hidden's leading shape"
+        raise ValueError(f"target.shape: expected {what} {tokens} (one target per token, as Megatron), got "
+                         f"{tuple(target.shape)}")
 
 
 def _operand(tensor):
@@ -291,7 +298,7 @@ def _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, seque
     collective = _Collective(group, rank, size) if size > 1 else None
     try:
         _check_group(group, size, hidden)
-        _check_operands(hidden, weight, bias, target, sequence_parallel)
+        _check_operands(hidden, weight, bias, target, sequence_parallel, size)
         args = _Arguments(label_smoothing, options)
         y = _as_targets(target, hidden)
         h = _operand(hidden)
@@ -366,7 +373,7 @@ def _head_chunked(hidden, weight, bias, target, label_smoothing, tp_group, seque
     collective = _Collective(group, rank, size) if size > 1 else None
     try:
         _check_group(group, size, hidden)
-        _check_operands(hidden, weight, bias, target, sequence_parallel)
+        _check_operands(hidden, weight, bias, target, sequence_parallel, size)
         args = _Arguments(label_smoothing, options)
         y = _as_targets(target, hidden)
         h = _operand(hidden)
@@ -466,10 +473,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
 # chunked, with fake implementations and registered autograd, so that torch.compile(fullgraph=
 # True) traces the head with no graph break. The group is an integer key and the options JSON,
 # as for the loss's ops (_torch_ops).
-
-def _keyed_group(group_key):
-    return _KEYED_GROUPS[group_key] if group_key else None
-
 
 def _needs(*tensors):
     return tuple(t is not None and torch.is_grad_enabled() and t.requires_grad for t in tensors)

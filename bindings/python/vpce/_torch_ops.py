@@ -4,32 +4,73 @@ torch.compile(fullgraph=True) traces it without a graph break; and which argumen
 take."""
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Tuple
 
 import torch
 
 from ._torch_arguments import _LOGITS_DTYPES, _TARGET_DTYPES, _WIDENED_TARGET_DTYPES, _as_rows, _as_targets
-from ._torch_compile import _CUSTOM_OPS, _constant
+from ._torch_compile import _CUSTOM_OPS, _compiling, _constant
 from ._torch_function import _function_forward, _gradient
 from ._torch_groups import _group
 from ._torch_legacy import _legacy_smoothing
 
 # The group cannot be an operator argument: the ops take an integer key, 0 for tp_group=None
-# (resolved when the op runs), others from _GROUP_KEYS (groups live as long as the process).
-_GROUP_KEYS = {}
+# (resolved when the op runs), others for the group's name (ProcessGroup.group_name, the same
+# on every rank, which torch.compile reads as a constant). While torch.compile traces, the
+# group is a stand-in that cannot run a collective, so the op finds the real group by its
+# name when it runs (torch.distributed keeps every group by name, as its functional
+# collectives find them); a group seen in an eager call is kept as it is.
+_NAME_KEYS = {}
+_KEYED_NAMES = {}
 _KEYED_GROUPS = {}
+_NEXT_KEY = itertools.count(1)
 
 
 @_constant
+def _key_of_group_name(name):
+    key = _NAME_KEYS.get(name)
+    if key is None:
+        key = _NAME_KEYS[name] = next(_NEXT_KEY)
+        _KEYED_NAMES[key] = name
+    return key
+
+
+@_constant
+def _key_of_object(group):
+    """A group object without a name (one with only rank() and size(), of size 1), keyed as
+    itself: torch.compile hands such a plain object to this function as it is."""
+    for key, kept in _KEYED_GROUPS.items():
+        if kept is group and key not in _KEYED_NAMES:
+            return key
+    key = next(_NEXT_KEY)
+    _KEYED_GROUPS[key] = group
+    return key
+
+
 def _group_key(tp_group):
     if tp_group is None:
         return 0
-    key = _GROUP_KEYS.get(tp_group)
-    if key is None:
-        key = _GROUP_KEYS[tp_group] = len(_GROUP_KEYS) + 1
-        _KEYED_GROUPS[key] = tp_group
+    name = getattr(tp_group, "group_name", None)
+    if not isinstance(name, str):
+        return _key_of_object(tp_group)
+    key = _key_of_group_name(name)
+    if not _compiling():
+        _KEYED_GROUPS.setdefault(key, tp_group)
     return key
+
+
+def _keyed_group(group_key):
+    """The process group of a key from _group_key (None for 0)."""
+    if not group_key:
+        return None
+    group = _KEYED_GROUPS.get(group_key)
+    if group is None:
+        from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: PLC0415
+
+        group = _KEYED_GROUPS[group_key] = _resolve_process_group(_KEYED_NAMES[group_key])
+    return group
 
 
 @_constant
@@ -44,7 +85,7 @@ def _decode_options(text):
 def _op_forward_impl(logits, target, label_smoothing, group_key, inplace, legacy, options):
     """(loss, lse): what _VpceCrossEntropy's forward computes, errors agreed across the group."""
     del inplace  # for the autograd context only
-    tp_group = _KEYED_GROUPS[group_key] if group_key else None
+    tp_group = _keyed_group(group_key)
     ctx = _Saved()
     loss = _function_forward(ctx, logits, target, label_smoothing, tp_group, False, legacy, _decode_options(options))
     return loss, ctx.lse
@@ -58,7 +99,7 @@ class _Saved:
 
 
 def _op_shard(logits, group_key):
-    tp_group = _KEYED_GROUPS[group_key] if group_key else None
+    tp_group = _keyed_group(group_key)
     _, rank, size = _group(tp_group)
     local = logits.shape[-1]
     return rank * local, (rank + 1) * local, size * local
