@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -68,6 +69,62 @@ TEST(Adversarial, HugeLogitsStayFinite) {
     EXPECT_LE(relative_error(widen(result.per_rank[0].loss), want.loss), 1e-6);
     EXPECT_LE(relative_error(result.grad, want.grad), 2e-3);
   }
+}
+
+// Finite logits far beyond fp32's exp shift: |z log2(e)| past 2^27, where the AVX-512 lanes'
+// shift c = fl32(s log2(e)) misses by up to 256 and 2^(z log2(e) - c) would leave fp32's range
+// (a loss of -inf, NaN or a negative one, as a hostile review found at 5e9). On every SIMD
+// target, in place and out of place, with the extras (the two-pass statistics) and without:
+// every loss within 1e-6 of (m - z_t) + log(sum e^(z - m)) in fp64 (the oracle, which takes
+// lse first and subtracts, loses 1e-4 to fp64's rounding at 1e12), and every gradient finite.
+// The gradient is p = e^(z - lse) of the returned fp32 lse, whose spacing there (512 at 5e9)
+// bounds how well p can be known (design.md, "Precision"); it is checked against that closed
+// form, in fp64 from the same lse. (Label smoothing is left out: its sum of the logits runs
+// in fp32 lanes, so at such magnitudes it keeps its relative accuracy, not the loss's.)
+TEST(Adversarial, LogitsBeyondTheExpShiftsFp32RangeStayFiniteOnEveryTarget) {
+  constexpr int64_t kTokens = 6, kColumns = 300;
+  for (const SimdVariant& variant : simd_variants()) {
+    use_simd_variant(variant);
+    for (DataType dtype : {kFloat32, kBFloat16}) {
+      for (int mode = 0; mode < 3; ++mode) {  // out of place, in place, with the extras
+        Problem p = random_problem(kTokens, kColumns, dtype, 41, 1.0f);
+        for (int64_t v = 0; v < kColumns; ++v) {
+          p.set(0, v, 5e9f);                                             // uniform: the loss is log V
+          p.set(1, v, v == 7 ? 8e9f : v == 8 ? 8e9f - 0x1p24f : -8e9f);  // two near the top
+          p.set(2, v, v % 3 == 0 ? -3e10f : -3e10f - 0x1p25f);           // every logit negative and huge
+          p.set(3, v, v == 0 ? 1e12f : 1e12f - 1e9f);                    // the target on top by 1e9
+          p.set(4, v, v == 5 ? 3e38f : v % 2 == 0 ? -3e38f : 0.0f);      // z - s overflows to -inf
+          p.set(5, v, 1.5e9f + static_cast<float>(v % 7) * 256.0f);      // just past the edge
+        }
+        p.targets = {3, 8, 4, 0, 5, 6};
+        const std::vector<double> x = p.as_double();
+        RunOptions options;
+        options.in_place = mode == 1;
+        options.extras = mode == 2;
+        const RunResult result = run_ranks(p, shards_from_sizes({100, 200}), options);
+        for (const Status& st : result.status) ASSERT_TRUE(st.ok()) << st.to_string();
+        const std::string where = variant.name + " " + to_string(dtype) + " mode " + std::to_string(mode);
+        std::vector<double> loss(static_cast<std::size_t>(kTokens)), grad(static_cast<std::size_t>(kTokens * kColumns));
+        for (int64_t i = 0; i < kTokens; ++i) {
+          const double* row = x.data() + i * kColumns;
+          const double m = *std::max_element(row, row + kColumns);
+          double sum = 0.0;
+          for (int64_t v = 0; v < kColumns; ++v) sum += std::exp(row[v] - m);
+          const int64_t target = p.targets[static_cast<std::size_t>(i)];
+          loss[static_cast<std::size_t>(i)] = (m - row[target]) + std::log(sum);
+          const double lse = result.per_rank[0].lse[static_cast<std::size_t>(i)];
+          for (int64_t v = 0; v < kColumns; ++v) {
+            grad[static_cast<std::size_t>(i * kColumns + v)] =
+                p.grad_loss[static_cast<std::size_t>(i)] * (std::exp(row[v] - lse) - (v == target ? 1.0 : 0.0));
+          }
+        }
+        EXPECT_LE(relative_error(widen(result.per_rank[0].loss), loss), 1e-6) << where;
+        for (double g : result.grad) ASSERT_TRUE(std::isfinite(g)) << where;
+        EXPECT_LE(relative_error(result.grad, grad), dtype == kFloat32 || mode != 1 ? 1e-5 : 8e-3) << where;
+      }
+    }
+  }
+  use_best_simd_variant();
 }
 
 // A target whose logit is -inf: the loss is +inf (the mathematics says so), the gradient finite.

@@ -316,26 +316,45 @@ struct LaneShift {
   VF value;               // what the lanes subtract: c (AVX-512) or s
   double log2_reference;  // the lanes give 2^(z log2(e) - log2_reference): c, or s log2(e)
   double correction;      // 2^(log2_reference - s log2(e)): the factor from those to e^(z - s)
+  // AVX-512 where c would miss s log2(e) by more than 8: the lanes take 2^((z - s) log2(e)),
+  // value s.
+  bool subtract_first = false;
 };
 
 HWY_INLINE LaneShift MakeLaneShift(DF d, float s) {
 #if HWY_TARGET == HWY_AVX3
   const double s_log2 = static_cast<double>(s) * static_cast<double>(kLog2e);  // exact
   const auto c = static_cast<float>(s_log2);
+  // Beyond |s log2(e)| = 2^27 (|s| about 9.3e7), c can miss s log2(e) by half of fp32's
+  // spacing there (8 and more: 256 at 2^32), and 2^(z log2(e) - c), 2^(s log2(e) - c) for the
+  // max, would leave fp32's range (the loss -inf, NaN or wrong). Where the miss exceeds 8 the
+  // lanes subtract s first, exactly for the terms that count (Sterbenz), at one more operation
+  // per vector; every other row keeps the one fused multiply-subtract.
+  if (std::fabs(static_cast<double>(c) - s_log2) > 8.0) return {hn::Set(d, s), s_log2, 1.0, true};
   return {hn::Set(d, c), static_cast<double>(c), std::exp2(static_cast<double>(c) - s_log2)};
 #else
   return {hn::Set(d, s), static_cast<double>(s) * kLog2eExact, 1.0};
 #endif
 }
 
-// k e^(z - s) up to the factor shift.correction (k from the polynomial).
-template <ExpPrecision kPrecision>
-HWY_INLINE VF ExpShifted(DF d, VF z, const LaneShift& shift, const ShiftedPolynomial<kPrecision>& poly) {
+// k e^(z - s) up to the factor shift.correction (k from the polynomial), with
+// kSubtractFirst = shift.subtract_first known at compile time (for a loop that tests it
+// once, not at every vector).
+template <bool kSubtractFirst, ExpPrecision kPrecision>
+HWY_INLINE VF ExpShiftedAs(DF d, VF z, const LaneShift& shift, const ShiftedPolynomial<kPrecision>& poly) {
 #if HWY_TARGET == HWY_AVX3
+  if constexpr (kSubtractFirst) return Exp2(hn::Mul(hn::Sub(z, shift.value), hn::Set(d, kLog2e)), poly);
   return Exp2(hn::MulSub(z, hn::Set(d, kLog2e), shift.value), poly);
 #else
   return Exponential(d, hn::Sub(z, shift.value), poly);
 #endif
+}
+
+// k e^(z - s) up to the factor shift.correction (k from the polynomial).
+template <ExpPrecision kPrecision>
+HWY_INLINE VF ExpShifted(DF d, VF z, const LaneShift& shift, const ShiftedPolynomial<kPrecision>& poly) {
+  return HWY_UNLIKELY(shift.subtract_first) ? ExpShiftedAs<true>(d, z, shift, poly)
+                                            : ExpShiftedAs<false>(d, z, shift, poly);
 }
 
 // e^(z - s) up to the factor shift.correction.
@@ -541,33 +560,42 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
     }
     VF sums[8] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
     VF sums_z[4] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
-    // Two vectors into the accumulators `into` and `into + 1` (and `into / 2` of the logits).
-    auto two = [&](int64_t at, int into) {
-      hwy::Prefetch(row + at + ahead);  // spread over the exponentials, which leave time
-      VF x0, x1;
-      LoadTwo(d, row + at, x0, x1);
-      const VF z0 = Transform<kKind>(d, x0, t), z1 = Transform<kKind>(d, x1, t);
-      sums[into] = hn::Add(sums[into], ExpShifted(d, z0, shift, poly));
-      sums[into + 1] = hn::Add(sums[into + 1], ExpShifted(d, z1, shift, poly));
-      if (with_sum_logits) sums_z[into / 2] = hn::Add(sums_z[into / 2], hn::Add(z0, z1));
+    // The chunk's sums, with the shift's kind fixed for its loops.
+    auto sum_chunk = [&](auto subtract_first) {
+      constexpr bool kSubtractFirst = decltype(subtract_first)::value;
+      // Two vectors into the accumulators `into` and `into + 1` (and `into / 2` of the logits).
+      auto two = [&](int64_t at, int into) {
+        hwy::Prefetch(row + at + ahead);  // spread over the exponentials, which leave time
+        VF x0, x1;
+        LoadTwo(d, row + at, x0, x1);
+        const VF z0 = Transform<kKind>(d, x0, t), z1 = Transform<kKind>(d, x1, t);
+        sums[into] = hn::Add(sums[into], ExpShiftedAs<kSubtractFirst>(d, z0, shift, poly));
+        sums[into + 1] = hn::Add(sums[into + 1], ExpShiftedAs<kSubtractFirst>(d, z1, shift, poly));
+        if (with_sum_logits) sums_z[into / 2] = hn::Add(sums_z[into / 2], hn::Add(z0, z1));
+      };
+      for (v = begin; v + 8 * lanes <= full_end; v += 8 * lanes) {
+        two(v, 0);
+        two(v + 2 * lanes, 2);
+        two(v + 4 * lanes, 4);
+        two(v + 6 * lanes, 6);
+      }
+      for (; v + 2 * lanes <= full_end; v += 2 * lanes) two(v, 0);
+      VF& sum_e = sums[0];
+      VF& sum_z = sums_z[0];
+      if (v < full_end) {  // one vector left
+        const VF z = Transform<kKind>(d, LoadFull(d, row + v), t);
+        sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst>(d, z, shift, poly));
+        sum_z = hn::Add(sum_z, z);
+      }
+      if (has_tail) {
+        sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst>(d, z_tail, shift, poly));
+        sum_z = hn::Add(sum_z, hn::IfThenElseZero(hn::FirstN(d, tail), z_tail));
+      }
     };
-    for (v = begin; v + 8 * lanes <= full_end; v += 8 * lanes) {
-      two(v, 0);
-      two(v + 2 * lanes, 2);
-      two(v + 4 * lanes, 4);
-      two(v + 6 * lanes, 6);
-    }
-    for (; v + 2 * lanes <= full_end; v += 2 * lanes) two(v, 0);
-    VF& sum_e = sums[0];
-    VF& sum_z = sums_z[0];
-    if (v < full_end) {  // one vector left
-      const VF z = Transform<kKind>(d, LoadFull(d, row + v), t);
-      sum_e = hn::Add(sum_e, ExpShifted(d, z, shift, poly));
-      sum_z = hn::Add(sum_z, z);
-    }
-    if (has_tail) {
-      sum_e = hn::Add(sum_e, ExpShifted(d, z_tail, shift, poly));
-      sum_z = hn::Add(sum_z, hn::IfThenElseZero(hn::FirstN(d, tail), z_tail));
+    if (shift.subtract_first) {
+      sum_chunk(std::true_type{});
+    } else {
+      sum_chunk(std::false_type{});
     }
     const VF all = hn::Add(hn::Add(hn::Add(sums[0], sums[1]), hn::Add(sums[2], sums[3])),
                            hn::Add(hn::Add(sums[4], sums[5]), hn::Add(sums[6], sums[7])));
