@@ -423,8 +423,9 @@ def test_opcheck(sample):
     hidden, weight, bias, target, smoothing, options = sample
     h, w, b = leaves(hidden, weight, bias)
     torch.library.opcheck(torch.ops.vpce.linear_cross_entropy_forward.default,
-                          (h, w, b, target, smoothing, 0, False, options))
-    _, lse = torch.ops.vpce.linear_cross_entropy_forward(hidden, weight, bias, target, smoothing, 0, False, options)
+                          (h, w, b, target, smoothing, 0, False, options, True))
+    _, lse = torch.ops.vpce.linear_cross_entropy_forward(hidden, weight, bias, target, smoothing, 0, False, options,
+                                                         True)
     grad_loss = torch.rand(tuple(target.shape) if "reduction" not in options else ())
     torch.library.opcheck(torch.ops.vpce.linear_cross_entropy_backward.default,
                           (hidden, weight, bias, target, lse, grad_loss, smoothing, 0, False, options, True, True,
@@ -622,6 +623,14 @@ def check_one_rank_fails(group, rank, size):
     outcome = same_outcome_on_every_rank(group, size, lambda: vt.linear_cross_entropy(
         hidden, weight[:rows], target, 0.0, group))
     assert outcome[0] == "Error", outcome
+    # Ranks that disagree on whether hidden's gradient is wanted (only then does a backward
+    # all-reduce it): the forward's gather refuses it on every rank, rather than one rank's
+    # backward (or, chunked, its forward) waiting in an all-reduce the others never make.
+    for mode, reduction in (("recompute", "none"), ("chunked", "sum")):
+        h = hidden.clone().requires_grad_(rank != size - 1)
+        outcome = same_outcome_on_every_rank(group, size, lambda: vt.linear_cross_entropy(
+            h, w, target, 0.0, group, mode=mode, reduction=reduction))
+        assert outcome[0] == "Error" and "ranks disagree on whether hidden's gradient is wanted" in outcome[1], outcome
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])

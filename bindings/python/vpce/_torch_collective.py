@@ -14,7 +14,7 @@ from . import _vpce
 # The forward's all-gather: one block per rank, [header][payload or its prefix][padding].
 _BLOCK_HEADER = struct.Struct("<IIQd")  # magic, flags, payload bytes, legacy label smoothing
 _BLOCK_MAGIC = 0x54435056  # "VPCT"
-_FAILED = 1  # flags: this rank failed before the gather; its payload is "kind\nmessage"
+_FAILED = 1  # flags: this rank failed before the gather; its payload is "kind\nmessage" (higher bits: agree())
 _MIN_CAPACITY = 4096  # bytes per block at first
 _ERROR_KINDS = {"TypeError": TypeError, "ValueError": ValueError, "Error": _vpce.Error}
 
@@ -70,8 +70,18 @@ class _Collective:
     def __init__(self, group, rank, size):
         self.group, self.rank, self.size = group, rank, size
         self.legacy_smoothing = 0.0  # sent in the block header, so that ranks must agree on it
+        self.agreements = []  # (what, bool) the ranks must agree on: the header's flags, from bit 1
         self.joined = False
         self.error = None  # the group's error, once the gathered blocks show one
+
+    def agree(self, what, value):
+        """Makes `value` (a bool) part of the gather's agreement: ranks that differ on it all
+        raise the same disagreement, before anything later can wait on a collective that
+        only some of them make. Every rank calls it alike (the same code path)."""
+        self.agreements.append((what, bool(value)))
+
+    def _agreed_flags(self):
+        return sum(int(value) << (i + 1) for i, (_, value) in enumerate(self.agreements))
 
     def __call__(self, send, recv):
         """vpce's all_gather(send, recv): every rank's payload into recv, rank 0's first."""
@@ -115,7 +125,7 @@ class _Collective:
 
     def _exchange(self, blocks, flags, payload):
         send, recv = blocks.buffers(self.size)
-        header = _BLOCK_HEADER.pack(_BLOCK_MAGIC, flags, payload.numel(), self.legacy_smoothing)
+        header = _BLOCK_HEADER.pack(_BLOCK_MAGIC, flags | self._agreed_flags(), payload.numel(), self.legacy_smoothing)
         send[:_BLOCK_HEADER.size] = torch.tensor(list(header), dtype=torch.uint8)
         kept = min(payload.numel(), blocks.capacity - _BLOCK_HEADER.size)
         send[_BLOCK_HEADER.size:_BLOCK_HEADER.size + kept] = payload[:kept]
@@ -134,6 +144,12 @@ class _Collective:
                 message = bytes(gathered[r, _BLOCK_HEADER.size:end].tolist()).decode(errors="replace")
                 kind, _, text = message.partition("\n")
                 return _ERROR_KINDS.get(kind, _vpce.Error)(f"rank {r} of {self.size}: {text}")
+        for r, (_, flags, _, _) in enumerate(headers):
+            for i, (what, _) in enumerate(self.agreements):
+                first, mine = bool(headers[0][1] >> (i + 1) & 1), bool(flags >> (i + 1) & 1)
+                if mine != first:
+                    return _vpce.Error(f"invalid usage: ranks disagree on {what}: expected rank 0's {first} on "
+                                       f"every rank, got {mine} on rank {r}")
         first = headers[0][3]
         for r, (_, _, _, smoothing) in enumerate(headers):
             if smoothing != first:

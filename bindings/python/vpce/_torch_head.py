@@ -290,12 +290,22 @@ def _output_shapes(target, args):
     return (tuple(target.shape) if args.reduction == "none" else ()), tuple(target.shape)
 
 
-def _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel, options):
+# What the ranks agree on in the forward's gather besides vpce's header: whether hidden's
+# gradient is wanted, since only then does a backward all-reduce (or reduce-scatter) it, and
+# ranks that differ would leave one of them waiting in that collective.
+_HIDDEN_GRADIENT = "whether hidden's gradient is wanted (hidden.requires_grad under grad mode)"
+
+
+def _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel, options,
+                  need_hidden):
     """The recompute forward: (loss, lse, shard), every collective's errors agreed across
-    the group. `options` the keyword options (dict)."""
+    the group, and whether the backward will reduce hidden's gradient (need_hidden).
+    `options` the keyword options (dict)."""
     group, rank, size = _group(tp_group)
     gather = _HiddenGather(group, rank, size) if size > 1 and sequence_parallel else None
     collective = _Collective(group, rank, size) if size > 1 else None
+    if collective is not None:
+        collective.agree(_HIDDEN_GRADIENT, need_hidden)
     try:
         _check_group(group, size, hidden)
         _check_operands(hidden, weight, bias, target, sequence_parallel, size)
@@ -371,6 +381,8 @@ def _head_chunked(hidden, weight, bias, target, label_smoothing, tp_group, seque
     group, rank, size = _group(tp_group)
     gather = _HiddenGather(group, rank, size) if size > 1 and sequence_parallel else None
     collective = _Collective(group, rank, size) if size > 1 else None
+    if collective is not None:
+        collective.agree(_HIDDEN_GRADIENT, needs[0])
     try:
         _check_group(group, size, hidden)
         _check_operands(hidden, weight, bias, target, sequence_parallel, size)
@@ -437,7 +449,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.weight = weight if ctx.main_grad is not None else None
             return loss
         loss, lse, _ = _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel,
-                                     options)
+                                     options, needs[0])
         ctx.chunked = False
         ctx.save_for_backward(hidden, weight, bias, target, lse)
         return loss
@@ -490,11 +502,12 @@ if _CUSTOM_OPS:
     @torch.library.custom_op("vpce::linear_cross_entropy_forward", mutates_args=())
     def _op_head_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                          label_smoothing: float, group_key: int, sequence_parallel: bool,
-                         options: str) -> Tuple[Tensor, Tensor]:
+                         options: str, need_hidden: bool) -> Tuple[Tensor, Tensor]:
         """The head's recompute forward: (loss, lse); the loss's one all-gather (and the
-        sequence-parallel one of the hidden states) on the keyed group."""
+        sequence-parallel one of the hidden states) on the keyed group, which also agrees on
+        need_hidden (whether the backward reduces hidden's gradient)."""
         loss, lse, _ = _head_forward(hidden, weight, bias, target, label_smoothing, _keyed_group(group_key),
-                                     sequence_parallel, _decode_options(options))
+                                     sequence_parallel, _decode_options(options), need_hidden)
         return loss, lse
 
     def _fake_loss(hidden, target, options):
@@ -504,7 +517,7 @@ if _CUSTOM_OPS:
         return hidden.new_empty(shape, dtype=dtype)
 
     @_op_head_forward.register_fake
-    def _(hidden, weight, bias, target, label_smoothing, group_key, sequence_parallel, options):
+    def _(hidden, weight, bias, target, label_smoothing, group_key, sequence_parallel, options, need_hidden):
         return _fake_loss(hidden, target, options), hidden.new_empty(tuple(target.shape), dtype=torch.float32)
 
     @torch.library.custom_op("vpce::linear_cross_entropy_backward", mutates_args=())
@@ -528,7 +541,7 @@ if _CUSTOM_OPS:
                 bias.new_empty(bias.shape) if need_bias and bias is not None else _nothing(hidden))
 
     def _setup_head(ctx, inputs, output):
-        hidden, weight, bias, target, label_smoothing, group_key, sequence_parallel, options = inputs
+        hidden, weight, bias, target, label_smoothing, group_key, sequence_parallel, options, _ = inputs
         ctx.save_for_backward(hidden, weight, bias, target, output[1])
         ctx.arguments = (label_smoothing, group_key, sequence_parallel, options)
 
@@ -540,7 +553,7 @@ if _CUSTOM_OPS:
         grad_hidden, grad_weight, grad_bias = torch.ops.vpce.linear_cross_entropy_backward(
             hidden, weight, bias, target, lse, grad_loss, *ctx.arguments, need_hidden, need_weight, need_bias)
         return (grad_hidden if need_hidden else None, grad_weight if need_weight else None,
-                grad_bias if need_bias else None, None, None, None, None, None)
+                grad_bias if need_bias else None, None, None, None, None, None, None)
 
     torch.library.register_autograd("vpce::linear_cross_entropy_forward", _head_autograd, setup_context=_setup_head)
 
@@ -661,6 +674,7 @@ def linear_cross_entropy(hidden, weight, target, label_smoothing=0.0, tp_group=N
                                                                    encoded, *needs)
             return loss
         loss, _ = torch.ops.vpce.linear_cross_entropy_forward(hidden, weight, bias, target, float(label_smoothing),
-                                                              key, sequence_parallel, encoded)
+                                                              key, sequence_parallel, encoded,
+                                                              _needs(hidden, weight, bias)[0])
         return loss
     return _LinearCrossEntropy.apply(*args)
