@@ -209,13 +209,14 @@ void for_each_bf16_gemm(const std::function<void()>& body) {
 
 class HeadModes : public ::testing::TestWithParam<Mode> {};
 
-TEST_P(HeadModes, MatchesTheOracleForEveryOptionAndRankCount) {
-  const Mode mode = GetParam();
-  uint64_t seed = 1;
+// Every option of every_option() on R = 1, 2 and 4 (uneven, one range empty), against the
+// oracle; `check` runs one case (bf16: under each GEMM of for_each_bf16_gemm).
+void every_option_and_rank_count(Mode mode, DataType dtype, int64_t hidden, uint64_t seed,
+                                 const std::function<void(HeadProblem&, const HeadRun&)>& check) {
   for (int ranks : {1, 2, 4}) {
     for (LossOptions loss : every_option()) {
       if (mode == Mode::kChunked && loss.reduction == Reduction::kNone) loss.reduction = Reduction::kMean;
-      HeadProblem p = random_head_problem(37, 24, 203, kFloat32, seed++);
+      HeadProblem p = random_head_problem(37, hidden, 203, dtype, seed++);
       HeadRun run;
       run.mode = mode;
       run.loss = loss;
@@ -226,33 +227,22 @@ TEST_P(HeadModes, MatchesTheOracleForEveryOptionAndRankCount) {
       run.grad_scalar = 1.5f;
       if (ranks == 4) run.sizes = {1, 100, 0, 102};  // uneven, one empty
       SCOPED_TRACE("ranks " + std::to_string(ranks) + " smoothing " + std::to_string(loss.label_smoothing));
-      expect_matches(p, run, run_head(p, run));
+      check(p, run);
     }
   }
+}
+
+TEST_P(HeadModes, MatchesTheOracleForEveryOptionAndRankCount) {
+  every_option_and_rank_count(GetParam(), kFloat32, 24, 1,
+                              [](HeadProblem& p, const HeadRun& run) { expect_matches(p, run, run_head(p, run)); });
 }
 
 // bf16 operands, fp32 gradients: the oracle reads the same stored values, so only fp32's
 // rounding separates them, whichever GEMM makes the tiles.
 TEST_P(HeadModes, Bf16OperandsMatchTheOracleForEveryOptionAndRankCountOnEitherGemm) {
-  const Mode mode = GetParam();
-  uint64_t seed = 101;
-  for (int ranks : {1, 2, 4}) {
-    for (LossOptions loss : every_option()) {
-      if (mode == Mode::kChunked && loss.reduction == Reduction::kNone) loss.reduction = Reduction::kMean;
-      HeadProblem p = random_head_problem(37, 40, 203, kBFloat16, seed++);
-      HeadRun run;
-      run.mode = mode;
-      run.loss = loss;
-      run.ranks = ranks;
-      run.head.token_block = 8;
-      run.head.vocab_block = 16;
-      run.head.chunk_tokens = 16;
-      run.grad_scalar = 1.5f;
-      if (ranks == 4) run.sizes = {1, 100, 0, 102};  // uneven, one empty
-      SCOPED_TRACE("ranks " + std::to_string(ranks) + " smoothing " + std::to_string(loss.label_smoothing));
-      for_each_bf16_gemm([&] { expect_matches(p, run, run_head(p, run)); });
-    }
-  }
+  every_option_and_rank_count(GetParam(), kBFloat16, 40, 101, [](HeadProblem& p, const HeadRun& run) {
+    for_each_bf16_gemm([&] { expect_matches(p, run, run_head(p, run)); });
+  });
 }
 
 TEST_P(HeadModes, PaddedVocabularyWeightsAndExtrasMatchTheOracle) {
@@ -368,17 +358,23 @@ TEST_P(HeadModes, EveryTokenIgnoredOrNoTokensGivesZeroGradients) {
   }
 }
 
+// A run of `mode` on two ranks: mean reduction, label smoothing 0.1, the given tiles and chunk.
+HeadRun smoothed_mean_run(Mode mode, int64_t token_block, int64_t vocab_block, int64_t chunk_tokens) {
+  HeadRun run;
+  run.mode = mode;
+  run.loss.reduction = Reduction::kMean;
+  run.loss.label_smoothing = 0.1f;
+  run.ranks = 2;
+  run.head.token_block = token_block;
+  run.head.vocab_block = vocab_block;
+  run.head.chunk_tokens = chunk_tokens;
+  return run;
+}
+
 TEST_P(HeadModes, HalfPrecisionInputsAndGradientsWithinTheirRounding) {
   for (DataType dtype : {kBFloat16, kFloat16}) {
     HeadProblem p = random_head_problem(40, 32, 120, dtype, 11);
-    HeadRun run;
-    run.mode = GetParam();
-    run.loss.reduction = Reduction::kMean;
-    run.loss.label_smoothing = 0.1f;
-    run.ranks = 2;
-    run.head.token_block = 16;
-    run.head.vocab_block = 32;
-    run.head.chunk_tokens = 16;
+    HeadRun run = smoothed_mean_run(GetParam(), 16, 32, 16);
     for_each_bf16_gemm([&] {
       run.grad_dtype = kFloat32;
       // fp32 gradients: only the fp32 GEMMs' rounding (the oracle reads the same stored values).
@@ -393,14 +389,7 @@ TEST_P(HeadModes, HalfPrecisionInputsAndGradientsWithinTheirRounding) {
 TEST_P(HeadModes, BitIdenticalForOneAndTwoThreadsAndAcrossRuns) {
   for (DataType dtype : {kFloat32, kBFloat16}) {
     HeadProblem p = random_head_problem(70, 40, 300, dtype, 21);
-    HeadRun run;
-    run.mode = GetParam();
-    run.loss.reduction = Reduction::kMean;
-    run.loss.label_smoothing = 0.1f;
-    run.ranks = 2;
-    run.head.token_block = 16;
-    run.head.vocab_block = 64;
-    run.head.chunk_tokens = 32;
+    HeadRun run = smoothed_mean_run(GetParam(), 16, 64, 32);
     for_each_bf16_gemm([&] {
       run.loss.num_threads = 1;
       const HeadResult one = run_head(p, run);
