@@ -1,6 +1,6 @@
 // bench/kernels_bench.cc: Google Benchmark microbenchmarks of vpce's kernels: the SIMD
 // exp alone (and Highway's, for comparison), one block's statistics and one block's
-// gradient (in cache), and whole-row local statistics and gradient over [tokens, V] (from
+// gradient (in cache; bf16 also with AVX512-BF16's instructions turned off), and whole-row local statistics and gradient over [tokens, V] (from
 // memory). Reported as items (logits) per second.
 #include <benchmark/benchmark.h>
 
@@ -87,6 +87,16 @@ void BM_BlockGradient(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * kBlockColumns);
 }
 BENCHMARK(BM_BlockGradient)->Args({0, 0})->Args({0, 1})->Args({1, 0})->Args({1, 1})->Args({2, 0})->Args({2, 2});
+
+// The same with AVX512-BF16's instructions turned off: the bf16 gradients' software rounding,
+// which AVX-512 CPUs without them run, timed on a CPU that has them (elsewhere the same code
+// as BM_BlockGradient).
+void BM_BlockGradientWithoutBf16Instructions(benchmark::State& state) {
+  set_bf16_instructions_allowed(false);
+  BM_BlockGradient(state);
+  set_bf16_instructions_allowed(true);
+}
+BENCHMARK(BM_BlockGradientWithoutBf16Instructions)->Args({1, 1})->Args({1, 0});
 
 // Whole problems from memory, one thread. Args: tokens, V, dtype (0 fp32, 1 bf16).
 DataType data_type(int64_t arg) { return arg == 0 ? kFloat32 : kBFloat16; }
