@@ -123,6 +123,19 @@ TEST(Adversarial, LogitsBeyondTheExpShiftsFp32RangeStayFiniteOnEveryTarget) {
         EXPECT_LE(relative_error(result.grad, grad), dtype == kFloat32 || mode != 1 ? 1e-5 : 8e-3) << where;
       }
     }
+    // A NaN among such logits still reaches its token's loss (the rows that subtract first).
+    Problem p = random_problem(3, kColumns, kFloat32, 43, 1.0f);
+    for (int64_t v = 0; v < kColumns; ++v) {
+      p.set(0, v, v == 150 ? std::numeric_limits<float>::quiet_NaN() : 5e9f);
+      p.set(1, v, v == 0 ? std::numeric_limits<float>::quiet_NaN() : -3e10f);
+      p.set(2, v, 8e9f);
+    }
+    p.targets = {1, 2, 3};
+    const RunResult result = run_ranks(p, shards_from_sizes({100, 200}), RunOptions{});
+    for (const Status& st : result.status) ASSERT_TRUE(st.ok()) << st.to_string();
+    EXPECT_TRUE(std::isnan(result.per_rank[0].loss[0])) << variant.name;
+    EXPECT_TRUE(std::isnan(result.per_rank[0].loss[1])) << variant.name;
+    EXPECT_NEAR(result.per_rank[0].loss[2], std::log(static_cast<double>(kColumns)), 1e-6) << variant.name;
   }
   use_best_simd_variant();
 }

@@ -89,6 +89,12 @@ inline float widen(const void* p, DataType dtype) {
   return dtype == kBFloat16 ? to_float(BFloat16{bits}) : to_float(Float16{bits});
 }
 
+// n bfloat16 values (their bit patterns) widened to fp32: a shift, one loop the compiler
+// vectorises.
+inline void widen_bf16(const uint16_t* bits, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = std::bit_cast<float>(static_cast<uint32_t>(bits[i]) << 16);
+}
+
 // Stores `value` at `p`, rounded once to float32, bfloat16 or float16.
 inline void narrow(float value, void* p, DataType dtype) {
   if (dtype == kFloat32) {

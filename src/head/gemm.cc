@@ -9,7 +9,6 @@
 // (seventh session).
 #include "gemm.h"
 
-#include <bit>
 #include <map>
 #include <optional>
 #include <tuple>
@@ -18,6 +17,7 @@
 #include <oneapi/dnnl/dnnl.h>
 #include <oneapi/dnnl/dnnl.hpp>
 
+#include "../cpu/dtype.h"
 #include "../cpu/simd_rows.h"
 
 #if defined(_OPENMP)
@@ -166,11 +166,7 @@ void gemm_bf16_nt(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t ld
   thread_local std::vector<float> wide_a, wide_b;
   auto widen = [](const uint16_t* x, int64_t rows, int64_t cols, int64_t ld, std::vector<float>& out) {
     out.resize(static_cast<std::size_t>(rows * cols));
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t j = 0; j < cols; ++j) {
-        out[static_cast<std::size_t>(r * cols + j)] = std::bit_cast<float>(static_cast<uint32_t>(x[r * ld + j]) << 16);
-      }
-    }
+    for (int64_t r = 0; r < rows; ++r) widen_bf16(x + r * ld, cols, out.data() + r * cols);
   };
   widen(a, m, k, lda, wide_a);
   widen(b, n, k, ldb, wide_b);

@@ -49,6 +49,10 @@ Status check_head_inputs(const HeadInputs& inputs, const TensorView& targets, co
                          const VocabShard& shard, const LossOptions& options, const HeadOptions& head,
                          HeadArgs* out);
 
+// ceil(V / ranks) (at least 1): the vocabulary rows per rank that every rank agrees on, which
+// the chunked mode's default chunk (CPU and CUDA) is sized for.
+int64_t agreed_vocab_rows(const VocabShard& shard, int ranks);
+
 // The chunked mode's tokens per chunk: head.chunk_tokens, or by default the largest multiple
 // of the token block whose [chunk, ceil(V / ranks)] fp32 logits fit in 128 MiB. It depends only
 // on what the group agrees on (V, the rank count and the options), not on this rank's range or

@@ -2,7 +2,6 @@
 #include "tiles.h"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -39,9 +38,8 @@ void widen_rows(const RowMatrix& m, int64_t begin, int64_t rows, float* out, int
   parallel_rows(rows, num_threads, [&](int64_t r) {
     const char* src = m.base + (begin + r) * m.row_stride * bytes;
     float* dst = out + r * m.cols;
-    if (m.dtype == kBFloat16) {  // a shift: one loop the compiler vectorises
-      const auto* bits = reinterpret_cast<const uint16_t*>(src);
-      for (int64_t c = 0; c < m.cols; ++c) dst[c] = std::bit_cast<float>(static_cast<uint32_t>(bits[c]) << 16);
+    if (m.dtype == kBFloat16) {
+      widen_bf16(reinterpret_cast<const uint16_t*>(src), m.cols, dst);
     } else {
       for (int64_t c = 0; c < m.cols; ++c) dst[c] = widen(src + c * bytes, m.dtype);
     }

@@ -46,11 +46,14 @@ Status resolve_tiles(const HeadOptions& head, int64_t vocab_rows, HeadTiles* out
 
 }  // namespace
 
+int64_t agreed_vocab_rows(const VocabShard& shard, int ranks) {
+  return ranks > 0 && shard.vocab_size > 0 ? (shard.vocab_size + ranks - 1) / ranks : 1;
+}
+
 int64_t agreed_chunk_tokens(const HeadOptions& head, const VocabShard& shard, int ranks) {
   if (head.chunk_tokens > 0) return head.chunk_tokens;
   const int64_t nb = head.token_block > 0 && head.token_block <= kMaxBlock ? head.token_block : kDefaultTokenBlock;
-  const int64_t rows = ranks > 0 && shard.vocab_size > 0 ? (shard.vocab_size + ranks - 1) / ranks : 1;
-  const int64_t blocks = kDefaultChunkBytes / static_cast<int64_t>(sizeof(float)) / rows / nb;
+  const int64_t blocks = kDefaultChunkBytes / static_cast<int64_t>(sizeof(float)) / agreed_vocab_rows(shard, ranks) / nb;
   return (blocks > 1 ? blocks : 1) * nb;
 }
 

@@ -24,6 +24,7 @@ from ._torch_legacy import _legacy_smoothing
 # collectives find them); a group seen in an eager call is kept as it is.
 _NAME_KEYS = {}
 _KEYED_NAMES = {}
+_OBJECT_KEYS = {}
 _KEYED_GROUPS = {}
 _NEXT_KEY = itertools.count(1)
 
@@ -41,11 +42,10 @@ def _key_of_group_name(name):
 def _key_of_object(group):
     """A group object without a name (one with only rank() and size(), of size 1), keyed as
     itself: torch.compile hands such a plain object to this function as it is."""
-    for key, kept in _KEYED_GROUPS.items():
-        if kept is group and key not in _KEYED_NAMES:
-            return key
-    key = next(_NEXT_KEY)
-    _KEYED_GROUPS[key] = group
+    key = _OBJECT_KEYS.get(group)
+    if key is None:
+        key = _OBJECT_KEYS[group] = next(_NEXT_KEY)
+        _KEYED_GROUPS[key] = group
     return key
 
 

@@ -748,9 +748,8 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   const int64_t width = with_extras ? kStatsWidthWithExtras : kStatsWidth;
   const int64_t n = local.ok() ? a.tokens() : announced_tokens(*f.targets);
   const int64_t vocab_rows = local.ok() ? a.vocab_rows() : std::max<int64_t>(f.shard->vocab_end - f.shard->vocab_begin, 0);
-  const int64_t agreed_rows =
-      f.shard->vocab_size > 0 ? (f.shard->vocab_size + comm.size() - 1) / std::max(comm.size(), 1) : 1;
-  const Tiles tiles = gpu_tiles(*f.head, n, vocab_rows, g != nullptr ? agreed_rows : vocab_rows);
+  const Tiles tiles =
+      gpu_tiles(*f.head, n, vocab_rows, g != nullptr ? agreed_vocab_rows(*f.shard, comm.size()) : vocab_rows);
   const int64_t chunk = g != nullptr ? std::min(tiles.chunk, n) : n;
   const int64_t chunks = chunk > 0 ? (n + chunk - 1) / chunk : 1;
   // Every gather of the call carries a whole chunk's payload (the last one's tail unused).
