@@ -73,8 +73,9 @@ struct HeadGradients {
   GradientOutput bias;    // [V_r]; only with a bias
 };
 
-// Tile and chunk sizes; 0 picks the default. Results depend on them (a different tile cut
-// is a different order of fp32 sums), never on the thread count.
+// Tile and chunk sizes (0 picks the default), and the gradients' precision. Results depend
+// on them (a different tile cut is a different order of fp32 sums), never on the thread
+// count.
 struct HeadOptions {
   // Tokens per tile (default 512) and vocabulary rows per tile (default 1024, at most V_r);
   // the backward also holds an fp32 [N, vocab_block] buffer of logit gradients.
@@ -84,6 +85,15 @@ struct HeadOptions {
   // [chunk, ceil(V / R)] fp32 logits fit in 128 MiB, at least one block: the same on every
   // rank, uneven ranges included). Every rank must pass the same value, as for the options.
   int64_t chunk_tokens = 0;
+  // bf16 operands only (kInvalidArgument otherwise): the logit gradients dx, fp32 by
+  // default, are rounded to bf16 once (to nearest even) and every gradient (hidden, weight,
+  // bias) is computed from the rounded values, as PyTorch's, Liger's and Megatron's bf16 paths
+  // do. Their GEMMs then run on bf16 dot products where the CPU has them (AVX512-BF16; on
+  // CUDA one tensor-core GEMM instead of the two of dx's exact split): about a third less
+  // time for a step (docs/performance.md). The loss, lse and extras do not change (the logits
+  // stay fp32). The gradients then carry dx's rounding: each term of their sums is off by
+  // at most 2^-8 of itself, against fp32's rounding of dx by default.
+  bool bf16_logit_gradients = false;
 };
 
 // ---- recompute mode ---------------------------------------------------------------------

@@ -95,6 +95,27 @@ inline void widen_bf16(const uint16_t* bits, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = std::bit_cast<float>(static_cast<uint32_t>(bits[i]) << 16);
 }
 
+// n fp32 values rounded to bfloat16 (to nearest even; NaN stays NaN) into `out`, which may
+// be `in` itself: the rounded row then fills the first half of the row's bytes. Pieces go
+// through local buffers (memcpy), so that no value is written before it is read and the
+// aliasing is defined.
+inline void narrow_bf16(const float* in, int64_t n, uint16_t* out) {
+  constexpr int64_t kPiece = 256;
+  float values[kPiece];
+  uint16_t bits[kPiece];
+  for (int64_t i = 0; i < n; i += kPiece) {
+    const int64_t count = n - i < kPiece ? n - i : kPiece;
+    std::memcpy(values, in + i, static_cast<std::size_t>(count) * sizeof(float));
+    for (int64_t j = 0; j < count; ++j) bits[j] = from_float<BFloat16>(values[j]).bits;
+    std::memcpy(out + i, bits, static_cast<std::size_t>(count) * sizeof(uint16_t));
+  }
+}
+
+// n fp32 values rounded to bfloat16's values in place (still fp32).
+inline void round_to_bf16(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = to_float(from_float<BFloat16>(x[i]));
+}
+
 // Stores `value` at `p`, rounded once to float32, bfloat16 or float16.
 inline void narrow(float value, void* p, DataType dtype) {
   if (dtype == kFloat32) {

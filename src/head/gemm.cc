@@ -1,6 +1,6 @@
 // head/gemm.cc: gemm() through oneDNN (see gemm.h): its matmul primitive (brgemm kernels)
-// where A is not transposed and K is at most 8192, dnnl_sgemm otherwise; gemm_bf16_nt() through
-// the matmul primitive with bf16 operands.
+// where A is not transposed and K is at most 8192, dnnl_sgemm otherwise; gemm_bf16() through
+// the matmul primitive with bf16 operands (its brgemm kernels take a transposed A too).
 //
 // Why two: on this machine's AVX-512 the matmul primitive runs the head's tile shapes 5-15 %
 // faster than dnnl_sgemm (and 30 % faster for grad_hidden at H = 512), but for a transposed
@@ -41,13 +41,13 @@ class OneThread {
 };
 
 // A GEMM's shape, strides and operand type (fp32, or bf16 for A and B): the key of its
-// primitive. B is [k, n] (trans_b: stored [n, k]).
+// primitive. A is [m, k] (trans_a: stored [k, m]), B is [k, n] (trans_b: stored [n, k]).
 struct MatmulShape {
   int64_t m, n, k, lda, ldb, ldc;
-  bool trans_b, add, bf16;
+  bool trans_a, trans_b, add, bf16;
   bool operator<(const MatmulShape& o) const {
-    return std::tie(m, n, k, lda, ldb, ldc, trans_b, add, bf16) <
-           std::tie(o.m, o.n, o.k, o.lda, o.ldb, o.ldc, o.trans_b, o.add, o.bf16);
+    return std::tie(m, n, k, lda, ldb, ldc, trans_a, trans_b, add, bf16) <
+           std::tie(o.m, o.n, o.k, o.lda, o.ldb, o.ldc, o.trans_a, o.trans_b, o.add, o.bf16);
   }
 };
 
@@ -88,7 +88,7 @@ class ThreadMatmuls {
     using dnnl::memory;
     try {
       const memory::data_type operands = s.bf16 ? memory::data_type::bf16 : memory::data_type::f32;
-      const memory::desc a({s.m, s.k}, operands, memory::dims{s.lda, 1});
+      const memory::desc a({s.m, s.k}, operands, s.trans_a ? memory::dims{1, s.lda} : memory::dims{s.lda, 1});
       const memory::desc b({s.k, s.n}, operands,
                            s.trans_b ? memory::dims{1, s.ldb} : memory::dims{s.ldb, 1});
       const memory::desc c({s.m, s.n}, memory::data_type::f32, memory::dims{s.ldc, 1});
@@ -138,7 +138,7 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const flo
   [[maybe_unused]] OneThread one;  // (empty without OpenMP)
   if (!trans_a && k <= kMatmulMaxK) {
     ThreadMatmuls& matmuls = thread_matmuls();
-    if (const Matmul* mm = matmuls.get({m, n, k, lda, ldb, ldc, trans_b, beta != 0.0f, false})) {
+    if (const Matmul* mm = matmuls.get({m, n, k, lda, ldb, ldc, false, trans_b, beta != 0.0f, false})) {
       matmuls.run(*mm, a, b, c);
       return;
     }
@@ -149,28 +149,30 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const flo
                                ldc));
 }
 
-void gemm_bf16_nt(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
-                  float* c, int64_t ldc) {
+void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
+               const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0 || k == 0) {
-    gemm(false, true, m, n, 0, nullptr, 1, nullptr, 1, 0.0f, c, ldc);
+    gemm(trans_a, trans_b, m, n, 0, nullptr, 1, nullptr, 1, beta, c, ldc);
     return;
   }
-  [[maybe_unused]] OneThread one;  // (empty without OpenMP)
-  ThreadMatmuls& matmuls = thread_matmuls();
-  if (const Matmul* mm = matmuls.get({m, n, k, lda, ldb, ldc, true, false, true})) {
-    matmuls.run(*mm, a, b, c);
-    return;
+  {
+    [[maybe_unused]] OneThread one;  // (empty without OpenMP)
+    ThreadMatmuls& matmuls = thread_matmuls();
+    if (const Matmul* mm = matmuls.get({m, n, k, lda, ldb, ldc, trans_a, trans_b, beta != 0.0f, true})) {
+      matmuls.run(*mm, a, b, c);
+      return;
+    }
   }
   // No bf16 matmul for this shape (oneDNN without a bf16 implementation on this CPU): the
-  // operands widened (a shift) and the fp32 GEMM.
+  // operands widened (a shift) as stored, and the fp32 GEMM.
   thread_local std::vector<float> wide_a, wide_b;
   auto widen = [](const uint16_t* x, int64_t rows, int64_t cols, int64_t ld, std::vector<float>& out) {
     out.resize(static_cast<std::size_t>(rows * cols));
     for (int64_t r = 0; r < rows; ++r) widen_bf16(x + r * ld, cols, out.data() + r * cols);
   };
-  widen(a, m, k, lda, wide_a);
-  widen(b, n, k, ldb, wide_b);
-  gemm(false, true, m, n, k, wide_a.data(), k, wide_b.data(), k, 0.0f, c, ldc);
+  widen(a, trans_a ? k : m, trans_a ? m : k, lda, wide_a);
+  widen(b, trans_b ? n : k, trans_b ? k : n, ldb, wide_b);
+  gemm(trans_a, trans_b, m, n, k, wide_a.data(), trans_a ? m : k, wide_b.data(), trans_b ? k : n, beta, c, ldc);
 }
 
 bool bf16_gemm_native() {

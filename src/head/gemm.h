@@ -1,5 +1,5 @@
 // head/gemm.h: the fused head's GEMMs, row-major, on the calling thread alone: fp32, and
-// bf16 operands with fp32 accumulation for the logits' tiles where the CPU has bf16 dot products.
+// bf16 operands with fp32 accumulation where the CPU has bf16 dot products.
 //
 // Through oneDNN (chosen over OpenBLAS and BLIS by bench/blas_compare.cc, see
 // docs/performance.md): its matmul primitive, or dnnl_sgemm for a transposed A (gemm.cc).
@@ -17,15 +17,15 @@ namespace vpce::detail {
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
           const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
-// C[m, n] = A B^T written over, A [m, k] and B [n, k] bf16 (bit patterns, row strides lda and
-// ldb), C fp32: each product of two bf16 values is exact in fp32 and the sums run in fp32, so C
-// has the accuracy of the fp32 GEMM of the widened operands (not its bits: another order).
-// oneDNN's matmul primitive on AVX512-BF16's dot products (or AMX); without them, the operands
-// widened and gemm() above.
-void gemm_bf16_nt(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
-                  float* c, int64_t ldc);
+// gemm() with bf16 A and B (bit patterns) and fp32 C: each product of two bf16 values is exact
+// in fp32 and the sums run in fp32, so C has the accuracy of the fp32 GEMM of the widened
+// operands (not its bits: another order). oneDNN's matmul primitive on AVX512-BF16's dot
+// products (or AMX); without them, the operands widened and gemm() above. The head's uses:
+// the logits' tiles (A B^T), and with bf16_logit_gradients the gradients' dx W and dx^T h.
+void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
+               const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
-// Whether gemm_bf16_nt runs on bf16 instructions here: the CPU has AVX512-BF16, oneDNN may use
+// Whether gemm_bf16 runs on bf16 instructions here: the CPU has AVX512-BF16, oneDNN may use
 // it (its ONEDNN_MAX_CPU_ISA), and set_bf16_instructions_allowed (cpu/simd_rows.h) has not
 // turned them off. Where it does not, the head widens bf16 operands to fp32 itself.
 bool bf16_gemm_native();

@@ -25,6 +25,7 @@ struct HeadArgs {
   TokenVector weights;  // [N] token weights, or absent
   uint64_t inputs_hash = 0;
   HeadTiles tiles;
+  bool bf16_logit_gradients = false;  // HeadOptions' (bf16 operands only)
   int64_t tokens() const { return hidden.rows; }
   int64_t hidden_size() const { return hidden.cols; }
   int64_t vocab_rows() const { return weight.rows; }

@@ -68,9 +68,11 @@ void store(const RowMatrix& m, bool accumulate, int64_t r, int64_t c, float valu
 }  // namespace
 
 Fp32Operands::Fp32Operands(const HeadArgs& args, bool full, int num_threads)
-    : args_(args), bf16_tiles_(args.hidden.dtype == kBFloat16 && bf16_gemm_native()) {
+    : args_(args),
+      bf16_tiles_(args.hidden.dtype == kBFloat16 && bf16_gemm_native()),
+      bf16_gradient_gemms_(bf16_tiles_ && args.bf16_logit_gradients) {
   const int64_t n = args.tokens(), h = args.hidden_size(), v = args.vocab_rows();
-  if (full && args.hidden.dtype != kFloat32) {
+  if (full && args.hidden.dtype != kFloat32 && !bf16_gradient_gemms_) {
     hidden_copy_.resize(static_cast<std::size_t>(n * h));
     widen_rows(args.hidden, 0, n, hidden_copy_.data(), num_threads);
     weight_copy_.resize(static_cast<std::size_t>(v * h));
@@ -102,8 +104,8 @@ void Fp32Operands::logits_tile(int64_t row, int64_t rows, int64_t col, int64_t c
                                const float* w, int64_t ldw, float* tile, int64_t ld) const {
   const int64_t h = args_.hidden_size();
   if (bf16_tiles_) {
-    gemm_bf16_nt(rows, cols, h, args_.hidden.row<uint16_t>(row), args_.hidden.row_stride, args_.weight.row<uint16_t>(col),
-                 args_.weight.row_stride, tile, ld);
+    gemm_bf16(false, true, rows, cols, h, args_.hidden.row<uint16_t>(row), args_.hidden.row_stride,
+              args_.weight.row<uint16_t>(col), args_.weight.row_stride, 0.0f, tile, ld);
   } else {
     gemm(false, true, rows, cols, h, hidden, ldh, w, ldw, 0.0f, tile, ld);
   }
@@ -202,9 +204,74 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
 
 namespace {
 
-// grad_weight rows [0, count) and grad_bias from the logit gradients dx ([tokens, >= count]
-// fp32, row stride lddx) of `tokens` token rows
-// whose hidden states start at `hidden` (row stride ldh): out = dx^T h, in pieces of
+// The logit gradients dx as the gradients' GEMMs read them (prepare_logit_gradients): fp32
+// rows of row stride ld, or those rows rounded to bf16 and compacted into the first half of
+// their bytes (bf16 rows of row stride 2 ld).
+struct LogitGradients {
+  const char* base = nullptr;
+  int64_t ld = 0;  // the fp32 rows' stride
+  bool bf16 = false;
+  int64_t bf16_ld() const { return 2 * ld; }
+  const float* fp32_at(int64_t r, int64_t c) const { return reinterpret_cast<const float*>(base) + r * ld + c; }
+  const uint16_t* bf16_at(int64_t r, int64_t c) const {
+    return reinterpret_cast<const uint16_t*>(base) + r * bf16_ld() + c;
+  }
+};
+
+// dx [rows, cols] fp32 (row stride ld), in place, as the gradients' GEMMs take it: unchanged;
+// with bf16_logit_gradients rounded to bf16, compacted to bf16 rows where those GEMMs are
+// bf16 (Fp32Operands::bf16_gradient_gemms), else kept as fp32 values.
+LogitGradients prepare_logit_gradients(const HeadArgs& args, const Fp32Operands& ops, float* dx, int64_t ld,
+                                       int64_t rows, int64_t cols) {
+  if (args.bf16_logit_gradients) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = dx + r * ld;
+      if (ops.bf16_gradient_gemms()) {
+        narrow_bf16(row, cols, reinterpret_cast<uint16_t*>(row));
+      } else {
+        round_to_bf16(row, cols);
+      }
+    }
+  }
+  return {reinterpret_cast<const char*>(dx), ld, ops.bf16_gradient_gemms()};
+}
+
+// out [rows, H] = dx [rows, cols] times the weight's rows [v0, v0 + cols) + beta out: their fp32
+// copy `w` (row stride ldw), or the bf16 rows themselves when dx is bf16.
+void hidden_gradient(const HeadArgs& args, const LogitGradients& dx, int64_t rows, int64_t v0, int64_t cols,
+                     const float* w, int64_t ldw, float beta, float* out, int64_t ldo) {
+  const int64_t h = args.hidden_size();
+  if (dx.bf16) {
+    gemm_bf16(false, false, rows, h, cols, dx.bf16_at(0, 0), dx.bf16_ld(), args.weight.row<uint16_t>(v0),
+              args.weight.row_stride, beta, out, ldo);
+  } else {
+    gemm(false, false, rows, h, cols, dx.fp32_at(0, 0), dx.ld, w, ldw, beta, out, ldo);
+  }
+}
+
+// sums[0, count) = the column sums of dx's columns [c0, c0 + count) over its rows [0, rows),
+// in row order, in fp64; with `adds`, those sums added to the old values.
+void column_sums(const LogitGradients& dx, int64_t rows, int64_t c0, int64_t count, bool adds, double* sums) {
+  thread_local std::vector<double> fresh;
+  fresh.assign(static_cast<std::size_t>(count), 0.0);
+  for (int64_t t = 0; t < rows; ++t) {
+    if (dx.bf16) {
+      const uint16_t* row = dx.bf16_at(t, c0);
+      for (int64_t c = 0; c < count; ++c) fresh[static_cast<std::size_t>(c)] += static_cast<double>(to_float(BFloat16{row[c]}));
+    } else {
+      const float* row = dx.fp32_at(t, c0);
+      for (int64_t c = 0; c < count; ++c) fresh[static_cast<std::size_t>(c)] += static_cast<double>(row[c]);
+    }
+  }
+  for (int64_t c = 0; c < count; ++c) {
+    const double sum = fresh[static_cast<std::size_t>(c)];
+    sums[c] = adds ? sums[c] + sum : sum;
+  }
+}
+
+// grad_weight rows [0, count) and grad_bias from the logit gradients dx of `tokens` token
+// rows, the hidden states of hidden's rows [row0, row0 + tokens) (their fp32 copy `hidden`,
+// row stride ldh, or the bf16 rows themselves when dx is bf16): out = dx^T h, in pieces of
 // kWeightPieceRows spread over the threads. `beta` 0 writes grad_weight's rows, 1 adds to
 // them; `bias_adds` likewise for the bias sums.
 struct WeightTarget {
@@ -213,25 +280,23 @@ struct WeightTarget {
   double* bias;    // fp64 [V_r] to write or add into; null when grad_bias is not wanted
 };
 
-void weight_gradient(const float* dx, int64_t lddx, int64_t tokens, const float* hidden, int64_t ldh, int64_t h,
-                     int64_t count, float beta, bool bias_adds, const WeightTarget& target,
-                     int num_threads) {
+void weight_gradient(const HeadArgs& args, const LogitGradients& dx, int64_t row0, int64_t tokens,
+                     const float* hidden, int64_t ldh, int64_t count, float beta, bool bias_adds,
+                     const WeightTarget& target, int num_threads) {
+  const int64_t h = args.hidden_size();
   const int64_t pieces = blocks_of(count, kWeightPieceRows);
   parallel_rows(pieces, num_threads, [&](int64_t p) {
     const int64_t c0 = p * kWeightPieceRows, n = std::min(kWeightPieceRows, count - c0);
     if (target.data != nullptr) {
-      gemm(true, false, n, h, tokens, dx + c0, lddx, hidden, ldh, beta, target.data + c0 * target.ld,
-           target.ld);
-    }
-    if (target.bias != nullptr) {
-      double sums[kWeightPieceRows] = {};
-      for (int64_t t = 0; t < tokens; ++t) {
-        const float* row = dx + t * lddx + c0;
-        for (int64_t c = 0; c < n; ++c) sums[c] += static_cast<double>(row[c]);
+      float* out = target.data + c0 * target.ld;
+      if (dx.bf16) {
+        gemm_bf16(true, false, n, h, tokens, dx.bf16_at(0, c0), dx.bf16_ld(), args.hidden.row<uint16_t>(row0),
+                  args.hidden.row_stride, beta, out, target.ld);
+      } else {
+        gemm(true, false, n, h, tokens, dx.fp32_at(0, c0), dx.ld, hidden, ldh, beta, out, target.ld);
       }
-      double* out = target.bias + c0;
-      for (int64_t c = 0; c < n; ++c) out[c] = bias_adds ? out[c] + sums[c] : sums[c];
     }
+    if (target.bias != nullptr) column_sums(dx, tokens, c0, n, bias_adds, target.bias + c0);
   });
 }
 
@@ -287,7 +352,7 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
       continue;
     }
     int64_t ldw = 0;
-    const float* w = ops.weight_rows(v0, cols, staging, threads, &ldw);
+    const float* w = ops.bf16_gradient_gemms() ? nullptr : ops.weight_rows(v0, cols, staging, threads, &ldw);
     const float beta_h = dh_started ? 1.0f : 0.0f;
     const WeightTarget target{
         !grads.weight.present() ? nullptr : weight_direct ? grads.weight.matrix.row<float>(v0) : weight_block.data(),
@@ -299,30 +364,25 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
     do {
       const int64_t group_rows = std::min(group, n - s0);
       // The super-block's hidden states in fp32 (converted once for its tiles and its weight
-      // gradient when bf16/fp16).
+      // gradient when bf16/fp16; not at all when every GEMM takes the bf16 rows).
       int64_t ldh = 0;
-      const float* hidden = ops.hidden_rows(s0, group_rows, group_staging, threads, &ldh);
+      const float* hidden =
+          ops.bf16_gradient_gemms() ? nullptr : ops.hidden_rows(s0, group_rows, group_staging, threads, &ldh);
       parallel_rows(blocks_of(group_rows, nb), threads, [&](int64_t i) {
         const int64_t r0 = s0 + i * nb, rows = std::min(nb, n - r0);
         float* tile = dx + (r0 - s0) * vb;
-        ops.logits_tile(r0, rows, v0, cols, hidden + (r0 - s0) * ldh, ldh, w, ldw, tile, vb);
+        ops.logits_tile(r0, rows, v0, cols, hidden != nullptr ? hidden + (r0 - s0) * ldh : nullptr, ldh, w, ldw, tile,
+                        vb);
         add_bias(tile, vb, rows, cols, ops.bias() != nullptr ? ops.bias() + v0 : nullptr);
         const RowMatrix x{reinterpret_cast<char*>(tile), kFloat32, rows, width, vb};
         Upstream up = upstream;
         up.per_token = token_slice(upstream.per_token, r0, rows);
         gradient_rows_kernel(x, token_slice(targets, r0, rows), token_slice(args.weights, r0, rows),
                              token_slice(lse, r0, rows), up, ctx.vocab_begin + v0, ctx.params, 1, x);
-        if (grads.hidden.present()) {
-          gemm(false, false, rows, h, cols, tile, vb, w, ldw, beta_h, dh + r0 * lddh, lddh);
-        }
-        if (grads.bias.present()) {  // the block's column sums while its tile is in cache
-          double* part = bias_parts.data() + i * vb;
-          std::fill(part, part + cols, 0.0);
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* row = tile + r * vb;
-            for (int64_t c = 0; c < cols; ++c) part[c] += static_cast<double>(row[c]);
-          }
-        }
+        const LogitGradients g = prepare_logit_gradients(args, ops, tile, vb, rows, cols);
+        if (grads.hidden.present()) hidden_gradient(args, g, rows, v0, cols, w, ldw, beta_h, dh + r0 * lddh, lddh);
+        // The block's column sums while its tile is in cache.
+        if (grads.bias.present()) column_sums(g, rows, 0, cols, false, bias_parts.data() + i * vb);
       });
       if (grads.bias.present()) {  // the blocks' sums in token order
         for (int64_t i = 0; i < blocks_of(group_rows, nb); ++i) {
@@ -333,7 +393,8 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
       if (grads.weight.present()) {
         // The first super-block writes the sums (over grad_weight itself, unless adding into it).
         const float beta_w = s0 > 0 || (weight_direct && grads.weight.accumulate) ? 1.0f : 0.0f;
-        weight_gradient(dx, vb, group_rows, hidden, ldh, h, cols, beta_w, false, target, threads);
+        const LogitGradients g{reinterpret_cast<const char*>(dx), vb, ops.bf16_gradient_gemms()};
+        weight_gradient(args, g, s0, group_rows, hidden, ldh, cols, beta_w, false, target, threads);
       }
       s0 += group;
     } while (s0 < n);
@@ -368,7 +429,7 @@ void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
   const int64_t cols = valid_columns(ctx.vocab_begin, vr, ctx.params);
   std::vector<float> unused;
   int64_t ldw = 0;
-  const float* w = cols > 0 ? ops.weight_rows(0, cols, unused, threads, &ldw) : nullptr;
+  const float* w = cols > 0 && !ops.bf16_gradient_gemms() ? ops.weight_rows(0, cols, unused, threads, &ldw) : nullptr;
   const bool hidden_direct = grads.hidden.present() && grads.hidden.matrix.dtype == kFloat32;
   std::vector<float> hidden_out(grads.hidden.present() && !hidden_direct
                                      ? static_cast<std::size_t>(std::min<int>(threads, token_blocks) * nb * h)
@@ -382,6 +443,7 @@ void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
     up.per_token = token_slice(upstream.per_token, token, n);
     gradient_rows_kernel(m, token_slice(args.targets, token, n), token_slice(args.weights, token, n),
                          token_slice(lse, token, n), up, ctx.vocab_begin, ctx.params, 1, m);
+    const LogitGradients g = prepare_logit_gradients(args, ops, x, vr, n, cols);
     if (!grads.hidden.present()) return;
     if (cols == 0) {
       for (int64_t r = 0; r < n; ++r) {
@@ -390,11 +452,11 @@ void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
       return;
     }
     if (hidden_direct) {
-      gemm(false, false, n, h, cols, x, vr, w, ldw, grads.hidden.accumulate ? 1.0f : 0.0f,
-           grads.hidden.matrix.row<float>(token), grads.hidden.matrix.row_stride);
+      hidden_gradient(args, g, n, 0, cols, w, ldw, grads.hidden.accumulate ? 1.0f : 0.0f,
+                      grads.hidden.matrix.row<float>(token), grads.hidden.matrix.row_stride);
     } else {
       float* out = hidden_out.data() + thread_index() * nb * h;
-      gemm(false, false, n, h, cols, x, vr, w, ldw, 0.0f, out, h);
+      hidden_gradient(args, g, n, 0, cols, w, ldw, 0.0f, out, h);
       for (int64_t r = 0; r < n; ++r) {
         for (int64_t c = 0; c < h; ++c) store(grads.hidden.matrix, grads.hidden.accumulate, token + r, c, out[r * h + c]);
       }
@@ -407,8 +469,9 @@ void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
   // The first chunk writes the sums (over grad_weight itself, unless accumulating into it).
   const float beta_w = first_chunk && !(sums.weight_direct && grads.weight.accumulate) ? 0.0f : 1.0f;
   int64_t ldh = 0;
-  const float* hidden = ops.hidden_rows(row_begin, rows, unused, threads, &ldh);
-  weight_gradient(logits, vr, rows, hidden, ldh, h, cols, beta_w, !first_chunk, target, threads);
+  const float* hidden = ops.bf16_gradient_gemms() ? nullptr : ops.hidden_rows(row_begin, rows, unused, threads, &ldh);
+  const LogitGradients g{reinterpret_cast<const char*>(logits), vr, ops.bf16_gradient_gemms()};
+  weight_gradient(args, g, row_begin, rows, hidden, ldh, cols, beta_w, !first_chunk, target, threads);
 }
 
 void finish_chunked_gradients(const HeadArgs& args, const SweepContext& ctx, const HeadGradientArgs& grads,

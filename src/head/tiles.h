@@ -27,8 +27,8 @@ struct SweepContext {
 // converted copies: all of them when `full` (the chunked mode), else a block at a time into
 // the caller's staging buffer inside the sweeps. Holds the full copies and the bias. bf16
 // operands on a CPU with bf16 dot products (bf16_gemm_native) give the logits' tiles
-// straight from their bf16 rows (gemm_bf16_nt); the fp32 rows then serve the gradients'
-// GEMMs only.
+// straight from their bf16 rows (gemm_bf16); the fp32 rows then serve the gradients'
+// GEMMs only, unless those run in bf16 too (bf16_gradient_gemms).
 class Fp32Operands {
  public:
   Fp32Operands(const HeadArgs& args, bool full, int num_threads);
@@ -45,6 +45,11 @@ class Fp32Operands {
   // Whether the logits' tiles come from the bf16 operands themselves (decided once per call,
   // so that a backward's tiles are its forward's).
   bool bf16_tiles() const { return bf16_tiles_; }
+  // Whether the gradients' GEMMs take bf16 operands: bf16_logit_gradients with bf16 tiles.
+  // Then dx is compacted to bf16 rows and meets the bf16 rows of hidden and weight (no fp32
+  // copies of those are made); with bf16_logit_gradients on a CPU without bf16 dot products
+  // dx is rounded to bf16's values in fp32 and the GEMMs stay fp32.
+  bool bf16_gradient_gemms() const { return bf16_gradient_gemms_; }
   // tile [rows, cols] (row stride ld) = hidden rows [row, row + rows) times weight rows
   // [col, col + cols) transposed: from the bf16 operands when bf16_tiles(), else from their
   // fp32 rows `hidden` (row stride ldh) and `w` (ldw), which may then be null.
@@ -57,6 +62,7 @@ class Fp32Operands {
   const HeadArgs& args_;
   std::vector<float> hidden_copy_, weight_copy_, bias_;
   bool bf16_tiles_ = false;
+  bool bf16_gradient_gemms_ = false;
 };
 
 // Token rows [row_begin, row_begin + rows) -> their [rows, W] statistics (as

@@ -107,6 +107,12 @@ Status check_head_inputs(const HeadInputs& inputs, const TensorView& targets, co
   }
   if (Status s = check_options(options, shard.vocab_size); !s.ok()) return s;
   if (Status s = resolve_tiles(head, a.weight.rows, &a.tiles); !s.ok()) return s;
+  if (head.bf16_logit_gradients && hidden.dtype != kBFloat16) {
+    return {Code::kInvalidArgument, expected_got("head.bf16_logit_gradients",
+                                                 "false for " + to_string(hidden.dtype) + " operands (bfloat16 only)",
+                                                 "true")};
+  }
+  a.bf16_logit_gradients = head.bf16_logit_gradients;
   if (Status s = check_dtype("targets", targets.dtype, {kInt32, kInt64}, "int32 or int64"); !s.ok()) return s;
   if (Status s = as_token_vector(targets, "targets", a.hidden.rows, &a.targets); !s.ok()) return s;
   if (Status s = check_device(targets, "targets", hidden.device); !s.ok()) return s;

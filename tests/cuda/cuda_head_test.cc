@@ -445,6 +445,23 @@ TEST(CudaHead, DefaultTilesAndOneTile) {
   expect_matches_oracle(p, shards_from_sizes(even_splits(3000, 2)), s, 1e-5, grad_tolerance_for(kBFloat16, kFloat32));
 }
 
+// HeadOptions::bf16_logit_gradients: one tensor-core GEMM of dz rounded to bf16; the loss
+// unchanged, the gradients within that rounding (2^-8 of each term; 8e-3 of the largest, as
+// for gradients written in bf16), both modes, uneven ranges.
+TEST(CudaHead, Bf16LogitGradientsWithinTheirRounding) {
+  REQUIRE_GPU();
+  const HeadProblem p = head_problem(70, 64, 3000, kBFloat16, true, 13);
+  for (bool chunked : {false, true}) {
+    SCOPED_TRACE(chunked ? "chunked" : "recompute");
+    Settings s;
+    s.chunked = chunked;
+    s.loss.reduction = Reduction::kMean;
+    s.loss.label_smoothing = 0.1f;
+    s.head.bf16_logit_gradients = true;
+    expect_matches_oracle(p, shards_from_sizes({1200, 1800}), s, 1e-5, 8e-3);
+  }
+}
+
 TEST(CudaHead, EveryOptionEveryReduction) {
   REQUIRE_GPU();
   HeadProblem p = head_problem(29, 24, 1000, kFloat32, true, 9);

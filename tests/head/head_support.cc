@@ -65,7 +65,7 @@ HeadProblem random_head_problem(int64_t tokens, int64_t hidden, int64_t vocab, D
   return p;
 }
 
-HeadOracle head_oracle(const HeadProblem& p, const LossOptions& options, float grad_scalar) {
+HeadOracle head_oracle(const HeadProblem& p, const LossOptions& options, float grad_scalar, bool bf16_logit_gradients) {
   HeadOracle o;
   const int64_t n = p.tokens, h = p.hidden, v = p.vocab;
   o.logits.assign(static_cast<std::size_t>(n * v), 0.0);
@@ -84,14 +84,23 @@ HeadOracle head_oracle(const HeadProblem& p, const LossOptions& options, float g
   o.grad_hidden.assign(static_cast<std::size_t>(n * h), 0.0);
   o.grad_weight.assign(static_cast<std::size_t>(v * h), 0.0);
   o.grad_bias.assign(static_cast<std::size_t>(v), 0.0);
+  o.grad_hidden_bound.assign(o.grad_hidden.size(), 0.0);
+  o.grad_weight_bound.assign(o.grad_weight.size(), 0.0);
+  o.grad_bias_bound.assign(o.grad_bias.size(), 0.0);
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t c = 0; c < v; ++c) {
-      const double dx = o.loss.grad[static_cast<std::size_t>(i * v + c)];
+      double dx = o.loss.grad[static_cast<std::size_t>(i * v + c)];
       if (dx == 0.0) continue;
+      const double magnitude = std::fabs(dx);
+      if (bf16_logit_gradients) dx = detail::to_float(detail::from_float<detail::BFloat16>(static_cast<float>(dx)));
       o.grad_bias[static_cast<std::size_t>(c)] += dx;
+      o.grad_bias_bound[static_cast<std::size_t>(c)] += magnitude;
       for (int64_t k = 0; k < h; ++k) {
-        o.grad_hidden[static_cast<std::size_t>(i * h + k)] += dx * p.weight_at(c, k);
-        o.grad_weight[static_cast<std::size_t>(c * h + k)] += dx * p.hidden_at(i, k);
+        const auto ih = static_cast<std::size_t>(i * h + k), ch = static_cast<std::size_t>(c * h + k);
+        o.grad_hidden[ih] += dx * p.weight_at(c, k);
+        o.grad_weight[ch] += dx * p.hidden_at(i, k);
+        o.grad_hidden_bound[ih] += magnitude * std::fabs(p.weight_at(c, k));
+        o.grad_weight_bound[ch] += magnitude * std::fabs(p.hidden_at(i, k));
       }
     }
   }

@@ -4,7 +4,7 @@
 // [V, H] (strided rows) whose row ranges the ranks take, a bias [V], targets, weights and
 // per-token upstream gradients, stored in one dtype. The oracle takes the product
 // h W^T + b in fp64 from the stored values, then the loss oracle (reference.h), then
-// dh = dx W, dW = dx^T h, db = column sums of dx, in fp64.
+// dh = dx W, dW = dx^T h, db = column sums of dx, in fp64 (dx optionally rounded to bf16).
 #pragma once
 
 #include <cstdint>
@@ -50,9 +50,14 @@ struct HeadOracle {
   reference::Result loss;       // loss, lse, grad [N, V] of the logits
   std::vector<double> logits;   // [N, V]
   std::vector<double> grad_hidden, grad_weight, grad_bias;  // [N, H], [V, H], [V]
+  // The same sums of |dx| |w|, |dx| |h| and |dx|: what a rounding of dx can move them by.
+  std::vector<double> grad_hidden_bound, grad_weight_bound, grad_bias_bound;
 };
 
 // grad_scalar: the upstream gradient of a reduced loss (per-token grad_loss otherwise).
-HeadOracle head_oracle(const HeadProblem& p, const LossOptions& options, float grad_scalar);
+// bf16_logit_gradients: the logit gradients rounded to bf16 (through fp32, to nearest even)
+// before the gradients' sums, as HeadOptions::bf16_logit_gradients asks.
+HeadOracle head_oracle(const HeadProblem& p, const LossOptions& options, float grad_scalar,
+                       bool bf16_logit_gradients = false);
 
 }  // namespace vpce::test

@@ -168,6 +168,39 @@ void expect_matches(const HeadProblem& p, const HeadRun& run, const HeadResult& 
   }
 }
 
+// HeadOptions::bf16_logit_gradients: the loss and lse as expect_matches; each gradient element
+// within the bound of dx's bf16 rounding, 2^-8 sum |dx w| (plus fp32's 1e-5 of the largest),
+// of the exact oracle; and the gradients far nearer the oracle whose dx is rounded to bf16
+// than the exact one is (in the 2-norm, a quarter of that distance at most; the rest is
+// where vpce's fp32 dx and the oracle's fall on either side of a rounding boundary), so that
+// the check tells a rounded dx from an fp32 one.
+void expect_within_bf16_logit_rounding(const HeadProblem& p, const HeadRun& run, const HeadResult& r) {
+  expect_ok(r);
+  const HeadOracle exact = head_oracle(p, run.loss, run.grad_scalar);
+  const HeadOracle rounded = head_oracle(p, run.loss, run.grad_scalar, /*bf16_logit_gradients=*/true);
+  EXPECT_LE(relative_error(widen(r.loss), exact.loss.loss), 1e-6);
+  EXPECT_LE(relative_error(widen(r.lse), exact.loss.lse), 1e-6);
+  auto check = [](const char* name, const std::vector<double>& got, const std::vector<double>& want,
+                  const std::vector<double>& bound, const std::vector<double>& want_rounded) {
+    SCOPED_TRACE(name);
+    double largest = 0.0;
+    for (double x : want) largest = std::max(largest, std::fabs(x));
+    double from_rounded = 0.0, exact_from_rounded = 0.0;  // squared 2-norms
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      ASSERT_LE(std::fabs(got[i] - want[i]), 0x1p-8 * 1.01 * bound[i] + 1e-5 * largest) << "element " << i;
+      from_rounded += (got[i] - want_rounded[i]) * (got[i] - want_rounded[i]);
+      exact_from_rounded += (want[i] - want_rounded[i]) * (want[i] - want_rounded[i]);
+    }
+    EXPECT_GT(exact_from_rounded, 0.0);
+    EXPECT_LE(std::sqrt(from_rounded), 0.25 * std::sqrt(exact_from_rounded));
+  };
+  check("grad_hidden", r.grad_hidden, exact.grad_hidden, exact.grad_hidden_bound, rounded.grad_hidden);
+  check("grad_weight", r.grad_weight, exact.grad_weight, exact.grad_weight_bound, rounded.grad_weight);
+  if (p.with_bias && run.want_bias) {
+    check("grad_bias", r.grad_bias, exact.grad_bias, exact.grad_bias_bound, rounded.grad_bias);
+  }
+}
+
 std::vector<LossOptions> every_option() {
   std::vector<LossOptions> all;
   LossOptions o;
@@ -193,9 +226,9 @@ std::vector<LossOptions> every_option() {
   return all;
 }
 
-// Runs `body` once for each way this CPU computes the logits of bf16 operands: with its bf16
-// dot products (gemm_bf16_nt, the default where it has AVX512-BF16) and widened to fp32 (as
-// every other CPU does).
+// Runs `body` once for each way this CPU runs the GEMMs of bf16 operands: with its bf16 dot
+// products (gemm_bf16, the default where it has AVX512-BF16) and widened to fp32 (as every
+// other CPU does).
 void for_each_bf16_gemm(const std::function<void()>& body) {
   std::vector<bool> choices{false};
   if (detail::bf16_gemm_native()) choices.insert(choices.begin(), true);
@@ -242,6 +275,14 @@ TEST_P(HeadModes, MatchesTheOracleForEveryOptionAndRankCount) {
 TEST_P(HeadModes, Bf16OperandsMatchTheOracleForEveryOptionAndRankCountOnEitherGemm) {
   every_option_and_rank_count(GetParam(), kBFloat16, 40, 101, [](HeadProblem& p, const HeadRun& run) {
     for_each_bf16_gemm([&] { expect_matches(p, run, run_head(p, run)); });
+  });
+}
+
+// bf16_logit_gradients: the same sweep, the gradients within dx's bf16 rounding.
+TEST_P(HeadModes, Bf16LogitGradientsWithinTheirRoundingForEveryOptionAndRankCountOnEitherGemm) {
+  every_option_and_rank_count(GetParam(), kBFloat16, 40, 201, [](HeadProblem& p, HeadRun run) {
+    run.head.bf16_logit_gradients = true;
+    for_each_bf16_gemm([&] { expect_within_bf16_logit_rounding(p, run, run_head(p, run)); });
   });
 }
 
@@ -425,6 +466,46 @@ TEST_P(HeadModes, WideTilesSpanSeveralGradientSuperBlocks) {
   }
 }
 
+// bf16_logit_gradients: added into fp32 gradients, wide tiles over several super-blocks, the
+// default tiles; bit-identical for one and two threads and across runs.
+TEST_P(HeadModes, Bf16LogitGradientsAccumulateAndAreBitIdenticalAcrossThreads) {
+  struct Case {
+    int64_t tokens, hidden, vocab, token_block, vocab_block, chunk_tokens;
+  };
+  // Small tiles; wide tiles over several gradient super-blocks; the default tiles.
+  for (const Case& c :
+       {Case{70, 40, 300, 16, 64, 32}, Case{300, 6, 20000, 8, 16384, 104}, Case{90, 48, 2100, 0, 0, 0}}) {
+    HeadProblem p = random_head_problem(c.tokens, c.hidden, c.vocab, kBFloat16, 23);
+    HeadRun run = smoothed_mean_run(GetParam(), c.token_block, c.vocab_block, c.chunk_tokens);
+    run.head.bf16_logit_gradients = true;
+    SCOPED_TRACE("vocab " + std::to_string(c.vocab));
+    for_each_bf16_gemm([&] {
+      run.loss.num_threads = 1;
+      run.accumulate = true;
+      run.prefill = 0.25f;
+      const HeadResult one = run_head(p, run);
+      expect_within_bf16_logit_rounding(p, run, one);
+      run.loss.num_threads = 2;
+      const HeadResult two = run_head(p, run), again = run_head(p, run);
+      for (const HeadResult* r : {&two, &again}) {
+        expect_ok(*r);
+        EXPECT_EQ(std::memcmp(r->loss.data(), one.loss.data(), one.loss.size() * sizeof(float)), 0);
+        EXPECT_EQ(r->grad_weight, one.grad_weight);
+        EXPECT_EQ(r->grad_bias, one.grad_bias);
+        EXPECT_EQ(r->hidden_parts, one.hidden_parts);
+      }
+      run.accumulate = false;
+      run.grad_dtype = kBFloat16;  // written over in bf16: one more rounding each
+      const HeadResult written = run_head(p, run);
+      expect_ok(written);
+      const HeadOracle o = head_oracle(p, run.loss, run.grad_scalar);
+      EXPECT_LE(relative_error(written.grad_hidden, o.grad_hidden), 1.6e-2);
+      EXPECT_LE(relative_error(written.grad_weight, o.grad_weight), 1.6e-2);
+      run.grad_dtype = kFloat32;
+    });
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Head, HeadModes, ::testing::Values(Mode::kRecompute, Mode::kChunked),
                          [](const auto& info) { return info.param == Mode::kRecompute ? "Recompute" : "Chunked"; });
 
@@ -504,35 +585,50 @@ TEST(Head, UnevenRangesAgreeOnTheDefaultChunk) {
   EXPECT_EQ(std::memcmp(chunked.loss.data(), recompute.loss.data(), sizeof(float)), 0);
 }
 
-// gemm_bf16_nt against the fp64 products of the same bf16 values, with strided and
-// misaligned rows: within fp32 summation's bound k 2^-24 sum |a b| (the products are exact).
+// gemm_bf16 against the fp64 products of the same bf16 values, A and B each as stored or
+// transposed, written over and added into, with strided and misaligned rows: within fp32
+// summation's bound (k + 1) 2^-24 (sum |a b| + |c|) (the products are exact).
 TEST(HeadGemm, Bf16ProductsSummedInFp32WithinTheirBound) {
   std::mt19937_64 rng(7);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (const auto& [m, n, k] : std::vector<std::array<int64_t, 3>>{{37, 29, 301}, {1, 1, 1}, {16, 64, 1024}, {5, 3, 0}}) {
-    const int64_t lda = k + 3, ldb = k + 5, ldc = n + 2;
-    std::vector<uint16_t> a(static_cast<std::size_t>(m * lda + 1)), b(static_cast<std::size_t>(n * ldb + 1));
-    for (uint16_t& x : a) x = bf16_bits(normal(rng) * 10.0f);
-    for (uint16_t& x : b) x = bf16_bits(normal(rng));
-    std::vector<float> c(static_cast<std::size_t>(m * ldc), NAN);
-    // One element past the start: no row aligned.
-    for_each_bf16_gemm([&] {
-      detail::gemm_bf16_nt(m, n, k, a.data() + 1, lda, b.data() + 1, ldb, c.data(), ldc);
-      for (int64_t i = 0; i < m; ++i) {
-        for (int64_t j = 0; j < n; ++j) {
-          double exact = 0.0, magnitude = 0.0;
-          for (int64_t q = 0; q < k; ++q) {
-            const double product = double{bf16_value(a[static_cast<std::size_t>(1 + i * lda + q)])} *
-                                   bf16_value(b[static_cast<std::size_t>(1 + j * ldb + q)]);
-            exact += product;
-            magnitude += std::fabs(product);
+    for (int layout = 0; layout < 8; ++layout) {
+      const bool trans_a = (layout & 1) != 0, trans_b = (layout & 2) != 0, add = (layout & 4) != 0;
+      // A is stored [m, k] or (trans_a) [k, m]; B [k, n] or (trans_b) [n, k].
+      const int64_t lda = (trans_a ? m : k) + 3, ldb = (trans_b ? k : n) + 5, ldc = n + 2;
+      std::vector<uint16_t> a(static_cast<std::size_t>((trans_a ? k : m) * lda + 1)),
+          b(static_cast<std::size_t>((trans_b ? n : k) * ldb + 1));
+      for (uint16_t& x : a) x = bf16_bits(normal(rng) * 10.0f);
+      for (uint16_t& x : b) x = bf16_bits(normal(rng));
+      std::vector<float> start(static_cast<std::size_t>(m * ldc));
+      for (float& x : start) x = add ? normal(rng) * 100.0f : NAN;  // never read when written over
+      auto a_at = [&](int64_t i, int64_t q) {
+        return double{bf16_value(a[static_cast<std::size_t>(1 + (trans_a ? q * lda + i : i * lda + q))])};
+      };
+      auto b_at = [&](int64_t q, int64_t j) {
+        return double{bf16_value(b[static_cast<std::size_t>(1 + (trans_b ? j * ldb + q : q * ldb + j))])};
+      };
+      for_each_bf16_gemm([&] {
+        std::vector<float> c = start;
+        // One element past the start: no row aligned.
+        detail::gemm_bf16(trans_a, trans_b, m, n, k, a.data() + 1, lda, b.data() + 1, ldb, add ? 1.0f : 0.0f,
+                          c.data(), ldc);
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < n; ++j) {
+            const double old = add ? double{start[static_cast<std::size_t>(i * ldc + j)]} : 0.0;
+            double exact = old, magnitude = std::fabs(old);
+            for (int64_t q = 0; q < k; ++q) {
+              const double product = a_at(i, q) * b_at(q, j);
+              exact += product;
+              magnitude += std::fabs(product);
+            }
+            ASSERT_LE(std::fabs(c[static_cast<std::size_t>(i * ldc + j)] - exact),
+                      static_cast<double>(k + 1) * 0x1p-24 * magnitude + 1e-30)
+                << "m " << m << " n " << n << " k " << k << " layout " << layout << " at " << i << ", " << j;
           }
-          ASSERT_LE(std::fabs(c[static_cast<std::size_t>(i * ldc + j)] - exact),
-                    static_cast<double>(k) * 0x1p-24 * magnitude + 1e-30)
-              << "m " << m << " n " << n << " k " << k << " at " << i << ", " << j;
         }
-      }
-    });
+      });
+    }
   }
 }
 
@@ -671,6 +767,10 @@ TEST(HeadErrors, NameTheArgumentTheExpectedAndTheActualValue) {
   odd = {};
   odd.vocab_block = -1;
   expect_error(forward_on_one(f, {f.hidden, f.weight}, odd), "head.vocab_block");
+  odd = {};
+  odd.bf16_logit_gradients = true;
+  expect_error(forward_on_one(f, {f.hidden, f.weight}, odd),
+               "head.bf16_logit_gradients: expected false for float32 operands (bfloat16 only), got true");
 
   // Gradients: accumulate needs fp32; no overlap with an input; grad_bias needs a bias.
   std::vector<uint16_t> half(24);

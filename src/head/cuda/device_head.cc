@@ -26,7 +26,9 @@
 // cuBLAS's GEMMs take one dtype for both operands, so the fp32 dz meets the operands as:
 //   fp32: fp32 GEMMs; bf16: dz split in two bf16 parts (hi = bf16(dz), lo = bf16(dz - hi),
 //   16 significant bits, a relative error below 2^-16 per element), two tensor-core GEMMs
-//   into the same fp32 sum; fp16: the operands widened to fp32 (exact) and fp32 GEMMs.
+//   into the same fp32 sum, or with HeadOptions::bf16_logit_gradients hi alone (one GEMM,
+//   and dz itself rounded so that the bias sums see the same values); fp16: the operands
+//   widened to fp32 (exact) and fp32 GEMMs.
 //
 // Nothing synchronises with the host when a Workspace is given: buffers and the cuBLAS
 // handle live in it (Workspace::Buffers::device_head), grown with cudaMallocAsync and then
@@ -546,9 +548,10 @@ Status panel_gradients(const Call& c, const PanelGradients& pg, int64_t r0, int6
   const int64_t vb = c.panel_width(j0);
   const int64_t h = c.a.hidden_size();
   const DataType dtype = c.a.hidden.dtype;
+  // bf16: dz's exact split, or with bf16_logit_gradients its one rounding (hi alone).
   const bool split = dtype == kBFloat16;
   void* hi = split ? c.b->hi.p : nullptr;
-  void* lo = split ? c.b->lo.p : nullptr;
+  void* lo = split && !c.a.bf16_logit_gradients ? c.b->lo.p : nullptr;
   const TokenVector grad_loss = pg.upstream != nullptr ? TokenVector{} : slice(pg.grad_loss, r0, rows);
   if (Status s = tile_gradient(dz, vb, rows, c.columns(j0, vb), slice(c.a.targets, r0, rows),
                                slice(c.a.weights, r0, rows), slice(pg.lse, r0, rows), grad_loss, pg.upstream,
@@ -563,13 +566,13 @@ Status panel_gradients(const Call& c, const PanelGradients& pg, int64_t r0, int6
       return s;
     }
   }
-  // The panel's gradient as GEMM operands: fp32, or its two bf16 parts.
+  // The panel's gradient as GEMM operands: fp32, or its two bf16 parts, or its bf16 rounding.
   Operand parts[2] = {{dz, CUDA_R_32F, vb}, {nullptr, CUDA_R_32F, vb}};
   int count = 1;
   if (split) {
     parts[0] = {hi, CUDA_R_16BF, vb};
     parts[1] = {lo, CUDA_R_16BF, vb};
-    count = 2;
+    count = lo != nullptr ? 2 : 1;
   }
   if (pg.g->weight.present()) {
     // grad_weight_j [vb, H] (+)= dz^T [vb, rows] h [rows, H].

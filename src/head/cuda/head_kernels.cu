@@ -151,7 +151,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // One block per tile row: z <- the gradient, in place (cuda/kernels.cu's gradient_kernel,
-// element for element), and optionally its two bf16 parts.
+// element for element), and optionally its two bf16 parts, or (lo null) its bf16 rounding,
+// which then replaces it in z too.
 __global__ void __launch_bounds__(kThreads)
     tile_gradient_kernel(float* z, int64_t ld, int64_t cols, int64_t valid, int64_t col0, Bias bias,
                          const void* targets, bool wide_targets, int64_t target_stride, const float* weights,
@@ -177,12 +178,16 @@ __global__ void __launch_bounds__(kThreads)
       g *= k.upstream;
       if (!identity) g *= t.slope(zc);
     }
-    row[c] = g;
     if (hi != nullptr) {
       const __nv_bfloat16 h = __float2bfloat16_rn(g);
       hi[r * ld + c] = h;
-      lo[r * ld + c] = __float2bfloat16_rn(g - __bfloat162float(h));
+      if (lo != nullptr) {
+        lo[r * ld + c] = __float2bfloat16_rn(g - __bfloat162float(h));
+      } else {
+        g = __bfloat162float(h);  // rounded once: the bias sums see what the GEMM sees
+      }
     }
+    row[c] = g;
   }
 }
 

@@ -67,7 +67,8 @@ Status shared_upstream(const float* grad_loss, float value, const TokenVector& t
 // formula of src/cuda/kernels.cu's gradient kernel (0 on padding columns and for tokens
 // that do not count). The upstream gradient is shared (*shared, for a reduction) or per
 // token (grad_loss). With `hi` and `lo` (bf16, [rows, cols], row stride ld), also writes
-// the gradient split in two bf16 parts, hi = bf16(g), lo = bf16(g - hi).
+// the gradient split in two bf16 parts, hi = bf16(g), lo = bf16(g - hi); with `hi` alone,
+// hi = bf16(g) and z <- hi's values (bf16_logit_gradients).
 Status tile_gradient(float* z, int64_t ld, int64_t rows, const TileColumns& columns, const TokenVector& targets,
                      const TokenVector& weights, const TokenVector& lse, const TokenVector& grad_loss,
                      const double* shared, int64_t vocab_begin, const LossParams& params, void* hi, void* lo,
