@@ -319,7 +319,11 @@ Status sweep_head(const PerfConfig& config) {
   std::printf("# vs3gemm: time / time of the unfused step's three GEMMs (oneDNN sgemm, same shapes and threads)\n");
   std::printf("# extra: peak memory per rank beyond inputs and gradients; %%logits: of N x V/R x 4 bytes\n");
   std::printf("# cpu: the same ratio of the process's CPU time (all threads), which a shared machine perturbs less\n");
-  std::printf("%8s %6s %8s %3s %5s %-9s %10s %9s %9s %6s %9s %9s %7s\n", "tokens", "H", "V", "R", "dtype", "mode",
+  if (config.bf16_logit_gradients) {
+    std::printf("# -dx16: bf16 rows with HeadOptions::bf16_logit_gradients (dx rounded to bf16 for the gradients' "
+                "GEMMs)\n");
+  }
+  std::printf("%8s %6s %8s %3s %5s %-14s %10s %9s %9s %6s %9s %9s %7s\n", "tokens", "H", "V", "R", "dtype", "mode",
               "time(ms)", "GFLOP/s", "vs3gemm", "cpu", "extra", "%logits", "#wrong");
   for (const int64_t hidden : config.hidden) {
     for (const int64_t vocab : config.vocab) {
@@ -328,6 +332,9 @@ Status sweep_head(const PerfConfig& config) {
         for (const DataType dtype : dtypes) {
           for (const bool chunked : modes) {
             const Shape s{tokens, hidden, vocab, dtype, chunked};
+            head.bf16_logit_gradients = config.bf16_logit_gradients && dtype == kBFloat16;
+            const std::string mode =
+                std::string(chunked ? "chunked" : "recompute") + (head.bf16_logit_gradients ? "-dx16" : "");
             Problem p = make_problem(s, config.ranks);
             allocate_unfused(p);
             std::vector<Status> st;
@@ -390,9 +397,9 @@ Status sweep_head(const PerfConfig& config) {
             const double t = times[times.size() / 2];
             const double logits_bytes = static_cast<double>(tokens) * (static_cast<double>(vocab) / config.ranks) * 4.0;
             const double extra_per_rank = static_cast<double>(extra) / config.ranks;
-            std::printf("%8lld %6lld %8lld %3d %5s %-9s %10.2f %9.1f %8.0f%% %5.0f%% %7.1fMi %8.2f%% %7s\n",
+            std::printf("%8lld %6lld %8lld %3d %5s %-14s %10.2f %9.1f %8.0f%% %5.0f%% %7.1fMi %8.2f%% %7s\n",
                         static_cast<long long>(tokens), static_cast<long long>(hidden), static_cast<long long>(vocab),
-                        config.ranks, dtype_name(dtype), chunked ? "chunked" : "recompute", t * 1e3,
+                        config.ranks, dtype_name(dtype), mode.c_str(), t * 1e3,
                         6.0 * tokens * vocab * hidden / t * 1e-9, ratios[ratios.size() / 2] * 100.0,
                         cpu_ratios[cpu_ratios.size() / 2] * 100.0,
                         extra_per_rank / (1 << 20), extra_per_rank / logits_bytes * 100.0,
