@@ -164,6 +164,12 @@ T option_value(nb::handle value, const char* name) {
           (field + ": expected a " + qualified_name(nb::type<T>()) + ", got " + short_repr(value)).c_str());
     }
     return out;
+  } else if constexpr (std::is_same_v<T, bool>) {
+    if (!PyBool_Check(value.ptr())) {
+      throw nb::type_error(
+          (field + ": expected a bool, got " + value_type_name(value) + " " + short_repr(value)).c_str());
+    }
+    return value.ptr() == Py_True;
   } else if constexpr (std::is_floating_point_v<T>) {
     const double v = PyFloat_AsDouble(value.ptr());
     if (v == -1.0 && PyErr_Occurred()) {
@@ -552,11 +558,13 @@ NB_MODULE(_vpce, m) {
       "Staged 3: merged statistics -> loss, lse and the extras.");
 
   // ---- the fused head (vpce/head.h): linear + cross-entropy without the logits ----------
-  auto head = nb::class_<vpce::HeadOptions>(m, "HeadOptions", "Tile and chunk sizes; see include/vpce/head.h");
+  auto head = nb::class_<vpce::HeadOptions>(m, "HeadOptions",
+                                            "Tile and chunk sizes, the gradients' precision; see include/vpce/head.h");
   head.def(nb::init<>());
   def_head_option<&vpce::HeadOptions::token_block>(head, "token_block");
   def_head_option<&vpce::HeadOptions::vocab_block>(head, "vocab_block");
   def_head_option<&vpce::HeadOptions::chunk_tokens>(head, "chunk_tokens");
+  def_head_option<&vpce::HeadOptions::bf16_logit_gradients>(head, "bf16_logit_gradients");
 
   m.def(
       "linear_cross_entropy_forward",

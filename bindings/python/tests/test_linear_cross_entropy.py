@@ -210,6 +210,42 @@ def test_half_precision_within_its_rounding(mode, reduction, dtype, rounding):
         assert relative_error(g, r) < rounding  # each element rounded once to the dtype
 
 
+def rounded_logit_gradient_reference(hidden, weight, bias, target, label_smoothing, reduction):
+    """(grad_hidden, grad_weight, grad_bias) in float64 from the logits' float64 gradient
+    rounded to bfloat16 (through float32), as bf16_logit_gradients computes them."""
+    h, w = hidden.detach().double(), weight.detach().double()
+    logits = (h @ w.t() + bias.detach().double()).requires_grad_()
+    vocab = logits.shape[-1]
+    a = label_smoothing * vocab / (vocab - 1)  # Megatron's smoothing
+    loss = F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1), label_smoothing=a, reduction=reduction)
+    (dx,) = torch.autograd.grad(loss, logits)
+    dx = dx.float().bfloat16().double().reshape(-1, vocab)
+    return (dx @ w).view(hidden.shape), dx.t() @ h.reshape(-1, h.shape[-1]), dx.sum(0)
+
+
+@pytest.mark.parametrize("mode,reduction", [("recompute", "mean"), ("chunked", "sum")])
+def test_bf16_logit_gradients_within_their_rounding(mode, reduction):
+    # bf16 operands; the weight's gradient added into an fp32 main_grad (no final rounding to
+    # bf16), so that it shows which dx the GEMMs took: within 2^-8 of the largest of the exact
+    # gradient, and far nearer the gradient of dx rounded to bf16 than the exact one is.
+    hidden, weight, bias, target = problem(dtype=torch.bfloat16, hidden_size=64, shape=(40,), vocab=300)
+    want = reference(hidden, weight, bias, target, None, 0.1, reduction=reduction)
+    rounded = rounded_logit_gradient_reference(hidden, weight, bias, target, 0.1, reduction)
+    h, w, b = leaves(hidden, weight, bias)
+    w.main_grad = torch.zeros(weight.shape)
+    loss = vt.linear_cross_entropy(h, w, target, 0.1, bias=b, mode=mode, reduction=reduction,
+                                   gradient_accumulation_fusion=True, bf16_logit_gradients=True)
+    loss.backward()
+    assert relative_error(loss.detach(), want[0]) < 1e-5  # the loss keeps its fp32 logits
+    assert relative_error(w.main_grad, want[2]) < 2.0**-8
+    assert (w.main_grad.double() - rounded[1]).norm() < 0.25 * (want[2] - rounded[1]).norm()
+    for g, r in ((h.grad, want[1]), (b.grad, want[3])):
+        assert g.dtype == torch.bfloat16
+        assert relative_error(g, r) < 2.0**-6  # dx's rounding, then the gradient's own
+    default = run(hidden, weight, bias, target, 0.1, mode=mode, reduction=reduction)
+    assert not torch.equal(default[1], h.grad)
+
+
 def test_strided_hidden_and_int32_targets():
     # Hidden states [b, s, H] transposed to [s, b, H] (copied), a weight that is a row
     # slice of a wider one (read in place), int32 targets.
@@ -318,6 +354,9 @@ def test_the_autograd_function_matches_the_custom_op_path():
     ("bad accumulation flag", {"gradient_accumulation_fusion": 1}, TypeError,
      "gradient_accumulation_fusion: expected a bool"),
     ("bad vocab range", {"vocab_range": (0, 10)}, TypeError, "vocab_range: expected (vocab_begin, vocab_end"),
+    ("bad bf16 flag", {"bf16_logit_gradients": 1}, TypeError, "options.bf16_logit_gradients: expected a bool, got int"),
+    ("bf16 gradients of fp32", {"bf16_logit_gradients": True}, vpce.Error,
+     "head.bf16_logit_gradients: expected false for float32 operands (bfloat16 only), got true"),
 ])
 def test_option_errors_name_the_option(arguments, options, kind, fragment):
     hidden, weight, bias, target = problem()

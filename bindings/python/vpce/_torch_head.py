@@ -34,7 +34,7 @@ from ._torch_compile import _CUSTOM_OPS, _compiling
 from ._torch_groups import _group
 from ._torch_ops import _decode_options, _encode_options, _group_key, _keyed_group
 
-_HEAD_OPTION_NAMES = ("token_block", "vocab_block", "chunk_tokens")
+_HEAD_OPTION_NAMES = ("token_block", "vocab_block", "chunk_tokens", "bf16_logit_gradients")
 _OWN_OPTION_NAMES = ("mode", "reduction", "gradient_accumulation_fusion", "vocab_range")
 _MODES = ("recompute", "chunked")
 _REDUCTIONS = {"none": _vpce.Reduction.NONE, "sum": _vpce.Reduction.SUM, "mean": _vpce.Reduction.MEAN}
@@ -650,6 +650,11 @@ def linear_cross_entropy(hidden, weight, target, label_smoothing=0.0, tp_group=N
             gradients too and the backward scales them; one backward per forward);
         token_block, vocab_block, chunk_tokens: the head's tile and chunk sizes
             (vpce/head.h's HeadOptions; 0 the default);
+        bf16_logit_gradients: bfloat16 operands only; True rounds the logits' gradient to
+            bfloat16 before the gradients' GEMMs, as PyTorch's bfloat16 paths do, so that
+            those run on bfloat16 dot products (about a third faster where the CPU has
+            AVX512-BF16; one tensor-core GEMM instead of two on CUDA). The loss does not
+            change; the gradients then carry that rounding (False, the default: fp32);
         gradient_accumulation_fusion: True to add the weight's gradient into
             weight.main_grad (fp32), when the weight has one, as Megatron's layer does,
             and return None for it (or a dummy where weight.grad_added_to_main_grad
