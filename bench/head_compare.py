@@ -6,7 +6,8 @@ of torch.nn.LinearCrossEntropyOptions: the defaults, acc_policy "accurate" and "
 chunking_method "aspect_ratio:4", a fixed batch_chunk_size, allow_retain_graph, acc_dtype
 float32), vpce's unfused path (F.linear, then vpce.torch.vocab_parallel_cross_entropy on the
 built logits), and vpce's fused head, vpce.torch.linear_cross_entropy, in its two modes
-(recompute and chunked). One rank; every case is the mean loss of [tokens, H] hidden
+(recompute and chunked; with bf16 inputs also with bf16_logit_gradients, the logits'
+gradient rounded to bf16 as PyTorch's bf16 paths do). One rank; every case is the mean loss of [tokens, H] hidden
 states through a [V, H] weight (no bias), forward and backward, gradients of both.
 
 Method. Each case runs in a fresh Python process, so that its memory is its own, with
@@ -23,8 +24,9 @@ the first call (so that buffers a case keeps between calls count); the table giv
 largest over the timed calls, in MiB and in multiples of the fp32 logits' size
 ([tokens, V] x 4 bytes). PyTorch's CPU allocator gives large blocks back to
 the system when they are freed (glibc's mmap threshold), so what a call allocates and
-frees shows in its peak. Accuracy: the largest difference of the loss from a float64
-reference computed from the same (fp32 or bf16) values.
+frees shows in its peak. Accuracy: the difference of the loss from a float64 reference
+computed from the same (fp32 or bf16) values, and the gradient of hidden's largest
+difference from the float64 one, relative to that gradient's largest element (dh err).
 
 A benchmark, not a test; the numbers depend on the machine and its load. Usage:
   python bench/head_compare.py [--tokens 2048 --hidden 512 --vocab 32000 --dtype fp32|bf16]
@@ -96,6 +98,8 @@ CASES = [
     ("vpce unfused: F.linear + vocab_parallel_cross_entropy", "vpce-unfused"),
     ("vpce linear_cross_entropy, mode='recompute'", "vpce-recompute"),
     ("vpce linear_cross_entropy, mode='chunked'", "vpce-chunked"),
+    ("vpce linear_cross_entropy, 'recompute', bf16_logit_gradients", "vpce-recompute-dx16"),
+    ("vpce linear_cross_entropy, 'chunked', bf16_logit_gradients", "vpce-chunked-dx16"),
 ]
 
 
@@ -116,8 +120,9 @@ def step(name, hidden, weight, target, threads):
     else:
         import vpce.torch as vt  # noqa: PLC0415
 
-        mode = name.split("-", 1)[1]
-        loss = vt.linear_cross_entropy(h, w, target, mode=mode, reduction="mean", num_threads=threads)
+        mode = name.split("-")[1]
+        options = {"bf16_logit_gradients": True} if name.endswith("-dx16") else {}
+        loss = vt.linear_cross_entropy(h, w, target, mode=mode, reduction="mean", num_threads=threads, **options)
     loss.backward()
     return loss.detach(), (h.grad, w.grad)
 
@@ -130,23 +135,29 @@ def worker(args):
     if args.worker.startswith("lce") and not hasattr(F, "linear_cross_entropy"):
         print(json.dumps({"skipped": f"torch {torch.__version__} has no F.linear_cross_entropy"}))
         return 0
+    if args.worker.endswith("-dx16") and args.dtype != "bf16":
+        print(json.dumps({"skipped": "bf16_logit_gradients takes bf16 inputs (--dtype bf16)"}))
+        return 0
     if args.worker.startswith("vpce"):
         import vpce.torch  # noqa: F401, PLC0415 (imported before anything is measured)
     times, cpu_times, peaks = [], [], []
     loss = None
     baseline = status_mb("VmRSS")  # the inputs; what a case keeps between calls counts as extra
+    grad_hidden = None
     for _ in range(args.warmup + args.repeat):
-        loss = grads = None
+        loss = grad_hidden = None
         reset_peak()
         start, cpu_start = time.perf_counter(), time.process_time()
-        loss, grads = step(args.worker, hidden, weight, target, args.threads)
+        loss, (grad_hidden, _) = step(args.worker, hidden, weight, target, args.threads)
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
         peaks.append(status_mb("VmHWM") - baseline)
-        del grads
     reference = float(np.load(os.path.join(args.input, "reference_loss.npy")))
+    reference_dh = torch.from_numpy(np.load(os.path.join(args.input, "reference_grad_hidden.npy")))
+    dh_error = float((grad_hidden.double() - reference_dh).abs().max() / reference_dh.abs().max())
     print(json.dumps({"ms": [1e3 * t for t in times[args.warmup:]], "cpu_ms": [1e3 * t for t in cpu_times[args.warmup:]],
-                      "extra_peak_mb": max(peaks[args.warmup:]), "loss_error": abs(float(loss.double()) - reference)}))
+                      "extra_peak_mb": max(peaks[args.warmup:]), "loss_error": abs(float(loss.double()) - reference),
+                      "dh_error": dh_error}))
     return 0
 
 
@@ -182,7 +193,13 @@ def main():
         logits = hidden.double() @ weight.double().t()
         reference = F.cross_entropy(logits, target).item()
         np.save(os.path.join(directory, "reference_loss.npy"), np.array(reference))
+        # The mean loss's gradient of hidden: (softmax - one-hot) / tokens, times the weight.
+        dx = torch.softmax(logits, dim=1)
         del logits
+        dx[torch.arange(args.tokens), target] -= 1.0
+        dx /= args.tokens
+        np.save(os.path.join(directory, "reference_grad_hidden.npy"), (dx @ weight.double()).numpy())
+        del dx
         results = {label: {"ms": [], "cpu_ms": [], "extra_peak_mb": 0.0} for label, _ in cases}
         for round_index in range(args.rounds):
             # Every case once per round, in an order rotated by one each round, so that a slow
@@ -212,6 +229,7 @@ def main():
                 merged["cpu_ms"] += r["cpu_ms"]
                 merged["extra_peak_mb"] = max(merged["extra_peak_mb"], r["extra_peak_mb"])
                 merged["loss_error"] = r["loss_error"]
+                merged["dh_error"] = r["dh_error"]
         for r in results.values():
             if "ms" in r:
                 r["ms"], r["cpu_ms"] = statistics.median(r["ms"]), statistics.median(r["cpu_ms"])
@@ -224,14 +242,14 @@ def main():
           "counts); cpu ms: the process's CPU time per call, all threads")
     first = next((r for r in results.values() if "ms" in r), None)
     print(f"# {'case':<66} {'fwd+bwd ms':>10} {'vs first':>8} {'cpu ms':>9} {'vs first':>8} {'extra peak MiB':>14} "
-          f"{'x logits':>8} {'|loss err|':>10}")
+          f"{'x logits':>8} {'|loss err|':>10} {'dh err':>8}")
     for label, r in results.items():
         if "ms" not in r:
             print(f"  {label:<66} skipped: {r['skipped']}")
             continue
         print(f"  {label:<66} {r['ms']:10.1f} {first['ms'] / r['ms']:8.2f} {r['cpu_ms']:9.1f} "
               f"{first['cpu_ms'] / r['cpu_ms']:8.2f} {r['extra_peak_mb']:14.0f} {r['extra_peak_mb'] / logits_mb:8.2f} "
-              f"{r['loss_error']:10.2e}")
+              f"{r['loss_error']:10.2e} {r['dh_error']:8.1e}")
     return 0
 
 
