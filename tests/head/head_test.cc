@@ -829,6 +829,7 @@ TEST(HeadErrors, ABadTargetOnOneRankOfTheChunkedModeFailsEveryRankAlike) {
   ASSERT_TRUE(ThreadGroup::create(2, &g).ok());
   const std::vector<VocabShard> shards = shards_from_sizes({10, 10});
   std::vector<std::vector<float>> losses(2, std::vector<float>(1, -7.0f));
+  std::vector<int64_t> collectives(2, -1);
   const std::vector<Status> st = g->run([&](Communicator& comm) {
     const VocabShard& shard = shards[static_cast<std::size_t>(comm.rank())];
     std::vector<int64_t> targets = p.targets;
@@ -845,9 +846,11 @@ TEST(HeadErrors, ABadTargetOnOneRankOfTheChunkedModeFailsEveryRankAlike) {
     return linear_cross_entropy_forward_backward(
         comm, {p.hidden_view(), weight}, TensorView::contiguous(targets.data(), kInt64, {100}), shard, options, head,
         1.0f, TensorView::contiguous(losses[static_cast<std::size_t>(comm.rank())].data(), kFloat32, {1}),
-        TensorView::contiguous(lse.data(), kFloat32, {100}), {{&ghv, false}, {}, {}});
+        TensorView::contiguous(lse.data(), kFloat32, {100}), {{&ghv, false}, {}, {}}, {}, nullptr,
+        &collectives[static_cast<std::size_t>(comm.rank())]);
   });
   ASSERT_EQ(st.size(), 2u);
+  EXPECT_EQ(collectives, (std::vector<int64_t>{1, 1}));  // the first gather, which agreed the error
   EXPECT_EQ(st[1].code(), Code::kInvalidArgument) << st[1].message();
   EXPECT_EQ(st[0].code(), Code::kRemoteError) << st[0].message();
   // The same text on both ranks, as for the forward.
