@@ -92,7 +92,10 @@ struct HeadOptions {
   // CUDA one tensor-core GEMM instead of the two of dx's exact split): about a third less
   // time for a step (docs/performance.md). The loss, lse and extras do not change (the logits
   // stay fp32). The gradients then carry dx's rounding: each term of their sums is off by
-  // at most 2^-8 of itself, against fp32's rounding of dx by default.
+  // at most 2^-8 of itself, against fp32's rounding of dx by default (where dx is below
+  // 2^-126, bf16's subnormals, AVX512-BF16's dot products flush it to zero: an error below
+  // 2^-126 |w| per term). Ranks may differ in it: each rank's gradients then carry its own
+  // choice's rounding.
   bool bf16_logit_gradients = false;
 };
 

@@ -19,8 +19,10 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const flo
 
 // gemm() with bf16 A and B (bit patterns) and fp32 C: each product of two bf16 values is exact
 // in fp32 and the sums run in fp32, so C has the accuracy of the fp32 GEMM of the widened
-// operands (not its bits: another order). oneDNN's matmul primitive on AVX512-BF16's dot
-// products (or AMX); without them, the operands widened and gemm() above. The head's uses:
+// operands (not its bits: another order), except that AVX512-BF16's dot products (VDPBF16PS)
+// flush subnormal inputs (below 2^-126) to zero. oneDNN's matmul primitive on those dot
+// products (or AMX), or its emulation on AVX-512 without them; on older CPUs (AVX2), the
+// operands widened and gemm() above. The head's uses:
 // the logits' tiles (A B^T), and with bf16_logit_gradients the gradients' dx W and dx^T h.
 void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
                const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc);

@@ -335,8 +335,10 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
   const bool weight_direct = grads.weight.present() && grads.weight.matrix.dtype == kFloat32;
   std::vector<float> weight_block(grads.weight.present() && !weight_direct ? static_cast<std::size_t>(vb * h) : 0);
   std::vector<double> bias_block(grads.bias.present() ? static_cast<std::size_t>(vb) : 0);
-  // A super-block's logit gradients, and for bf16/fp16 its hidden states in fp32, fit the buffer.
-  const int64_t token_bytes = (vb + (args.hidden.dtype == kFloat32 ? 0 : h)) * 4;
+  // A super-block's logit gradients, and for bf16/fp16 its hidden states in fp32 (unless the
+  // GEMMs take the bf16 rows), fit the buffer.
+  const bool hidden_widened = args.hidden.dtype != kFloat32 && !ops.bf16_gradient_gemms();
+  const int64_t token_bytes = (vb + (hidden_widened ? h : 0)) * 4;
   const int64_t group = std::max<int64_t>(1, kGradientBufferBytes / (token_bytes * nb)) * nb;
   float* dx = buffer.reserve(static_cast<std::size_t>(std::min(group, n) * vb));
   std::vector<float> group_staging;

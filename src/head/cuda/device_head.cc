@@ -643,7 +643,9 @@ Status grow_gradient_buffers(const Call& c, const HeadGradientArgs& g, int64_t r
   const auto panel = static_cast<std::size_t>(rows * c.tiles.vb);
   if (c.a.hidden.dtype == kBFloat16) {
     if (Status s = b.grow(b.hi, panel * 2); !s.ok()) return s;
-    if (Status s = b.grow(b.lo, panel * 2); !s.ok()) return s;
+    if (!c.a.bf16_logit_gradients) {  // the exact split's second part
+      if (Status s = b.grow(b.lo, panel * 2); !s.ok()) return s;
+    }
   }
   if (c.a.hidden.dtype == kFloat16) {
     if (g.weight.present()) {
