@@ -63,6 +63,7 @@ Status exchange_stats(Communicator& comm, Workspace::Buffers& buffers, const Exc
   RankHeader header = make_header(rank, ranks, n, width, call.shard, call.dtype, call.options, call.has_weights,
                                   call.inputs_hash, local);
   header.hidden_size = call.hidden_size;
+  header.head_chunked = call.head_chunked ? 1 : 0;
   std::memcpy(buffers.send.data(), &header, sizeof(header));
 
   Status gathered = comm.all_gather(buffers.send.data(), buffers.recv.data(), payload);

@@ -20,6 +20,7 @@ struct ExchangeCall {
   VocabShard shard;
   DataType dtype{};
   int64_t hidden_size = 0;  // the fused head's H; 0 for logits
+  bool head_chunked = false;  // the fused head's chunked mode
   LossOptions options;
   bool has_weights = false;
   uint64_t inputs_hash = 0;

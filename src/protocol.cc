@@ -141,6 +141,21 @@ Status check_group(const char* gathered, std::size_t stride, int ranks, int self
   const RankHeader& first = headers[0];
   for (int r = 1; r < ranks; ++r) {
     const RankHeader& h = headers[static_cast<std::size_t>(r)];
+    // What was called first (a forward of logits or the head, and the head's mode): the
+    // token counts of the head's modes differ (a chunk's or all of them).
+    if (h.hidden_size != first.hidden_size) {
+      auto text = [](int64_t hidden) {
+        return hidden == 0 ? std::string("none (a forward of logits)") : std::to_string(hidden);
+      };
+      return disagree("the hidden size of the fused head", 0, text(first.hidden_size), r, text(h.hidden_size));
+    }
+    if (h.head_chunked != first.head_chunked) {
+      auto text = [](uint8_t chunked) {
+        return std::string(chunked != 0 ? "chunked (linear_cross_entropy_forward_backward)"
+                                        : "recompute (linear_cross_entropy_forward)");
+      };
+      return disagree("the fused head's mode", 0, text(first.head_chunked), r, text(h.head_chunked));
+    }
     if (h.num_tokens != first.num_tokens) {
       return disagree("the number of tokens", 0, std::to_string(first.num_tokens), r,
                       std::to_string(h.num_tokens));
@@ -148,12 +163,6 @@ Status check_group(const char* gathered, std::size_t stride, int ranks, int self
     if (h.vocab_size != first.vocab_size) {
       return disagree("the vocabulary size", 0, std::to_string(first.vocab_size), r,
                       std::to_string(h.vocab_size));
-    }
-    if (h.hidden_size != first.hidden_size) {
-      auto text = [](int64_t hidden) {
-        return hidden == 0 ? std::string("none (a forward of logits)") : std::to_string(hidden);
-      };
-      return disagree("the hidden size of the fused head", 0, text(first.hidden_size), r, text(h.hidden_size));
     }
     if (h.logits_dtype != first.logits_dtype) {
       return disagree("the logits' dtype", 0, dtype_text(first.logits_dtype), r,

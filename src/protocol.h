@@ -42,7 +42,8 @@ struct RankHeader {
   int32_t smoothing_semantics = 0;
   int32_t reduction = 0;
   uint8_t has_weights = 0;
-  char padding[7] = {};
+  uint8_t head_chunked = 0;  // 1: the fused head's chunked mode (a gather per chunk)
+  char padding[6] = {};
   int64_t hidden_size = 0;  // H of the fused head (vpce/head.h); 0 for a forward of logits
   char message[255] = {};  // this rank's error, truncated, NUL-terminated
 };

@@ -273,7 +273,7 @@ __global__ void check_group_kernel(const char* gathered, int64_t stride, int ran
             h->softcap_bits == first->softcap_bits && h->valid_vocab_size == first->valid_vocab_size &&
             h->reduction == first->reduction && h->has_weights == first->has_weights &&
             h->stats_width == first->stats_width && h->inputs_hash == first->inputs_hash &&
-            h->hidden_size == first->hidden_size;
+            h->hidden_size == first->hidden_size && h->head_chunked == first->head_chunked;
   // Ranges: each non-empty one inside [0, V), overlapping no other; together they cover V.
   const int64_t begin = h->vocab_begin;
   const int64_t end = h->vocab_end;

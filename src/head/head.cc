@@ -52,7 +52,8 @@ int64_t stats_width(const ForwardExtras& extras) {
 }
 
 detail::ExchangeCall exchange_call(const HeadArgs& a, int64_t tokens, int64_t width, const VocabShard& shard,
-                                   const HeadInputs& inputs, const LossOptions& options, bool has_weights) {
+                                   const HeadInputs& inputs, const LossOptions& options, bool has_weights,
+                                   bool chunked) {
   detail::ExchangeCall call;
   call.tokens = tokens;
   call.width = width;
@@ -61,6 +62,7 @@ detail::ExchangeCall exchange_call(const HeadArgs& a, int64_t tokens, int64_t wi
   call.hidden_size = a.hidden_size();
   call.options = options;
   call.has_weights = has_weights;
+  call.head_chunked = chunked;
   call.inputs_hash = a.inputs_hash;
   return call;
 }
@@ -99,7 +101,7 @@ Status linear_cross_entropy_forward(Communicator& comm, const HeadInputs& inputs
   Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
   RowMatrix merged;
   Status group = detail::exchange_stats(
-      comm, *buffers, exchange_call(a, n, width, shard, inputs, options, extras.weights != nullptr), local,
+      comm, *buffers, exchange_call(a, n, width, shard, inputs, options, extras.weights != nullptr, false), local,
       [&](const RowMatrix& stats) -> Status {
         try {
           detail::sweep_stats(a, *ops, ctx, 0, n, nullptr, stats, buffers->head_tiles);
@@ -225,7 +227,7 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
     const int64_t rows = std::min(chunk, n - row);
     RowMatrix merged;
     Status group = detail::exchange_stats(
-        comm, *buffers, exchange_call(a, rows, width, shard, inputs, options, extras.weights != nullptr), local,
+        comm, *buffers, exchange_call(a, rows, width, shard, inputs, options, extras.weights != nullptr, true), local,
         [&](const RowMatrix& stats) -> Status {
           try {
             detail::sweep_stats(a, *ops, ctx, row, rows, logits, stats, buffers->head_tiles);

@@ -822,6 +822,45 @@ TEST(HeadErrors, RanksThatDisagreeOnTheHiddenSizeAllFailAlike) {
   }
 }
 
+// Rank 0 calls the recompute forward, rank 1 the chunked mode with one chunk of all the
+// tokens (so that the gathers have one size): both return the mode's disagreement, not the
+// targets' (the chunked mode's agreement hash also covers the token count).
+TEST(HeadErrors, RanksThatDisagreeOnTheModeAllFailAlike) {
+  HeadProblem p = random_head_problem(40, 8, 20, kFloat32, 6);
+  std::unique_ptr<ThreadGroup> g;
+  ASSERT_TRUE(ThreadGroup::create(2, &g).ok());
+  const std::vector<VocabShard> shards = shards_from_sizes({10, 10});
+  const std::vector<Status> st = g->run([&](Communicator& comm) {
+    const VocabShard& shard = shards[static_cast<std::size_t>(comm.rank())];
+    const TensorView weight =
+        TensorView::matrix(p.weight_base() + shard.vocab_begin * p.ld_weight * 4, kFloat32, 10, 8, p.ld_weight);
+    const TensorView targets = TensorView::contiguous(p.targets.data(), kInt64, {40});
+    std::vector<float> loss(40), lse(40), gh(40 * 8);
+    const TensorView lse_v = TensorView::contiguous(lse.data(), kFloat32, {40});
+    LossOptions options;
+    options.reduction = Reduction::kSum;
+    HeadOptions head;
+    head.token_block = 8;
+    head.chunk_tokens = 48;
+    if (comm.rank() == 0) {
+      return linear_cross_entropy_forward(comm, {p.hidden_view(), weight}, targets, shard, options, head,
+                                          TensorView::contiguous(loss.data(), kFloat32, {1}), lse_v);
+    }
+    const TensorView ghv = TensorView::contiguous(gh.data(), kFloat32, {40, 8});
+    return linear_cross_entropy_forward_backward(comm, {p.hidden_view(), weight}, targets, shard, options, head, 1.0f,
+                                                 TensorView::contiguous(loss.data(), kFloat32, {1}), lse_v,
+                                                 {{&ghv, false}, {}, {}});
+  });
+  for (const Status& s : st) {
+    EXPECT_EQ(s.code(), Code::kInvalidUsage);
+    EXPECT_NE(s.message().find("ranks disagree on the fused head's mode: expected rank 0's recompute "
+                               "(linear_cross_entropy_forward) on every rank, got chunked "
+                               "(linear_cross_entropy_forward_backward) on rank 1"),
+              std::string::npos)
+        << s.message();
+  }
+}
+
 // One rank's bad target in the chunked mode with several chunks: the failing rank joins the
 // first gather with the same size as the others, so both return its error, with the same
 // text (the other rank's as a remote error), and neither writes its outputs.

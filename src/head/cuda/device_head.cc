@@ -701,9 +701,11 @@ Status finish_gradients(const Call& c, const HeadGradientArgs& g, const PanelGra
 // The header of this rank's gathers (hidden_size = H), its message ready for an error the
 // device finds.
 RankHeader head_header(const Communicator& comm, int64_t n, int64_t width, int64_t hidden, const VocabShard& shard,
-                       DataType dtype, const LossOptions& options, bool has_weights, const Status& local) {
+                       DataType dtype, const LossOptions& options, bool has_weights, bool chunked,
+                       const Status& local) {
   RankHeader header = make_header(comm.rank(), comm.size(), n, width, shard, dtype, options, has_weights, 0, local);
   header.hidden_size = hidden;
+  header.head_chunked = chunked ? 1 : 0;
   if (local.ok()) {
     std::snprintf(header.message, sizeof(header.message),
                   "targets or weights: expected targets in [0, %lld) or %lld and finite weights >= 0, got another value "
@@ -790,7 +792,7 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   auto* stats = reinterpret_cast<float*>(protocol.send + sizeof(RankHeader));
   auto* terms = reinterpret_cast<double*>(protocol.merged + stats_bytes);
   const RankHeader mine = head_header(comm, n, width, local.ok() ? a.hidden_size() : f.hidden_size, *f.shard, f.dtype,
-                                      options, f.extras->weights != nullptr, local);
+                                      options, f.extras->weights != nullptr, g != nullptr, local);
   if (Status s = cuda::write_header(mine, header, stream); !s.ok()) return local.ok() ? s : local;
   const bool reduced = options.reduction != Reduction::kNone;
   if (local.ok() && g != nullptr) {
