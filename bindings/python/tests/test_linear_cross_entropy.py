@@ -246,6 +246,24 @@ def test_bf16_logit_gradients_within_their_rounding(mode, reduction):
     assert not torch.equal(default[1], h.grad)
 
 
+def test_bf16_logit_gradients_take_the_same_path_through_the_ops_and_the_function():
+    # Without main_grad the op path (PyTorch >= 2.4) carries the option in its JSON options:
+    # the same bits as the autograd.Function, in both modes.
+    hidden, weight, bias, target = problem(dtype=torch.bfloat16, hidden_size=32, shape=(20,), vocab=120)
+    for mode, reduction in (("recompute", "none"), ("chunked", "mean")):
+        options = {"mode": mode, "reduction": reduction, "bf16_logit_gradients": True}
+        grad_loss = upstream(tuple(target.shape) if reduction == "none" else ())
+        h, w, b = leaves(hidden, weight, bias)
+        loss = _torch_head._LinearCrossEntropy.apply(h, w, b, target, 0.1, None, False, options)
+        loss.backward(grad_loss)
+        got = run(hidden, weight, bias, target, 0.1, grad_loss, **options)
+        assert torch.equal(loss.detach(), got[0])
+        for a, c in zip((h.grad, w.grad, b.grad), got[1:]):
+            assert torch.equal(a, c)
+        default = run(hidden, weight, bias, target, 0.1, grad_loss, mode=mode, reduction=reduction)
+        assert not torch.equal(default[2], got[2])  # the option reached the head
+
+
 def test_strided_hidden_and_int32_targets():
     # Hidden states [b, s, H] transposed to [s, b, H] (copied), a weight that is a row
     # slice of a wider one (read in place), int32 targets.
