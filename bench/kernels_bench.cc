@@ -1,7 +1,8 @@
 // bench/kernels_bench.cc: Google Benchmark microbenchmarks of vpce's kernels: the SIMD
 // exp alone (and Highway's, for comparison), one block's statistics and one block's
-// gradient (in cache; bf16 also with AVX512-BF16's instructions turned off), and whole-row local statistics and gradient over [tokens, V] (from
-// memory). Reported as items (logits) per second.
+// gradient (in cache; bf16 also with AVX512-BF16's instructions turned off), and whole-row
+// local statistics and gradient over [tokens, V] (from memory). Reported as items (logits)
+// per second.
 #include <benchmark/benchmark.h>
 
 #include <random>

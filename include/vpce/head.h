@@ -130,11 +130,12 @@ Status linear_cross_entropy_backward(const HeadInputs& inputs, const TensorView&
 // that upstream gradient (their fp32 sums run in another order, so not bit for bit).
 // Collective: one all_gather per chunk of head.chunk_tokens tokens; `collectives`, when
 // not null, gets the number made, also when the call fails (a rank with a bad argument
-// still joins the first gather, so that every rank returns the error: 1). Bad arguments and ranks that disagree are found at the first
-// chunk, before anything is written; a communication failure at a later chunk (a transport
-// error or a timeout) returns its error with the earlier chunks' gradients already written
-// or, with `accumulate`, already added: the buffers then hold part of the step, so a caller
-// must not retry the step on them (restore them, or restart from the checkpoint).
+// still joins the first gather, so that every rank returns the error: 1). Bad arguments
+// and ranks that disagree are found at the first chunk, before anything is written; a
+// communication failure at a later chunk (a transport error or a timeout) returns its
+// error with the earlier chunks' gradients already written or, with `accumulate`, already
+// added: the buffers then hold part of the step, so a caller must not retry the step on
+// them (restore them, or restart from the checkpoint).
 Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets,
                                              const VocabShard& shard, const LossOptions& options,
                                              const HeadOptions& head, float grad_loss, const TensorView& loss,

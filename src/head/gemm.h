@@ -22,8 +22,8 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const flo
 // operands (not its bits: another order), except that AVX512-BF16's dot products (VDPBF16PS)
 // flush subnormal inputs (below 2^-126) to zero. oneDNN's matmul primitive on those dot
 // products (or AMX), or its emulation on AVX-512 without them; on older CPUs (AVX2), the
-// operands widened and gemm() above. The head's uses:
-// the logits' tiles (A B^T), and with bf16_logit_gradients the gradients' dx W and dx^T h.
+// operands widened and gemm() above. The head's uses: the logits' tiles (A B^T), and with
+// bf16_logit_gradients the gradients' dx W and dx^T h.
 void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
                const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc);
 

@@ -218,6 +218,11 @@ struct LogitGradients {
   }
 };
 
+// The logit gradients at dx (fp32 row stride ld) as prepare_logit_gradients leaves them.
+LogitGradients logit_gradients(const Fp32Operands& ops, const float* dx, int64_t ld) {
+  return {reinterpret_cast<const char*>(dx), ld, ops.bf16_gradient_gemms()};
+}
+
 // dx [rows, cols] fp32 (row stride ld), in place, as the gradients' GEMMs take it: unchanged;
 // with bf16_logit_gradients rounded to bf16, compacted to bf16 rows where those GEMMs are
 // bf16 (Fp32Operands::bf16_gradient_gemms), else kept as fp32 values.
@@ -233,7 +238,7 @@ LogitGradients prepare_logit_gradients(const HeadArgs& args, const Fp32Operands&
       }
     }
   }
-  return {reinterpret_cast<const char*>(dx), ld, ops.bf16_gradient_gemms()};
+  return logit_gradients(ops, dx, ld);
 }
 
 // out [rows, H] = dx [rows, cols] times the weight's rows [v0, v0 + cols) + beta out: their fp32
@@ -395,8 +400,8 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
       if (grads.weight.present()) {
         // The first super-block writes the sums (over grad_weight itself, unless adding into it).
         const float beta_w = s0 > 0 || (weight_direct && grads.weight.accumulate) ? 1.0f : 0.0f;
-        const LogitGradients g{reinterpret_cast<const char*>(dx), vb, ops.bf16_gradient_gemms()};
-        weight_gradient(args, g, s0, group_rows, hidden, ldh, cols, beta_w, false, target, threads);
+        weight_gradient(args, logit_gradients(ops, dx, vb), s0, group_rows, hidden, ldh, cols, beta_w, false, target,
+                        threads);
       }
       s0 += group;
     } while (s0 < n);
@@ -472,8 +477,8 @@ void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
   const float beta_w = first_chunk && !(sums.weight_direct && grads.weight.accumulate) ? 0.0f : 1.0f;
   int64_t ldh = 0;
   const float* hidden = ops.bf16_gradient_gemms() ? nullptr : ops.hidden_rows(row_begin, rows, unused, threads, &ldh);
-  const LogitGradients g{reinterpret_cast<const char*>(logits), vr, ops.bf16_gradient_gemms()};
-  weight_gradient(args, g, row_begin, rows, hidden, ldh, cols, beta_w, !first_chunk, target, threads);
+  weight_gradient(args, logit_gradients(ops, logits, vr), row_begin, rows, hidden, ldh, cols, beta_w, !first_chunk,
+                  target, threads);
 }
 
 void finish_chunked_gradients(const HeadArgs& args, const SweepContext& ctx, const HeadGradientArgs& grads,

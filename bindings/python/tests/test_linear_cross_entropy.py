@@ -210,6 +210,19 @@ def test_half_precision_within_its_rounding(mode, reduction, dtype, rounding):
         assert relative_error(g, r) < rounding  # each element rounded once to the dtype
 
 
+def the_function_and_the_public_call_agree(hidden, weight, bias, target, grad_loss, options):
+    """The autograd.Function and linear_cross_entropy (the custom ops on PyTorch >= 2.4):
+    the same loss and gradients, bit for bit; returns the public call's."""
+    h, w, b = leaves(hidden, weight, bias)
+    loss = _torch_head._LinearCrossEntropy.apply(h, w, b, target, 0.1, None, False, options)
+    loss.backward(grad_loss)
+    got = run(hidden, weight, bias, target, 0.1, grad_loss, **options)
+    assert torch.equal(loss.detach(), got[0])
+    for a, c in zip((h.grad, w.grad, b.grad), got[1:]):
+        assert torch.equal(a, c)
+    return got
+
+
 def rounded_logit_gradient_reference(hidden, weight, bias, target, label_smoothing, reduction):
     """(grad_hidden, grad_weight, grad_bias) in float64 from the logits' float64 gradient
     rounded to bfloat16 (through float32), as bf16_logit_gradients computes them."""
@@ -253,13 +266,7 @@ def test_bf16_logit_gradients_take_the_same_path_through_the_ops_and_the_functio
     for mode, reduction in (("recompute", "none"), ("chunked", "mean")):
         options = {"mode": mode, "reduction": reduction, "bf16_logit_gradients": True}
         grad_loss = upstream(tuple(target.shape) if reduction == "none" else ())
-        h, w, b = leaves(hidden, weight, bias)
-        loss = _torch_head._LinearCrossEntropy.apply(h, w, b, target, 0.1, None, False, options)
-        loss.backward(grad_loss)
-        got = run(hidden, weight, bias, target, 0.1, grad_loss, **options)
-        assert torch.equal(loss.detach(), got[0])
-        for a, c in zip((h.grad, w.grad, b.grad), got[1:]):
-            assert torch.equal(a, c)
+        got = the_function_and_the_public_call_agree(hidden, weight, bias, target, grad_loss, options)
         default = run(hidden, weight, bias, target, 0.1, grad_loss, mode=mode, reduction=reduction)
         assert not torch.equal(default[2], got[2])  # the option reached the head
 
@@ -354,13 +361,7 @@ def test_the_autograd_function_matches_the_custom_op_path():
     for mode, reduction in (("recompute", "none"), ("recompute", "sum")):
         grad_loss = upstream(tuple(target.shape) if reduction == "none" else ())
         options = {"mode": mode, "reduction": reduction, "z_loss_weight": 1e-3}
-        h, w, b = leaves(hidden, weight, bias)
-        loss = _torch_head._LinearCrossEntropy.apply(h, w, b, target, 0.1, None, False, options)
-        loss.backward(grad_loss)
-        got = run(hidden, weight, bias, target, 0.1, grad_loss, **options)
-        assert torch.equal(loss.detach(), got[0])
-        for a, c in zip((h.grad, w.grad, b.grad), got[1:]):
-            assert torch.equal(a, c)
+        the_function_and_the_public_call_agree(hidden, weight, bias, target, grad_loss, options)
 
 
 @pytest.mark.parametrize("arguments,options,kind,fragment", [
