@@ -39,6 +39,7 @@ Status exchange_stats(Communicator& comm, Workspace::Buffers& buffers, const Exc
     buffers.send.resize(payload);
     buffers.recv.resize(payload * static_cast<std::size_t>(ranks));
     buffers.merged.resize(static_cast<std::size_t>(n * width) * sizeof(float));
+    buffers.rank_columns.resize(static_cast<std::size_t>(ranks));
   } catch (const std::exception&) {
     // Still join the collective, with the header alone, so that no rank waits for this one.
     if (local.ok()) {
@@ -72,8 +73,21 @@ Status exchange_stats(Communicator& comm, Workspace::Buffers& buffers, const Exc
   if (Status group = check_group(recv, payload, ranks, rank); !group.ok()) return group;
 
   *merged = RowMatrix{reinterpret_cast<char*>(buffers.merged.data()), kFloat32, n, width, width};
+  // With label smoothing each rank's sum of logits is relative to its max: the merge rebases
+  // it by the rank's valid columns, from the headers (checked above to partition [0, V)).
+  const LossParams params = loss_params(call.options, call.shard.vocab_size);
+  const int64_t* columns = nullptr;
+  if (params.with_sum_logits() && buffers.rank_columns.size() == static_cast<std::size_t>(ranks)) {
+    for (int r = 0; r < ranks; ++r) {
+      RankHeader h;
+      std::memcpy(&h, recv + static_cast<std::size_t>(r) * payload, sizeof(h));
+      buffers.rank_columns[static_cast<std::size_t>(r)] = valid_columns(h.vocab_begin, h.vocab_end - h.vocab_begin, params);
+    }
+    columns = buffers.rank_columns.data();
+  }
   merge_stats_kernel(reinterpret_cast<const float*>(recv + sizeof(header)),
-                     static_cast<int64_t>(payload / sizeof(float)), ranks, width, call.options.num_threads, *merged);
+                     static_cast<int64_t>(payload / sizeof(float)), ranks, width, columns, call.options.num_threads,
+                     *merged);
   return {};
 }
 

@@ -2,6 +2,11 @@
 //
 // Each entry validates every argument, then runs its kernel; on any error it returns
 // before writing anything.
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "cpu/kernels.h"
 #include "cuda/dispatch.h"
 #include "validate.h"
@@ -72,8 +77,63 @@ Status calculate_local_stats(const TensorView& logits, const TensorView& targets
   return {};
 }
 
+namespace {
+
+// The valid columns of each rank's shard (into `columns`), after checking that the shards
+// partition [0, vocab_size), one per rank.
+Status shard_columns(std::span<const VocabShard> shards, int64_t ranks, const LossOptions& options,
+                     std::vector<int64_t>* columns) {
+  if (static_cast<int64_t>(shards.size()) != ranks) {
+    return {Code::kInvalidArgument,
+            detail::expected_got("shards", "one VocabShard per rank (gathered.shape[0] = " + std::to_string(ranks) + ")",
+                                 std::to_string(shards.size()) + " shards")};
+  }
+  const int64_t vocab_size = shards[0].vocab_size;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (std::size_t r = 0; r < shards.size(); ++r) {
+    const VocabShard& shard = shards[r];
+    const std::string name = "shards[" + std::to_string(r) + "]";
+    if (shard.vocab_size != vocab_size || vocab_size < 1) {
+      return {Code::kInvalidArgument,
+              detail::expected_got((name + ".vocab_size").c_str(),
+                                   ">= 1 and the same on every shard (shards[0]'s " + std::to_string(vocab_size) + ")",
+                                   std::to_string(shard.vocab_size))};
+    }
+    if (shard.vocab_begin < 0 || shard.vocab_begin > shard.vocab_end || shard.vocab_end > vocab_size) {
+      return {Code::kInvalidArgument,
+              detail::expected_got((name + ".vocab_begin, .vocab_end").c_str(),
+                                   "0 <= begin <= end <= vocab_size (" + std::to_string(vocab_size) + ")",
+                                   std::to_string(shard.vocab_begin) + ", " + std::to_string(shard.vocab_end))};
+    }
+    ranges.emplace_back(shard.vocab_begin, shard.vocab_end);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  int64_t covered = 0;
+  for (const auto& [begin, end] : ranges) {
+    if (begin != covered) {
+      return {Code::kInvalidArgument,
+              detail::expected_got("shards", "ranges that partition [0, " + std::to_string(vocab_size) + ")",
+                                   (begin < covered ? "an overlap at column " : "a gap at column ") +
+                                       std::to_string(std::min(begin, covered)))};
+    }
+    covered = end;
+  }
+  if (covered != vocab_size) {
+    return {Code::kInvalidArgument, detail::expected_got("shards", "ranges that partition [0, " + std::to_string(vocab_size) + ")",
+                                                         "a gap at column " + std::to_string(covered))};
+  }
+  const detail::LossParams params = detail::loss_params(options, vocab_size);
+  columns->clear();
+  for (const VocabShard& shard : shards) {
+    columns->push_back(detail::valid_columns(shard.vocab_begin, shard.vocab_end - shard.vocab_begin, params));
+  }
+  return {};
+}
+
+}  // namespace
+
 Status merge_stats(const TensorView& gathered, const LossOptions& options,
-                   const TensorView& stats) {
+                   const TensorView& stats, std::span<const VocabShard> shards) {
   if (Status s = host_only(gathered, "gathered", "merge_stats"); !s.ok()) return s;
   if (Status s = host_only(stats, "stats", "merge_stats"); !s.ok()) return s;
   if (Status s = detail::check_dtype("gathered", gathered.dtype, {kFloat32}, "float32"); !s.ok()) {
@@ -124,8 +184,20 @@ Status merge_stats(const TensorView& gathered, const LossOptions& options,
       return overlap_error("stats", "gathered");
     }
   }
+  std::vector<int64_t> columns;
+  if (!shards.empty()) {
+    if (Status s = shard_columns(shards, ranks, options, &columns); !s.ok()) return s;
+  } else if (options.label_smoothing != 0.0f && ranks > 1) {
+    return {Code::kInvalidArgument,
+            detail::expected_got("shards", "the " + std::to_string(ranks) +
+                                               " ranks' VocabShards (with label smoothing the merge rebases each "
+                                               "rank's sum of logits by its column count)",
+                                 "none")};
+  }
+  // Without label smoothing the sums of logits are 0 and stay so.
+  const bool rebase = options.label_smoothing != 0.0f && !columns.empty();
   detail::merge_stats_kernel(first.row<const float>(0), rank_stride, static_cast<int>(ranks), first.row_stride,
-                             options.num_threads, out);
+                             rebase ? columns.data() : nullptr, options.num_threads, out);
   return {};
 }
 

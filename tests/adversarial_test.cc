@@ -192,6 +192,56 @@ TEST(Adversarial, MaxMovingAcrossChunksMatchesOracle) {
   use_best_simd_variant();
 }
 
+// Label smoothing where every logit is large and they sit close together (1e3 to 1e7, give
+// or take a few units; +-1e4 is the classic adversarial row): the smoothed loss needs the
+// mean of the logits, which the statistics carry relative to each rank's max (as a plain
+// fp32 sum of z it lost 5e-6 at 1e4 and 3e-4 at 1e6). Rows of two blocks and several
+// chunks, one with a max that grows chunk after chunk, a row of -inf columns (an infinite
+// smoothed loss), uneven ranks (one of a single column), one call and staged, with and
+// without the extras (the two-pass statistics), both semantics, on every SIMD target.
+TEST(Adversarial, SmoothingWithLargeCloseTogetherLogitsKeepsItsAccuracy) {
+  constexpr int64_t kTokens = 7, kColumns = 20000;
+  const float offsets[] = {1e3f, 1e4f, -1e4f, 1e5f, 1e6f, 1e7f, 1e4f};
+  for (const SimdVariant& variant : simd_variants()) {
+    use_simd_variant(variant);
+    Problem p = random_problem(kTokens, kColumns, kFloat32, 51, 3.0f);
+    for (int64_t i = 0; i < kTokens; ++i) {
+      for (int64_t v = 0; v < kColumns; ++v) {
+        const float rise = i == 3 ? static_cast<float>(v) * 1e-3f : 0.0f;  // a new max in every chunk
+        p.set(i, v, offsets[i] + p.at(i, v) + rise);
+      }
+    }
+    p.set(6, 11, -kInf);
+    p.set(6, 15000, -kInf);
+    const std::vector<double> x = p.as_double();
+    for (const auto& sizes : std::vector<std::vector<int64_t>>{{kColumns}, {7000, 13000}, {3000, 9000, 1, 7999}}) {
+      for (int mode = 0; mode < 3; ++mode) {  // one call, staged, with the extras
+        for (SmoothingSemantics semantics : {SmoothingSemantics::kMegatron, SmoothingSemantics::kPyTorch}) {
+          RunOptions options;
+          options.loss.label_smoothing = 0.1f;
+          options.loss.smoothing_semantics = semantics;
+          options.staged = mode == 1;
+          options.extras = mode == 2;
+          const RunResult result = run_ranks(p, shards_from_sizes(sizes), options);
+          for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
+          const auto want = oracle(p, options);
+          const std::string where = variant.name + " ranks " + std::to_string(sizes.size()) + " mode " +
+                                    std::to_string(mode) + " semantics " + std::to_string(static_cast<int>(semantics));
+          std::vector<double> loss = widen(result.per_rank[0].loss), want_loss = want.loss;
+          EXPECT_EQ(loss[6], kInf) << where;  // -inf columns: log p = -inf, smoothed
+          EXPECT_EQ(want_loss[6], kInf) << where;
+          loss.pop_back();
+          want_loss.pop_back();
+          for (std::size_t i = 0; i < loss.size(); ++i) {
+            EXPECT_LE(std::fabs(loss[i] - want_loss[i]), 1e-6 * std::fabs(want_loss[i])) << where << " token " << i;
+          }
+        }
+      }
+    }
+  }
+  use_best_simd_variant();
+}
+
 // A NaN logit anywhere among the valid columns makes that token's loss NaN, on every target,
 // with and without the extras (two-pass statistics), whether or not the NaN lands in the max;
 // the other tokens stay exact.

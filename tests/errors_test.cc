@@ -280,6 +280,42 @@ TEST(BadInput, NegativeThreadCount) {
   f.expect_nothing_written();
 }
 
+// With label smoothing the merge rebases each rank's sum of logits by its column count, so
+// merge_stats over R > 1 ranks needs their shards: missing, one too few, a gap, an overlap,
+// a range beyond V or shards of different V are each an error that names them, and nothing
+// is written.
+TEST(BadInput, SmoothedMergeNeedsTheRanksShards) {
+  std::vector<float> gathered(2 * kTokens * 4, 1.0f), merged(kTokens * 4, -7.0f);
+  const TensorView all = TensorView::contiguous(gathered.data(), kFloat32, {2, kTokens, 4});
+  const TensorView out = TensorView::contiguous(merged.data(), kFloat32, {kTokens, 4});
+  LossOptions options;
+  options.label_smoothing = 0.1f;
+  expect_error(merge_stats(all, options, out), Code::kInvalidArgument,
+               {"shards", "the 2 ranks' VocabShards", "got none"});
+  const VocabShard one[] = {{0, 10, 10}};
+  expect_error(merge_stats(all, options, out, one), Code::kInvalidArgument,
+               {"shards", "one VocabShard per rank (gathered.shape[0] = 2)", "got 1 shards"});
+  const VocabShard gap[] = {{0, 4, 10}, {5, 10, 10}};
+  expect_error(merge_stats(all, options, out, gap), Code::kInvalidArgument,
+               {"shards", "partition [0, 10)", "a gap at column 4"});
+  const VocabShard overlap[] = {{0, 6, 10}, {5, 10, 10}};
+  expect_error(merge_stats(all, options, out, overlap), Code::kInvalidArgument,
+               {"shards", "partition [0, 10)", "an overlap at column 5"});
+  const VocabShard beyond[] = {{0, 5, 10}, {5, 11, 10}};
+  expect_error(merge_stats(all, options, out, beyond), Code::kInvalidArgument,
+               {"shards[1].vocab_begin, .vocab_end", "<= vocab_size (10)", "got 5, 11"});
+  const VocabShard sizes[] = {{0, 5, 10}, {5, 10, 12}};
+  expect_error(merge_stats(all, options, out, sizes), Code::kInvalidArgument,
+               {"shards[1].vocab_size", "shards[0]'s 10", "got 12"});
+  for (float m : merged) EXPECT_EQ(m, -7.0f);
+  // Without smoothing the shards may be left out; with them the merge works.
+  options.label_smoothing = 0.0f;
+  EXPECT_TRUE(merge_stats(all, options, out).ok());
+  options.label_smoothing = 0.1f;
+  const VocabShard good[] = {{5, 10, 10}, {0, 5, 10}};  // any order of ranges
+  EXPECT_TRUE(merge_stats(all, options, out, good).ok());
+}
+
 TEST(BadInput, StagedApiChecksItsArguments) {
   Fixture f;
   std::vector<float> stats(kTokens * 4, -7.0f);

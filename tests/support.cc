@@ -91,9 +91,14 @@ Status staged_forward(Communicator& comm, const TensorView& x, const TensorView&
   }
   std::vector<float> all(static_cast<std::size_t>(ranks * n * width));
   if (Status s = comm.all_gather(mine.data(), all.data(), mine.size() * sizeof(float)); !s.ok()) return s;
+  // Every rank's shard, as a framework knows them (the merge rebases each rank's sum of
+  // logits by its column count).
+  std::vector<VocabShard> shards(static_cast<std::size_t>(ranks));
+  if (Status s = comm.all_gather(&shard, shards.data(), sizeof(VocabShard)); !s.ok()) return s;
   std::vector<float> merged(static_cast<std::size_t>(n * width));
   const TensorView merged_view = TensorView::contiguous(merged.data(), kFloat32, {n, width});
-  if (Status s = merge_stats(TensorView::contiguous(all.data(), kFloat32, {ranks, n, width}), options, merged_view);
+  if (Status s = merge_stats(TensorView::contiguous(all.data(), kFloat32, {ranks, n, width}), options, merged_view,
+                             shards);
       !s.ok()) {
     return s;
   }

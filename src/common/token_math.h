@@ -69,10 +69,33 @@ VPCE_HD inline int32_t float_bits_as_int(float value) {
   return out;
 }
 
+// The sum of the logits that label smoothing needs travels relative to the max it comes
+// with, Σ (z_v - ref(max)), so that it stays small where the logits are large and close
+// together (a plain fp32 Σ z_v of 20000 logits near 1e6 is off by 2^-24 of 2e10). ref(max) is
+// the max, or 0 when the max is -inf (no column, or every one -inf: the sum is then Σ z_v
+// itself, 0 or -inf); a max of +inf or NaN makes the sum NaN, as Σ z_v - max is there.
+VPCE_HD inline double logit_reference(float max) { return max == -INFINITY ? 0.0 : static_cast<double>(max); }
+
+// A sum of `columns` logits relative to ref(from), made relative to ref(to), in fp64.
+VPCE_HD inline double rebased_logit_sum(double sum, int64_t columns, float from, float to) {
+  if (columns == 0) return sum;
+  return sum + static_cast<double>(columns) * (logit_reference(from) - logit_reference(to));
+}
+
+// How many valid columns each rank's statistics cover, for rebasing their sums of logits in
+// the merge: columns[r] for rank r, or none (the sums are 0: no label smoothing).
+struct RankColumns {
+  const int64_t* columns = nullptr;
+  VPCE_HD int64_t operator()(int r) const { return columns != nullptr ? columns[r] : 0; }
+};
+
 // Merges `ranks` statistics rows (rank r's at first + r * rank_stride floats) into out[W],
-// in rank order, in fp64: max, sum of exp relative to it, target logit, sum of logits, and
-// with the extras the smallest argmax column and the weighted offsets for the entropy.
-VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ranks, bool with_extras, float* out) {
+// in rank order, in fp64: max, sum of exp relative to it, target logit, sum of logits
+// relative to it (each rank's rebased by the columns(r) it covers), and with the extras the
+// smallest argmax column and the weighted offsets for the entropy.
+template <class Columns>
+VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ranks, bool with_extras,
+                                const Columns& columns, float* out) {
   const float neg_inf = -INFINITY;
   float max = neg_inf;
   float target_logit = neg_inf;
@@ -87,7 +110,7 @@ VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ran
   int32_t argmax = -1;
   for (int r = 0; r < ranks; ++r) {
     const float* s = first + r * rank_stride;
-    sum_logits += static_cast<double>(s[3]);
+    sum_logits += rebased_logit_sum(static_cast<double>(s[3]), columns(r), s[0], max);
     // An all -inf shard adds nothing (and -inf - -inf is NaN); one whose max is -inf but
     // whose sum is NaN holds NaN logits, and its NaN must reach the loss.
     if (s[0] == neg_inf && s[1] == s[1]) continue;  // s[1] == s[1]: not NaN
@@ -137,7 +160,12 @@ VPCE_HD inline TokenLoss token_loss(const float* st, int64_t target, double weig
   const double nll = (max - static_cast<double>(st[2])) + log_sum;
   double loss = nll;
   const double s = p.smoothing;
-  if (s != 0.0) loss = (1.0 - s) * nll + s * ((max - static_cast<double>(st[3]) / static_cast<double>(p.valid_vocab)) + log_sum);
+  // lse - mean z = (max - ref(max)) - mean (z - ref(max)) + log(sum); the first term is 0
+  // unless max is -inf, +inf or NaN.
+  if (s != 0.0) {
+    const double mean_offset = static_cast<double>(st[3]) / static_cast<double>(p.valid_vocab);
+    loss = (1.0 - s) * nll + s * (((max - logit_reference(st[0])) - mean_offset) + log_sum);
+  }
   if (p.z_loss != 0.0) loss += p.z_loss * lse * lse;
   out.weighted_loss = weight * loss;
   return out;

@@ -129,10 +129,11 @@ void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets, int
 }
 
 void merge_stats_kernel(const float* gathered_base, int64_t rank_stride, int ranks,
-                        int64_t row_stride, int num_threads, const RowMatrix& stats) {
+                        int64_t row_stride, const int64_t* columns, int num_threads, const RowMatrix& stats) {
   const bool with_extras = stats.cols == kStatsWidthWithExtras;
+  const RankColumns rank_columns{columns};
   parallel_rows(stats.rows, num_threads, [&](int64_t i) {
-    merge_token(gathered_base + i * row_stride, rank_stride, ranks, with_extras, stats.row<float>(i));
+    merge_token(gathered_base + i * row_stride, rank_stride, ranks, with_extras, rank_columns, stats.row<float>(i));
   });
 }
 

@@ -36,8 +36,10 @@ void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets, int
 
 // gathered: `ranks` stats matrices [N, W], rank r's row i at
 // gathered_base + r * rank_stride + i * row_stride floats -> stats [N, W], in rank order.
+// columns: rank r's valid columns at [r] (to rebase its sum of logits), or null without
+// label smoothing.
 void merge_stats_kernel(const float* gathered_base, int64_t rank_stride, int ranks,
-                        int64_t row_stride, int num_threads, const RowMatrix& stats);
+                        int64_t row_stride, const int64_t* columns, int num_threads, const RowMatrix& stats);
 
 // merged stats [N, W], targets [N], weights [N] or absent -> the outputs.
 void loss_kernel(const RowMatrix& stats, const TokenVector& targets, const TokenVector& weights,

@@ -512,7 +512,8 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
   constexpr auto ahead = static_cast<int64_t>(8192 / sizeof(T));
   float max = -std::numeric_limits<float>::infinity();
   LaneShift shift = MakeLaneShift(d, 0.0f);  // of max, once there is one
-  double sum_exp2 = 0.0, sum_logits = 0.0;    // sum e^(z - max) / shift.correction
+  double sum_exp2 = 0.0;                      // sum e^(z - max) / shift.correction
+  double sum_logits = 0.0;                    // sum (z - logit_reference(max))
   for (int64_t begin = 0; begin < cols; begin += chunk) {
     const int64_t end = std::min(cols, begin + chunk);
     const int64_t full_end = end - (end - begin) % lanes;
@@ -555,11 +556,15 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
     if (!(chunk_max <= max)) {
       const LaneShift grown = MakeLaneShift(d, chunk_max);
       if (sum_exp2 != 0.0) sum_exp2 *= std::exp2(shift.log2_reference - grown.log2_reference);
+      if (with_sum_logits) sum_logits = rebased_logit_sum(sum_logits, begin, max, chunk_max);
       max = chunk_max;
       shift = grown;
     }
     VF sums[8] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
     VF sums_z[4] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
+    // The logits' sum relative to the max (so that it stays small where they are large and
+    // close together): one subtraction more per vector, with label smoothing only.
+    const VF reference = hn::Set(d, static_cast<float>(logit_reference(max)));
     // The chunk's sums, with the shift's kind fixed for its loops.
     auto sum_chunk = [&](auto subtract_first) {
       constexpr bool kSubtractFirst = decltype(subtract_first)::value;
@@ -571,7 +576,9 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
         const VF z0 = Transform<kKind>(d, x0, t), z1 = Transform<kKind>(d, x1, t);
         sums[into] = hn::Add(sums[into], ExpShiftedAs<kSubtractFirst>(d, z0, shift, poly));
         sums[into + 1] = hn::Add(sums[into + 1], ExpShiftedAs<kSubtractFirst>(d, z1, shift, poly));
-        if (with_sum_logits) sums_z[into / 2] = hn::Add(sums_z[into / 2], hn::Add(z0, z1));
+        if (with_sum_logits) {
+          sums_z[into / 2] = hn::Add(sums_z[into / 2], hn::Add(hn::Sub(z0, reference), hn::Sub(z1, reference)));
+        }
       };
       for (v = begin; v + 8 * lanes <= full_end; v += 8 * lanes) {
         two(v, 0);
@@ -585,11 +592,11 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
       if (v < full_end) {  // one vector left
         const VF z = Transform<kKind>(d, LoadFull(d, row + v), t);
         sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst>(d, z, shift, poly));
-        sum_z = hn::Add(sum_z, z);
+        sum_z = hn::Add(sum_z, hn::Sub(z, reference));
       }
       if (has_tail) {
         sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst>(d, z_tail, shift, poly));
-        sum_z = hn::Add(sum_z, hn::IfThenElseZero(hn::FirstN(d, tail), z_tail));
+        sum_z = hn::Add(sum_z, hn::IfThenElseZero(hn::FirstN(d, tail), hn::Sub(z_tail, reference)));
       }
     };
     if (shift.subtract_first) {
@@ -670,7 +677,7 @@ void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_l
       const VF offset = hn::Sub(z, vm);
       const VF e = ExpShifted(d, z, shift);  // e^offset / shift.correction
       sum_exp = hn::Add(sum_exp, e);
-      if (with_sum_logits) sum_z = hn::Add(sum_z, v < full ? z : hn::IfThenElseZero(hn::FirstN(d, tail), z));
+      if (with_sum_logits) sum_z = hn::Add(sum_z, v < full ? offset : hn::IfThenElseZero(hn::FirstN(d, tail), offset));
       if (with_weighted) {
         weighted = hn::Add(weighted, hn::IfThenElseZero(hn::Gt(e, hn::Zero(d)), hn::Mul(e, offset)));
       }
@@ -1053,16 +1060,28 @@ void fold_block(BlockStats& a, const BlockStats& b, int64_t offset) {
   // No mass: every element -inf (a NaN element leaves max at -inf but the sum NaN, and that
   // NaN must reach the loss).
   auto empty = [](const BlockStats& s) { return s.max == kNegInf && !std::isnan(s.sum_exp); };
-  a.sum_logits += b.sum_logits;
-  if (empty(b)) return;  // adds no mass (and -inf - -inf would be NaN)
+  // The sums of logits, each relative to its own max, rebased to the folded one.
+  auto fold_sums = [&](float max) {
+    return rebased_logit_sum(a.sum_logits, a.columns, a.max, max) +
+           rebased_logit_sum(b.sum_logits, b.columns, b.max, max);
+  };
+  const int64_t columns = a.columns + b.columns;
+  if (empty(b)) {  // adds no mass (and -inf - -inf would be NaN)
+    a.sum_logits = fold_sums(a.max);
+    a.columns = columns;
+    return;
+  }
   if (empty(a)) {
-    const double sum_logits = a.sum_logits;
+    const double sum_logits = fold_sums(b.max);
     a = b;
     a.sum_logits = sum_logits;
+    a.columns = columns;
     if (a.argmax >= 0) a.argmax += offset;
     return;
   }
   const float max = std::max(a.max, b.max);
+  a.sum_logits = fold_sums(max);
+  a.columns = columns;
   const double shift_a = static_cast<double>(a.max) - static_cast<double>(max);
   const double shift_b = static_cast<double>(b.max) - static_cast<double>(max);
   const double scale_a = std::exp(shift_a), scale_b = std::exp(shift_b);
@@ -1077,6 +1096,7 @@ BlockStats block_stats(const void* row, StorageType type, int64_t cols, const Tr
                        bool with_sum_logits, bool with_weighted) {
   BlockStats out;
   HWY_DYNAMIC_DISPATCH(BlockStatsImpl)(row, static_cast<int32_t>(type), cols, t, with_sum_logits, with_weighted, &out);
+  out.columns = cols;
   return out;
 }
 

@@ -29,8 +29,9 @@ struct BlockStats {
   float max = -__builtin_inff();
   int64_t argmax = -1;         // first column (in the block) holding max; -1 if none
   double sum_exp = 0.0;        // sum exp(z - max)
-  double sum_logits = 0.0;     // sum z (when asked)
+  double sum_logits = 0.0;     // sum (z - logit_reference(max)) (when asked; token_math.h)
   double weighted = 0.0;       // sum exp(z - max) (z - max) (when asked)
+  int64_t columns = 0;         // the columns these statistics cover
 };
 
 // Folds block b (whose columns start `offset` after block a's) into a, in column order.

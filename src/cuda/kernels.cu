@@ -90,20 +90,37 @@ __global__ void __launch_bounds__(kThreads) local_stats_kernel(const T* logits, 
   out[0] = p.max;
   out[1] = static_cast<float>(p.sum_exp);
   out[2] = column >= 0 && column < valid ? t.apply(to_float(row[column])) : -INFINITY;
-  out[3] = sum_logits ? static_cast<float>(p.sum_logits) : 0.0f;
+  // The sum of logits relative to the max (token_math.h), from the fp64 sum of z: the
+  // column count times the max, subtracted in fp64.
+  out[3] = sum_logits ? static_cast<float>(rebased_logit_sum(p.sum_logits, valid, -INFINITY, p.max)) : 0.0f;
   if (extras) {
     out[4] = int_as_float_bits(p.argmax < 0 ? -1 : static_cast<int32_t>(p.argmax + vocab_begin));
     out[5] = static_cast<float>(p.weighted);
   }
 }
 
-// gathered: ranks' stats [rows, width], rank r's at gathered + r * rank_stride floats ->
-// merged [rows, width].
+// Rank r's valid columns, from its header (just before its stats in the gathered payloads),
+// for rebasing its sum of logits; 0 without label smoothing (the sums are 0).
+struct HeaderColumns {
+  const float* gathered;
+  int64_t rank_stride;
+  LossParams params;
+  __device__ int64_t operator()(int r) const {
+    if (!params.with_sum_logits()) return 0;
+    const char* stats = reinterpret_cast<const char*>(gathered + r * rank_stride);
+    const auto* h = reinterpret_cast<const RankHeader*>(stats - sizeof(RankHeader));
+    return valid_columns(h->vocab_begin, h->vocab_end - h->vocab_begin, params);
+  }
+};
+
+// gathered: ranks' stats [rows, width], rank r's at gathered + r * rank_stride floats, each
+// after its header -> merged [rows, width].
 __global__ void merge_kernel(const float* gathered, int64_t rank_stride, int ranks, int64_t rows, int64_t width,
-                             float* merged) {
+                             LossParams params, float* merged) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= rows) return;
-  merge_token(gathered + i * width, rank_stride, ranks, width == 6, merged + i * width);
+  const HeaderColumns columns{gathered, rank_stride, params};
+  merge_token(gathered + i * width, rank_stride, ranks, width == 6, columns, merged + i * width);
 }
 
 // merged [rows, width] -> loss (per token, or per-token terms into `terms` for a
@@ -331,7 +348,8 @@ Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int
     return launched("reduction");
   }
   constexpr int kTokens = 256;
-  merge_kernel<<<grid_for(rows, kTokens), kTokens, 0, stream>>>(gathered, rank_stride, ranks, rows, width, merged);
+  merge_kernel<<<grid_for(rows, kTokens), kTokens, 0, stream>>>(gathered, rank_stride, ranks, rows, width, params,
+                                                                 merged);
   if (Status s = launched("merge"); !s.ok()) return s;
   loss_kernel<<<grid_for(rows, kTokens), kTokens, 0, stream>>>(
       merged, rows, width, targets.base, targets.dtype == kInt64, targets.stride, w, weights.stride, params,

@@ -383,6 +383,43 @@ TEST_P(HeadModes, LargeAndMinusInfinityLogitsStayFinite) {
   for (double g : r.grad_weight) ASSERT_TRUE(std::isfinite(g));
 }
 
+// Label smoothing where every logit is large and they sit close together (a bias of 1e5 on
+// every column, products of a few units on top, all multiples of 1/4 so that the fp32 logits
+// are the oracle's exactly): the tiles' sums of logits are taken relative to their max and
+// rebased as tiles, chunks and ranks fold, so the smoothed loss keeps its 1e-6 (as a plain
+// fp32 sum of z it lost 2e-4 here). Uneven ranks (one of a single row), small tiles, both
+// semantics; per-token losses in the recompute mode, their mean in the chunked one. The
+// gradients are p - q with p from the fp32 lse, whose spacing at 1e5 (2^-7) bounds them
+// (design.md, "Precision"): they are checked loosely.
+TEST_P(HeadModes, SmoothingWithLargeCloseTogetherLogitsKeepsItsAccuracy) {
+  HeadProblem p = random_head_problem(13, 16, 300, kFloat32, 17, 3.0f);
+  std::mt19937_64 rng(5);
+  for (int64_t i = 0; i < p.tokens; ++i) {
+    for (int64_t k = 0; k < p.hidden; ++k) p.set_hidden(i, k, static_cast<float>(static_cast<int>(rng() % 5) - 2));
+  }
+  for (int64_t v = 0; v < p.vocab; ++v) {
+    for (int64_t k = 0; k < p.hidden; ++k) {
+      const float w = static_cast<float>(static_cast<int>(rng() % 5) - 2) * 0.25f;
+      std::memcpy(p.weight_storage.data() + (v * p.ld_weight + k) * 4, &w, sizeof(w));
+    }
+    p.set_bias(v, 1e5f + static_cast<float>(v % 3));
+  }
+  for (SmoothingSemantics semantics : {SmoothingSemantics::kMegatron, SmoothingSemantics::kPyTorch}) {
+    HeadRun run;
+    run.mode = GetParam();
+    run.loss.label_smoothing = 0.1f;
+    run.loss.smoothing_semantics = semantics;
+    if (run.mode == Mode::kChunked) run.loss.reduction = Reduction::kMean;
+    run.ranks = 3;
+    run.sizes = {100, 1, 199};
+    run.head.token_block = 4;
+    run.head.vocab_block = 16;
+    run.head.chunk_tokens = 8;
+    const HeadResult r = run_head(p, run);
+    expect_matches(p, run, r, 1e-6, 2e-2);
+  }
+}
+
 TEST_P(HeadModes, EveryTokenIgnoredOrNoTokensGivesZeroGradients) {
   for (int64_t tokens : {int64_t{0}, int64_t{9}}) {
     HeadProblem p = random_head_problem(tokens, 8, 40, kFloat32, 3);

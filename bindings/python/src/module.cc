@@ -14,6 +14,8 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <cstring>
@@ -525,16 +527,21 @@ NB_MODULE(_vpce, m) {
 
   m.def(
       "merge_stats",
-      [](nb::handle gathered, const vpce::LossOptions& options, nb::handle stats) {
+      [](nb::handle gathered, const vpce::LossOptions& options, nb::handle stats,
+         const std::vector<std::tuple<int64_t, int64_t, int64_t>>& shards) {
         const auto gathered_array = as_array<Array>(gathered, "gathered");
         const auto stats_array = as_array<MutableArray>(stats, "stats");
         const vpce::TensorView g = view(gathered_array, "gathered");
         const vpce::TensorView s = view(stats_array, "stats");
+        std::vector<vpce::VocabShard> ranges;
+        for (const auto& [begin, end, size] : shards) ranges.push_back(shard_of(begin, end, size));
         nb::gil_scoped_release release;
-        check(vpce::merge_stats(g, options, s));
+        check(vpce::merge_stats(g, options, s, ranges));
       },
       nb::arg("gathered").none(), nb::arg("options"), nb::arg("stats").none(),
-      "Staged 2: [R, N, W] -> [N, W], in rank order.");
+      nb::arg("shards") = std::vector<std::tuple<int64_t, int64_t, int64_t>>{},
+      "Staged 2: [R, N, W] -> [N, W], in rank order. shards: each rank's (vocab_begin, vocab_end, "
+      "vocab_size), in rank order; needed with label smoothing when R > 1.");
 
   m.def(
       "calculate_loss",

@@ -68,6 +68,33 @@ def test_staged_two_shards_gathered_by_hand(problem):
     assert relative_error(grad, want_grad[:, 32:]) < 1e-6
 
 
+def test_staged_smoothing_of_large_close_together_logits_takes_the_shards():
+    """With label smoothing each rank's sum of logits is relative to its max, so merging
+    more than one rank needs their shards; given them, the smoothed loss of logits near 1e5
+    keeps its 1e-6 (PyTorch's semantics, against float64)."""
+    rng = np.random.default_rng(5)
+    n, vocab, split = 7, 3000, 1100
+    logits = (1e5 + 3 * rng.standard_normal((n, vocab))).astype(np.float32)
+    target = rng.integers(0, vocab, n).astype(np.int64)
+    options = vpce.LossOptions()
+    options.label_smoothing = 0.1
+    options.smoothing_semantics = vpce.SmoothingSemantics.PYTORCH
+    shards = [(0, split, vocab), (split, vocab, vocab)]
+    stats = np.zeros((2, n, vpce.STATS_WIDTH), np.float32)
+    for r, (begin, end, _) in enumerate(shards):
+        vpce.calculate_local_stats(logits[:, begin:end], target, begin, end, vocab, options, stats[r])
+    merged = np.zeros((n, vpce.STATS_WIDTH), np.float32)
+    with pytest.raises(vpce.Error, match="shards"):
+        vpce.merge_stats(stats, options, merged)
+    vpce.merge_stats(stats, options, merged, shards)
+    loss = np.zeros(n, np.float32)
+    lse = np.zeros(n, np.float32)
+    vpce.calculate_loss(merged, target, vocab, options, loss, lse)
+    nll, want_lse, _ = reference(logits, target)
+    want = 0.9 * nll + 0.1 * (want_lse - logits.astype(np.float64).mean(axis=1))
+    assert np.abs(loss - want).max() <= 1e-6 * np.abs(want).max()
+
+
 def test_options_object_and_reduction(problem):
     logits, target = problem
     n, vocab = logits.shape

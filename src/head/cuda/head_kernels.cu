@@ -50,7 +50,7 @@ Bias bias_of(const TileColumns& c) {
 __global__ void init_running_kernel(RunningStats* running, int64_t rows) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= rows) return;
-  running[i] = RunningStats{-INFINITY, -1, 0.0, 0.0, 0.0, -INFINITY, 0.0f};
+  running[i] = RunningStats{-INFINITY, -1, 0.0, 0.0, 0.0, -INFINITY, 0};
 }
 
 // One block per tile row: the row's Part over the tile's valid columns (as
@@ -100,6 +100,7 @@ __global__ void __launch_bounds__(kThreads)
   s.argmax = a.argmax;
   const int64_t column = target_of(targets, wide_targets, target_stride, r) - vocab_begin - col0;
   if (column >= 0 && column < valid) s.target = t.apply(row[column] + bias.at(column));
+  s.columns += static_cast<int32_t>(valid);
   running[r] = s;
 }
 
@@ -121,7 +122,9 @@ __global__ void finalize_kernel(const RunningStats* running, int64_t rows, const
   out[0] = s.max;
   out[1] = static_cast<float>(s.sum_exp);
   out[2] = s.target;
-  out[3] = params.with_sum_logits() ? static_cast<float>(s.sum_logits) : 0.0f;
+  // The sum of logits relative to the max (token_math.h), from the fp64 sum of z.
+  out[3] = params.with_sum_logits() ? static_cast<float>(rebased_logit_sum(s.sum_logits, s.columns, -INFINITY, s.max))
+                                    : 0.0f;
   if (width == 6) {
     out[4] = int_as_float_bits(s.argmax < 0 ? -1 : static_cast<int32_t>(s.argmax + vocab_begin));
     out[5] = static_cast<float>(s.weighted);

@@ -23,10 +23,10 @@ struct RunningStats {
   float max;          // -inf while empty (or while every element was -inf or NaN)
   int32_t argmax;     // shard-local column of the first max, -1 if none
   double sum_exp;     // sum exp(z - max)
-  double sum_logits;  // sum z (label smoothing only)
+  double sum_logits;  // sum z (label smoothing only; the statistics take it relative to max)
   double weighted;    // sum exp(z - max)(z - max) (extras only)
   float target;       // the transformed target logit, -inf if not among this shard's columns
-  float unused;
+  int32_t columns;    // the valid columns folded so far
 };
 static_assert(sizeof(RunningStats) == 40);
 
