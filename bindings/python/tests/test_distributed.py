@@ -1,7 +1,7 @@
 """vpce.torch on real torch.distributed groups: 1, 2, 3 and 4 processes over gloo, each holding
 its shard of the vocabulary, against the float64 PyTorch reference; exactly one collective
 per forward and none per backward, counted (two when the payload first outgrows the agreed
-blocks); the same loss on every rank; ranks that disagree (on V, the number of tokens, the
+blocks); the same loss on every rank; label smoothing exact for logits near 1e5; ranks that disagree (on V, the number of tokens, the
 legacy smoothing) and a rank that fails before the gather all give every rank the same
 error; Megatron's legacy smoothing reproduced on request. Every group has a 60 s timeout and
 every test a deadline, so a regression fails instead of hanging."""
@@ -95,6 +95,22 @@ def check_case(group, rank, size, dtype, label_smoothing, inplace, options):
     assert all(torch.equal(other, losses[0]) for other in losses)
 
 
+def check_large_close_together_logits(group, rank, size):
+    """Label smoothing where every logit is near 1e5 (+- a few): each rank's sum of logits
+    travels relative to its max, so the smoothed loss keeps its 1e-6 over the group (a plain
+    fp32 sum of these 388 logits, about 3.9e7, rounds by up to 2: 5e-3 in their mean, up to
+    9e-5 of the loss)."""
+    logits, target, grad_loss = global_problem(seed=13)
+    logits = (logits.double() + 1e5).float()
+    vocab = logits.shape[-1]
+    local = vocab // size
+    x = logits[..., rank * local:(rank + 1) * local]
+    for semantics in ("megatron", "pytorch"):
+        loss = vt.vocab_parallel_cross_entropy(x, target, 0.1, tp_group=group, smoothing_semantics=semantics)
+        want_loss, _ = loss_and_grad(logits, target, grad_loss, label_smoothing=0.1, semantics=semantics)
+        assert ((loss.double() - want_loss).abs() / want_loss.abs()).max().item() < 1e-6, semantics
+
+
 def check_legacy(group, rank, size):
     logits, target, grad_loss = global_problem(seed=11)
     vocab = logits.shape[-1]
@@ -155,6 +171,7 @@ def worker(rank, size, init_file):
     ]
     for dtype, label_smoothing, inplace, options in cases:
         check_case(group, rank, size, dtype, label_smoothing, inplace, options)
+    check_large_close_together_logits(group, rank, size)
     if size > 1:
         check_legacy(group, rank, size)
         check_disagreement(group, rank, size)
