@@ -174,10 +174,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       outputs_before = snapshot(arena);
       check(vpce::calculate_local_stats(logits, targets, shard, options, stats), outputs_before, arena);
       break;
-    case 2:
+    case 2: {
+      // With shards or without; shards of random count and ranges (valid or not).
+      std::vector<vpce::VocabShard> shards(in.ConsumeIntegralInRange<std::size_t>(0, 3));
+      for (vpce::VocabShard& s : shards) {
+        s.vocab_size = in.ConsumeIntegralInRange<int64_t>(-1, 40);
+        s.vocab_begin = in.ConsumeIntegralInRange<int64_t>(-2, 40);
+        s.vocab_end = in.ConsumeIntegralInRange<int64_t>(-2, 42);
+      }
       outputs_before = snapshot(arena);
-      check(vpce::merge_stats(gathered, options, stats), outputs_before, arena);
+      check(shards.empty() ? vpce::merge_stats(gathered, options, stats)
+                           : vpce::merge_stats(gathered, options, stats, shards),
+            outputs_before, arena);
       break;
+    }
     default:
       outputs_before = snapshot(arena);
       check(vpce::calculate_loss(gathered.ndim == 3 ? stats : gathered, targets, shard.vocab_size, options, loss, lse, extras),

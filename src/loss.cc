@@ -105,7 +105,7 @@ Status shard_columns(std::span<const VocabShard> shards, int64_t ranks, const Lo
                                    "0 <= begin <= end <= vocab_size (" + std::to_string(vocab_size) + ")",
                                    std::to_string(shard.vocab_begin) + ", " + std::to_string(shard.vocab_end))};
     }
-    ranges.emplace_back(shard.vocab_begin, shard.vocab_end);
+    if (shard.vocab_end > shard.vocab_begin) ranges.emplace_back(shard.vocab_begin, shard.vocab_end);  // an empty one owns nothing
   }
   std::sort(ranges.begin(), ranges.end());
   int64_t covered = 0;
@@ -131,6 +131,10 @@ Status shard_columns(std::span<const VocabShard> shards, int64_t ranks, const Lo
 }
 
 }  // namespace
+
+Status merge_stats(const TensorView& gathered, const LossOptions& options, const TensorView& stats) {
+  return merge_stats(gathered, options, stats, {});
+}
 
 Status merge_stats(const TensorView& gathered, const LossOptions& options,
                    const TensorView& stats, std::span<const VocabShard> shards) {

@@ -314,6 +314,11 @@ TEST(BadInput, SmoothedMergeNeedsTheRanksShards) {
   options.label_smoothing = 0.1f;
   const VocabShard good[] = {{5, 10, 10}, {0, 5, 10}};  // any order of ranges
   EXPECT_TRUE(merge_stats(all, options, out, good).ok());
+  // An empty range owns nothing, wherever it starts (as the one-call forward's check has it).
+  std::vector<float> three(3 * kTokens * 4, 1.0f);
+  const VocabShard with_empty[] = {{0, 5, 10}, {5, 10, 10}, {7, 7, 10}};
+  EXPECT_TRUE(merge_stats(TensorView::contiguous(three.data(), kFloat32, {3, kTokens, 4}), options, out, with_empty)
+                  .ok());
 }
 
 TEST(BadInput, StagedApiChecksItsArguments) {

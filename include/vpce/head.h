@@ -34,8 +34,9 @@
 // and for any num_threads.
 //
 // Staged, for frameworks with their own collective: linear_cross_entropy_local_stats gives
-// this rank's [N, 4] (or [N, 6]) statistics; gather them, then merge_stats and
-// calculate_loss (vpce/loss.h) as for logits, then linear_cross_entropy_backward.
+// this rank's [N, 4] (or [N, 6]) statistics; gather them, then merge_stats (with every
+// rank's VocabShard when label smoothing is on) and calculate_loss (vpce/loss.h) as for
+// logits, then linear_cross_entropy_backward.
 //
 // Every function validates all of its arguments first and returns kInvalidArgument naming
 // the argument, the expected and the actual value; on any error no output is written.

@@ -85,8 +85,8 @@ struct TokenStats {
   float max;           // max_v z_v over the columns, -inf if none or all -inf
   float sum_exp;       // sum_v exp(z_v - max), 0 if max is -inf
   float target_logit;  // z_target if the target is among the columns, else -inf
-  float sum_logits;    // sum_v (z_v - max) with label smoothing (else 0); sum_v z_v when
-                       // max is -inf (0 for no column, else -inf)
+  float sum_logits;    // with label smoothing (else 0): the mean of z_v - max over the
+                       // valid columns (0 for none); of z_v when max is -inf
 };
 static_assert(sizeof(TokenStats) == 16);
 struct TokenStatsExtras {
@@ -175,11 +175,14 @@ Status calculate_local_stats(const TensorView& logits, const TensorView& targets
 
 // Stage 2: gathered [R, N, W] float32 (rank r's stats at [r]) -> stats [N, W], merged in
 // rank order, so every rank that merges the same gathered stats gets the same bits.
-// shards: rank r's VocabShard at [r] (they partition [0, vocab_size)). Needed with label
-// smoothing when R > 1: each rank's sum of logits is relative to its own max, and the
-// merge rebases it by the rank's column count. Optional otherwise (checked when given).
-Status merge_stats(const TensorView& gathered, const LossOptions& options,
-                   const TensorView& stats, std::span<const VocabShard> shards = {});
+// shards: rank r's VocabShard at [r], in the order of `gathered` (their non-empty ranges
+// partition [0, vocab_size)). Needed with label smoothing when R > 1: each rank's mean of
+// the logits is relative to its own max, and the merge weighs it by the rank's column
+// count (shards in another order than the stats give a wrong smoothed loss). Optional
+// otherwise, and checked when given.
+Status merge_stats(const TensorView& gathered, const LossOptions& options, const TensorView& stats);
+Status merge_stats(const TensorView& gathered, const LossOptions& options, const TensorView& stats,
+                   std::span<const VocabShard> shards);
 
 // Stage 3: merged stats [N, W] and the targets -> loss and lse, and the extras (which
 // need W = 6 for target_is_argmax and entropy). vocab_size is the global V.

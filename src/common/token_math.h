@@ -69,11 +69,15 @@ VPCE_HD inline int32_t float_bits_as_int(float value) {
   return out;
 }
 
-// The sum of the logits that label smoothing needs travels relative to the max it comes
-// with, Σ (z_v - ref(max)), so that it stays small where the logits are large and close
-// together (a plain fp32 Σ z_v of 20000 logits near 1e6 is off by 2^-24 of 2e10). ref(max) is
-// the max, or 0 when the max is -inf (no column, or every one -inf: the sum is then Σ z_v
-// itself, 0 or -inf); a max of +inf or NaN makes the sum NaN, as Σ z_v - max is there.
+// The logits' mean that label smoothing needs travels relative to the max it comes with:
+// the mean of z_v - ref(max) over the valid columns (0 for none), so that it stays small
+// where the logits are large and close together (a plain fp32 sum of z over 20000 logits
+// near 1e6 is off by 2^-24 of 2e10), and a mean rather than a sum, so that it stays in
+// fp32's range where one logit is huge and the rest are not (the sum of 32000 offsets of
+// -1e35 would not). ref(max) is the max, or 0 when the max is -inf (no column, or every one
+// -inf: the mean is then that of z itself, 0 or -inf); a max of +inf or NaN makes it NaN,
+// as mean z - max is there. Within a row the kernels keep the fp64 sum of z - ref(max) and
+// rebase it as the max grows.
 VPCE_HD inline double logit_reference(float max) { return max == -INFINITY ? 0.0 : static_cast<double>(max); }
 
 // A sum of `columns` logits relative to ref(from), made relative to ref(to), in fp64.
@@ -82,17 +86,25 @@ VPCE_HD inline double rebased_logit_sum(double sum, int64_t columns, float from,
   return sum + static_cast<double>(columns) * (logit_reference(from) - logit_reference(to));
 }
 
-// How many valid columns each rank's statistics cover, for rebasing their sums of logits in
-// the merge: columns[r] for rank r, or none (the sums are 0: no label smoothing).
+// The mean of `columns` logits from their sum relative to the same reference.
+VPCE_HD inline float logit_mean(double sum, int64_t columns) {
+  return columns == 0 ? 0.0f : static_cast<float>(sum / static_cast<double>(columns));
+}
+
+// How many valid columns each rank's statistics cover, for weighing their means of logits
+// in the merge: columns[r] for rank r; or unknown (null), where only one rank's mean can be
+// merged (it is the mean), and without label smoothing every mean is 0.
 struct RankColumns {
   const int64_t* columns = nullptr;
-  VPCE_HD int64_t operator()(int r) const { return columns != nullptr ? columns[r] : 0; }
+  VPCE_HD bool known() const { return columns != nullptr; }
+  VPCE_HD int64_t operator()(int r) const { return columns[r]; }
 };
 
 // Merges `ranks` statistics rows (rank r's at first + r * rank_stride floats) into out[W],
-// in rank order, in fp64: max, sum of exp relative to it, target logit, sum of logits
-// relative to it (each rank's rebased by the columns(r) it covers), and with the extras the
-// smallest argmax column and the weighted offsets for the entropy.
+// in rank order, in fp64: max, sum of exp relative to it, target logit, mean of the logits
+// relative to it (the ranks' means weighed by the columns(r) they cover, each rebased to
+// the merged max), and with the extras the smallest argmax column and the weighted offsets
+// for the entropy.
 template <class Columns>
 VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ranks, bool with_extras,
                                 const Columns& columns, float* out) {
@@ -105,12 +117,16 @@ VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ran
     target_logit = s[2] > target_logit ? s[2] : target_logit;
   }
   double sum_exp = 0.0;
-  double sum_logits = 0.0;
+  double sum_logits = 0.0;  // sum z - ref(max), over `counted` columns
+  int64_t counted = 0;
   double weighted_offsets = 0.0;
   int32_t argmax = -1;
   for (int r = 0; r < ranks; ++r) {
     const float* s = first + r * rank_stride;
-    sum_logits += rebased_logit_sum(static_cast<double>(s[3]), columns(r), s[0], max);
+    if (columns.known() && columns(r) > 0) {
+      sum_logits += rebased_logit_sum(static_cast<double>(s[3]) * static_cast<double>(columns(r)), columns(r), s[0], max);
+      counted += columns(r);
+    }
     // An all -inf shard adds nothing (and -inf - -inf is NaN); one whose max is -inf but
     // whose sum is NaN holds NaN logits, and its NaN must reach the loss.
     if (s[0] == neg_inf && s[1] == s[1]) continue;  // s[1] == s[1]: not NaN
@@ -127,7 +143,7 @@ VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ran
   out[0] = max;
   out[1] = static_cast<float>(sum_exp);
   out[2] = target_logit;
-  out[3] = static_cast<float>(sum_logits);
+  out[3] = columns.known() ? logit_mean(sum_logits, counted) : ranks == 1 ? first[3] : 0.0f;
   if (with_extras) {
     out[4] = int_as_float_bits(argmax);
     out[5] = static_cast<float>(weighted_offsets);
@@ -162,10 +178,7 @@ VPCE_HD inline TokenLoss token_loss(const float* st, int64_t target, double weig
   const double s = p.smoothing;
   // lse - mean z = (max - ref(max)) - mean (z - ref(max)) + log(sum); the first term is 0
   // unless max is -inf, +inf or NaN.
-  if (s != 0.0) {
-    const double mean_offset = static_cast<double>(st[3]) / static_cast<double>(p.valid_vocab);
-    loss = (1.0 - s) * nll + s * (((max - logit_reference(st[0])) - mean_offset) + log_sum);
-  }
+  if (s != 0.0) loss = (1.0 - s) * nll + s * (((max - logit_reference(st[0])) - static_cast<double>(st[3])) + log_sum);
   if (p.z_loss != 0.0) loss += p.z_loss * lse * lse;
   out.weighted_loss = weight * loss;
   return out;

@@ -488,6 +488,10 @@ int64_t RawMax16(const T* p, int64_t groups, float* max) {
 
 // ---- block statistics ---------------------------------------------------------------------
 
+// The lanes' sums of logits relative to the max are kept times 2^-32: a chunk's 4096 offsets
+// then fit fp32's range whatever the logits (offsets up to 6.8e38).
+constexpr float kLogitSumScale = 0x1p-32f;
+
 // row: [cols] of T -> BlockStats, a chunk of 256 vectors (in L1) at a time: the chunk's max,
 // then the sum of e^(z - m) with m the max so far (as 2^(z L - c), see ExpShifted), the
 // earlier chunks' fp64 sum rescaled when m grows (rarely, after the first chunks). Each
@@ -563,8 +567,11 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
     VF sums[8] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
     VF sums_z[4] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
     // The logits' sum relative to the max (so that it stays small where they are large and
-    // close together): one subtraction more per vector, with label smoothing only.
-    const VF reference = hn::Set(d, static_cast<float>(logit_reference(max)));
+    // close together), scaled by 2^-32 in the lanes (exactly, but for offsets below 2^-94) so
+    // that no lane overflows where one logit is huge: a fused multiply-subtract per vector
+    // (with label smoothing only; the sum without the max took an addition).
+    const VF scale = hn::Set(d, kLogitSumScale);
+    const VF reference = hn::Set(d, static_cast<float>(logit_reference(max) * static_cast<double>(kLogitSumScale)));
     // The chunk's sums, with the shift's kind fixed for its loops.
     auto sum_chunk = [&](auto subtract_first) {
       constexpr bool kSubtractFirst = decltype(subtract_first)::value;
@@ -577,7 +584,8 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
         sums[into] = hn::Add(sums[into], ExpShiftedAs<kSubtractFirst>(d, z0, shift, poly));
         sums[into + 1] = hn::Add(sums[into + 1], ExpShiftedAs<kSubtractFirst>(d, z1, shift, poly));
         if (with_sum_logits) {
-          sums_z[into / 2] = hn::Add(sums_z[into / 2], hn::Add(hn::Sub(z0, reference), hn::Sub(z1, reference)));
+          sums_z[into / 2] =
+              hn::Add(sums_z[into / 2], hn::Add(hn::MulSub(z0, scale, reference), hn::MulSub(z1, scale, reference)));
         }
       };
       for (v = begin; v + 8 * lanes <= full_end; v += 8 * lanes) {
@@ -592,11 +600,11 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
       if (v < full_end) {  // one vector left
         const VF z = Transform<kKind>(d, LoadFull(d, row + v), t);
         sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst>(d, z, shift, poly));
-        sum_z = hn::Add(sum_z, hn::Sub(z, reference));
+        sum_z = hn::Add(sum_z, hn::MulSub(z, scale, reference));
       }
       if (has_tail) {
         sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst>(d, z_tail, shift, poly));
-        sum_z = hn::Add(sum_z, hn::IfThenElseZero(hn::FirstN(d, tail), hn::Sub(z_tail, reference)));
+        sum_z = hn::Add(sum_z, hn::IfThenElseZero(hn::FirstN(d, tail), hn::MulSub(z_tail, scale, reference)));
       }
     };
     if (shift.subtract_first) {
@@ -609,7 +617,7 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
     sum_exp2 += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, all)));
     if (with_sum_logits) {
       const VF all_z = hn::Add(hn::Add(sums_z[0], sums_z[1]), hn::Add(sums_z[2], sums_z[3]));
-      sum_logits += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, all_z)));
+      sum_logits += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, all_z))) / static_cast<double>(kLogitSumScale);
     }
   }
   BlockStats s;
@@ -658,6 +666,7 @@ void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_l
     return;
   }
   const VF vm = hn::Set(d, s.max);
+  const VF vm_scaled = hn::Set(d, static_cast<float>(static_cast<double>(s.max) * static_cast<double>(kLogitSumScale)));
   if (with_weighted) {  // the first column holding the max
     for (int64_t v = 0; v < padded && s.argmax < 0; v += lanes) {
       const intptr_t lane = hn::FindFirstTrue(d, hn::Eq(hn::Load(d, z_block + v), vm));
@@ -677,13 +686,18 @@ void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_l
       const VF offset = hn::Sub(z, vm);
       const VF e = ExpShifted(d, z, shift);  // e^offset / shift.correction
       sum_exp = hn::Add(sum_exp, e);
-      if (with_sum_logits) sum_z = hn::Add(sum_z, v < full ? offset : hn::IfThenElseZero(hn::FirstN(d, tail), offset));
+      if (with_sum_logits) {  // relative to the max and scaled, as in StatsByChunks
+        const VF scaled = hn::MulSub(z, hn::Set(d, kLogitSumScale), vm_scaled);
+        sum_z = hn::Add(sum_z, v < full ? scaled : hn::IfThenElseZero(hn::FirstN(d, tail), scaled));
+      }
       if (with_weighted) {
         weighted = hn::Add(weighted, hn::IfThenElseZero(hn::Gt(e, hn::Zero(d)), hn::Mul(e, offset)));
       }
     }
     s.sum_exp += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, sum_exp)));
-    if (with_sum_logits) s.sum_logits += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, sum_z)));
+    if (with_sum_logits) {
+      s.sum_logits += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, sum_z))) / static_cast<double>(kLogitSumScale);
+    }
     if (with_weighted) s.weighted += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, weighted)));
   }
   s.sum_exp *= shift.correction;

@@ -90,9 +90,9 @@ __global__ void __launch_bounds__(kThreads) local_stats_kernel(const T* logits, 
   out[0] = p.max;
   out[1] = static_cast<float>(p.sum_exp);
   out[2] = column >= 0 && column < valid ? t.apply(to_float(row[column])) : -INFINITY;
-  // The sum of logits relative to the max (token_math.h), from the fp64 sum of z: the
-  // column count times the max, subtracted in fp64.
-  out[3] = sum_logits ? static_cast<float>(rebased_logit_sum(p.sum_logits, valid, -INFINITY, p.max)) : 0.0f;
+  // The mean of the logits relative to the max (token_math.h), from the fp64 sum of z: the
+  // column count times the max subtracted in fp64.
+  out[3] = sum_logits ? logit_mean(rebased_logit_sum(p.sum_logits, valid, -INFINITY, p.max), valid) : 0.0f;
   if (extras) {
     out[4] = int_as_float_bits(p.argmax < 0 ? -1 : static_cast<int32_t>(p.argmax + vocab_begin));
     out[5] = static_cast<float>(p.weighted);
@@ -100,13 +100,13 @@ __global__ void __launch_bounds__(kThreads) local_stats_kernel(const T* logits, 
 }
 
 // Rank r's valid columns, from its header (just before its stats in the gathered payloads),
-// for rebasing its sum of logits; 0 without label smoothing (the sums are 0).
+// for weighing its mean of logits; not needed without label smoothing (the means are 0).
 struct HeaderColumns {
   const float* gathered;
   int64_t rank_stride;
   LossParams params;
+  __device__ bool known() const { return params.with_sum_logits(); }
   __device__ int64_t operator()(int r) const {
-    if (!params.with_sum_logits()) return 0;
     const char* stats = reinterpret_cast<const char*>(gathered + r * rank_stride);
     const auto* h = reinterpret_cast<const RankHeader*>(stats - sizeof(RankHeader));
     return valid_columns(h->vocab_begin, h->vocab_end - h->vocab_begin, params);
