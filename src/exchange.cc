@@ -69,6 +69,7 @@ Status exchange_stats(Communicator& comm, Workspace::Buffers& buffers, const Exc
 
   Status gathered = comm.all_gather(buffers.send.data(), buffers.recv.data(), payload);
   if (!gathered.ok()) return local.ok() ? gathered : local;
+  if (ranks == 1 && !local.ok()) return local;  // alone: its own error, whole and without "rank 0 of 1"
   const auto* recv = reinterpret_cast<const char*>(buffers.recv.data());
   if (Status group = check_group(recv, payload, ranks, rank); !group.ok()) return group;
 

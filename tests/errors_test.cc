@@ -66,6 +66,8 @@ TEST(BadInput, TargetAtOrAboveVocabulary) {
   Fixture f;
   f.targets[4] = kVocab;
   expect_error(f.run_forward(), Code::kInvalidArgument, {"targets", "expected values in [0, 10)", "got 10 at token 4"});
+  // Alone, a rank gets its own message, not the group's "rank 0 of 1: invalid argument: ...".
+  EXPECT_EQ(f.run_forward().message().rfind("targets: expected values in [0, 10)", 0), 0u);
   expect_error(f.run_backward(), Code::kInvalidArgument, {"targets", "got 10 at token 4"});
   f.expect_nothing_written();
 }

@@ -181,7 +181,8 @@ T option_value(nb::handle value, const char* name) {
     }
     return static_cast<T>(v);
   } else {
-    const nb::object index = nb::steal(PyNumber_Index(value.ptr()));
+    // A bool is an int to Python, but never a count or a class id here (True would be 1).
+    const nb::object index = PyBool_Check(value.ptr()) ? nb::object() : nb::steal(PyNumber_Index(value.ptr()));
     if (!index.is_valid()) {
       PyErr_Clear();
       throw nb::type_error(

@@ -346,6 +346,23 @@ def test_gradient_accumulation_fusion_adds_into_main_grad(mode, dtype):
     assert relative_error(w3.grad, want[2]) < (1e-5 if dtype == torch.float32 else 2.0**-7)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "chunked"])
+def test_double_backward_raises_rather_than_dropping_the_second_derivative(mode):
+    hidden, weight, bias, target = problem()
+    hidden.requires_grad_()
+    loss = vt.linear_cross_entropy(hidden, weight, target, bias=bias, mode=mode, reduction="sum")
+    with pytest.raises(RuntimeError, match="expected a first derivative only"):
+        torch.autograd.grad(loss, hidden, create_graph=True)
+
+
+def test_an_integer_main_grad_is_refused():
+    hidden, weight, _, target = problem()
+    weight.requires_grad_()
+    weight.main_grad = torch.zeros(weight.shape, dtype=torch.int64)
+    with pytest.raises(TypeError, match="weight.main_grad: expected a floating-point tensor"):
+        vt.linear_cross_entropy(hidden, weight, target, reduction="sum", gradient_accumulation_fusion=True)
+
+
 def test_chunked_mode_in_the_autograd_function_allows_one_backward():
     hidden, weight, bias, target = problem()
     h = hidden.clone().requires_grad_()
@@ -376,6 +393,9 @@ def test_the_autograd_function_matches_the_custom_op_path():
     ("bad bf16 flag", {"bf16_logit_gradients": 1}, TypeError, "options.bf16_logit_gradients: expected a bool, got int"),
     ("bf16 gradients of fp32", {"bf16_logit_gradients": True}, vpce.Error,
      "head.bf16_logit_gradients: expected false for float32 operands (bfloat16 only), got true"),
+    ("a bool for an integer", {"ignore_index": True}, TypeError, "options.ignore_index: expected an integer, got bool"),
+    ("a string for sequence_parallel", {"sequence_parallel": "no"}, TypeError,
+     "sequence_parallel: expected a bool, got str 'no'"),
 ])
 def test_option_errors_name_the_option(arguments, options, kind, fragment):
     hidden, weight, bias, target = problem()
@@ -689,6 +709,24 @@ def check_one_rank_fails(group, rank, size):
         outcome = same_outcome_on_every_rank(group, size, lambda: vt.linear_cross_entropy(
             h, w, target, 0.0, group, mode=mode, reduction=reduction))
         assert outcome[0] == "Error" and "ranks disagree on whether hidden's gradient is wanted" in outcome[1], outcome
+    # A bad weight.main_grad on one rank (gradient_accumulation_fusion) is found in the forward,
+    # before the gathers, so every rank gets its error there: in the backward that rank would
+    # have raised alone and left the others in the hidden gradient's all-reduce (a hang until
+    # the group's timeout), and the chunked mode's forward would have failed on it alone.
+    for sequence_parallel in (False, True):
+        for mode, reduction in (("recompute", "sum"), ("chunked", "sum")):
+            h = (hidden[rank * 4:(rank + 1) * 4] if sequence_parallel else hidden).clone().requires_grad_()
+            wr = w.clone().requires_grad_()
+            wr.main_grad = torch.zeros(8, w.shape[1] + (1 if rank == size - 1 else 0))
+
+            def step():
+                loss = vt.linear_cross_entropy(h, wr, target, 0.0, group, sequence_parallel=sequence_parallel,
+                                               mode=mode, reduction=reduction, gradient_accumulation_fusion=True)
+                loss.backward()
+
+            outcome = same_outcome_on_every_rank(group, size, step)
+            assert outcome[0] == "ValueError" and "weight.main_grad: expected a tensor of the weight's shape" in \
+                outcome[1], outcome
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])

@@ -107,7 +107,17 @@ def _check_operand(name, tensor, dims=None):
         raise ValueError(f"{name}.dim(): expected {wanted}, got {tensor.dim()}")
 
 
+def _autocast_enabled(device_type):
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # PyTorch before 2.4 takes no device type
+        return torch.is_autocast_enabled() or (device_type == "cpu" and torch.is_autocast_cpu_enabled())
+
+
 def _check_operands(hidden, weight, bias, target, sequence_parallel, size):
+    if not isinstance(sequence_parallel, bool):  # ("no" would be true)
+        raise TypeError(f"sequence_parallel: expected a bool, got {type(sequence_parallel).__name__} "
+                        f"{sequence_parallel!r}")
     _check_operand("hidden", hidden, dims=(1, 8) if not sequence_parallel else (2, 8))
     _check_operand("weight", weight, dims=(2, 2))
     for name, other in (("weight", weight), ("bias", bias)):
@@ -115,7 +125,9 @@ def _check_operands(hidden, weight, bias, target, sequence_parallel, size):
             continue
         _check_operand(name, other)
         if other.dtype != hidden.dtype:
-            raise TypeError(f"{name}.dtype: expected hidden's dtype {hidden.dtype}, got {other.dtype}")
+            hint = (" (torch.autocast does not cast for vpce: pass the operands in one dtype)"
+                    if _autocast_enabled(hidden.device.type) else "")
+            raise TypeError(f"{name}.dtype: expected hidden's dtype {hidden.dtype}, got {other.dtype}{hint}")
         if other.device != hidden.device:
             raise ValueError(f"{name}.device: expected hidden's device {hidden.device}, got {other.device}")
     if bias is not None and bias.dim() != 1:
@@ -266,6 +278,9 @@ def _main_grad(weight, args):
     if not isinstance(main_grad, torch.Tensor) or main_grad.shape != weight.shape:
         raise ValueError(f"weight.main_grad: expected a tensor of the weight's shape {tuple(weight.shape)}, got "
                          f"{getattr(main_grad, 'shape', type(main_grad).__name__)}")
+    if not main_grad.is_floating_point() or main_grad.device != weight.device:
+        raise TypeError(f"weight.main_grad: expected a floating-point tensor on {weight.device}, got "
+                        f"{main_grad.dtype} on {main_grad.device}")
     return main_grad
 
 
@@ -297,10 +312,12 @@ _HIDDEN_GRADIENT = "whether hidden's gradient is wanted (hidden.requires_grad un
 
 
 def _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel, options,
-                  need_hidden):
+                  need_hidden, need_weight=False):
     """The recompute forward: (loss, lse, shard), every collective's errors agreed across
     the group, and whether the backward will reduce hidden's gradient (need_hidden).
-    `options` the keyword options (dict)."""
+    `options` the keyword options (dict). need_weight: weight.main_grad, which the backward
+    adds into, is checked here, where a bad one fails every rank alike (in the backward one
+    rank's error would leave the others in the hidden gradient's all-reduce)."""
     group, rank, size = _group(tp_group)
     gather = _HiddenGather(group, rank, size) if size > 1 and sequence_parallel else None
     collective = _Collective(group, rank, size) if size > 1 else None
@@ -310,6 +327,8 @@ def _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, seque
         _check_group(group, size, hidden)
         _check_operands(hidden, weight, bias, target, sequence_parallel, size)
         args = _Arguments(label_smoothing, options)
+        if need_weight:
+            _main_grad(weight, args)
         y = _as_targets(target, hidden)
         h = _operand(hidden)
         total = gather.gather(h) if gather is not None else h
@@ -387,12 +406,14 @@ def _head_chunked(hidden, weight, bias, target, label_smoothing, tp_group, seque
         _check_group(group, size, hidden)
         _check_operands(hidden, weight, bias, target, sequence_parallel, size)
         args = _Arguments(label_smoothing, options)
+        need_hidden, need_weight, need_bias = needs
+        if need_weight:  # before the gathers, so that a bad one fails every rank alike
+            _main_grad(weight, args)
         y = _as_targets(target, hidden)
         h = _operand(hidden)
         total = gather.gather(h) if gather is not None else h
         w, b = _operand(weight), _operand(bias)
         shard = args.shard(w.shape[0], rank, size)
-        need_hidden, need_weight, need_bias = needs
         device = h.device
         loss = torch.empty((), dtype=torch.float32, device=device)
         lse = torch.empty(tuple(target.shape), dtype=torch.float32, device=device)
@@ -429,6 +450,14 @@ def _scaled(gradient, grad_loss, dtype):
 
 # ---- the autograd.Function ----------------------------------------------------------------
 
+def _first_derivative_only():
+    """Raises in a backward run with create_graph=True (grad mode on), whose gradients would
+    carry no second derivative: a gradient penalty would silently lose its own gradient."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("linear_cross_entropy: expected a first derivative only, got a backward with "
+                           "create_graph=True (double backward is not supported)")
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """linear_cross_entropy as a torch.autograd.Function: the path on PyTorch < 2.4, with
     gradient_accumulation_fusion (main_grad is not an argument of the custom ops), and for
@@ -449,13 +478,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.weight = weight if ctx.main_grad is not None else None
             return loss
         loss, lse, _ = _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel,
-                                     options, needs[0])
+                                     options, needs[0], needs[1])
         ctx.chunked = False
         ctx.save_for_backward(hidden, weight, bias, target, lse)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        _first_derivative_only()
         if ctx.chunked:
             if ctx.gradients is None:
                 raise RuntimeError("linear_cross_entropy (mode 'chunked'): expected one backward per forward (the "
@@ -547,6 +577,7 @@ if _CUSTOM_OPS:
 
     def _head_autograd(ctx, grad_loss, grad_lse):
         del grad_lse  # no gradient flows through the lse
+        _first_derivative_only()
         hidden, weight, bias, target, lse = ctx.saved_tensors
         need_hidden, need_weight, need_bias = (bool(n) for n in ctx.needs_input_grad[:3])
         need_bias = need_bias and bias is not None
@@ -589,6 +620,7 @@ if _CUSTOM_OPS:
 
     def _chunked_autograd(ctx, grad_loss, *unused):
         del unused  # the gradients are outputs of the op, not differentiated through
+        _first_derivative_only()
         g = grad_loss.reshape(()).to(torch.float32)
         grads = []
         for gradient, dtype, need in zip(ctx.saved_tensors, ctx.dtypes, ctx.needs):
@@ -664,7 +696,8 @@ def linear_cross_entropy(hidden, weight, target, label_smoothing=0.0, tp_group=N
 
     The gradient of hidden is summed over tp_group in the backward (an all-reduce; with
     sequence_parallel a reduce-scatter), so hidden must not also pass through Megatron's
-    copy_to_tensor_model_parallel_region. Returns the float32 loss, the same on every rank.
+    copy_to_tensor_model_parallel_region. Returns the loss in float32 (float64 for float64
+    operands), the same on every rank.
     """
     args = (hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel, options)
     if _CUSTOM_OPS and isinstance(sequence_parallel, bool) and _fits_head_op(hidden, weight, bias, target,
