@@ -220,10 +220,14 @@ Status check_shard(const VocabShard& shard, int64_t logits_cols, const char* log
 }
 
 Status check_options(const LossOptions& options, int64_t vocab_size) {
+  // PyTorch's F.cross_entropy takes 1 (the target's weight is then 0, the uniform one 1);
+  // Megatron's a V / (V - 1) would exceed 1.
   const float a = options.label_smoothing;
-  if (!(a >= 0.0f && a < 1.0f)) {
+  const bool pytorch = options.smoothing_semantics == SmoothingSemantics::kPyTorch;
+  if (!(a >= 0.0f && (a < 1.0f || (pytorch && a == 1.0f)))) {
     return {Code::kInvalidArgument,
-            expected_got("options.label_smoothing", "a value in [0, 1)", number_text(a))};
+            expected_got("options.label_smoothing",
+                         pytorch ? "a value in [0, 1] (PyTorch's semantics)" : "a value in [0, 1)", number_text(a))};
   }
   const auto semantics = static_cast<int32_t>(options.smoothing_semantics);
   if (semantics != 0 && semantics != 1) {

@@ -208,6 +208,36 @@ TEST(Options, EveryTokenIgnored) {
   }
 }
 
+// PyTorch's semantics take label smoothing 1, as F.cross_entropy does (the target's weight 0,
+// the uniform one 1): against the oracle over uneven ranks, in place and out; 1 stays refused
+// with Megatron's semantics, and more than 1 with either.
+TEST(Options, PyTorchSmoothingOfOne) {
+  for (bool in_place : {false, true}) {
+    Problem problem = random_problem(9, 70, kFloat32, 6);
+    RunOptions options;
+    options.loss.label_smoothing = 1.0f;
+    options.loss.smoothing_semantics = SmoothingSemantics::kPyTorch;
+    options.in_place = in_place;
+    const auto want = oracle(problem, options);
+    const RunResult result = run_ranks(problem, shards_from_sizes({20, 50}), options);
+    for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
+    EXPECT_LE(relative_error(widen(result.per_rank[0].loss), want.loss), 1e-6);
+    EXPECT_LE(relative_error(result.grad, want.grad), 1e-6);
+  }
+  Problem problem = random_problem(3, 10, kFloat32, 6);
+  RunOptions megatron;
+  megatron.loss.label_smoothing = 1.0f;
+  RunResult refused = run_ranks(problem, shards_from_sizes({10}), megatron);
+  EXPECT_NE(refused.status[0].message().find("options.label_smoothing: expected a value in [0, 1), got 1"),
+            std::string::npos) << refused.status[0].message();
+  RunOptions beyond;
+  beyond.loss.label_smoothing = 1.5f;
+  beyond.loss.smoothing_semantics = SmoothingSemantics::kPyTorch;
+  refused = run_ranks(problem, shards_from_sizes({10}), beyond);
+  EXPECT_NE(refused.status[0].message().find("expected a value in [0, 1] (PyTorch's semantics), got 1.5"),
+            std::string::npos) << refused.status[0].message();
+}
+
 // Ties for the argmax go to the smallest column index, whichever rank holds it.
 TEST(Options, ArgmaxTiesGoToTheSmallestIndexOnEveryRank) {
   for (int ranks : {1, 2, 4}) {

@@ -53,7 +53,8 @@ enum class Reduction : int32_t { kNone = 0, kSum = 1, kMean = 2 };
 enum class SmoothingSemantics : int32_t { kMegatron = 0, kPyTorch = 1 };
 
 struct LossOptions {
-  // Label smoothing a in [0, 1), with Megatron's semantics (the default) or PyTorch's.
+  // Label smoothing a in [0, 1), with Megatron's semantics (the default), or in [0, 1]
+  // with PyTorch's (F.cross_entropy takes 1: the target's weight is then 0).
   // Megatron's needs at least 2 valid classes when a > 0.
   float label_smoothing = 0.0f;
   SmoothingSemantics smoothing_semantics = SmoothingSemantics::kMegatron;

@@ -34,6 +34,23 @@ def test_fp32_matches_float64_reference(label_smoothing):
     assert relative_error(grad, want_grad) < 1e-6
 
 
+def test_pytorch_smoothing_of_one_matches_f_cross_entropy():
+    """F.cross_entropy takes label_smoothing=1 (every class weighted 1/V); so does vpce with
+    PyTorch's semantics (Megatron's stays in [0, 1))."""
+    logits, target, grad_loss = problem()
+    x = logits.clone().requires_grad_()
+    loss = vt.vocab_parallel_cross_entropy(x, target, 1.0, smoothing_semantics="pytorch")
+    loss.backward(grad_loss)
+    full = logits.double().requires_grad_()
+    want = torch.nn.functional.cross_entropy(full.flatten(0, -2), target.flatten(), label_smoothing=1.0,
+                                             reduction="none").view(target.shape)
+    (want_grad,) = torch.autograd.grad(want, full, grad_loss.double())
+    assert relative_error(loss, want.detach()) < 1e-6
+    assert relative_error(x.grad, want_grad) < 1e-6
+    with pytest.raises(vpce.Error, match=r"options.label_smoothing: expected a value in \[0, 1\), got 1"):
+        vt.vocab_parallel_cross_entropy(logits.clone(), target, 1.0)
+
+
 def test_bf16_within_bf16_rounding():
     logits, target, grad_loss = problem(dtype=torch.bfloat16)
     loss, grad = run(logits, target, grad_loss, 0.1)

@@ -81,7 +81,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
         float and bool targets are refused); copied when not contiguous.
     label_smoothing: in [0, 1); Megatron's meaning (target 1 - a, every other class
         a / (V - 1)) over the global vocabulary; smoothing_semantics="pytorch" for
-        F.cross_entropy's.
+        F.cross_entropy's (which also takes 1).
     tp_group: the tensor-parallel process group, used as given (any object with .rank()
         and .size() when its size is 1); None means Megatron's tensor-parallel group when
         Megatron is initialised, else torch.distributed's default group when it is
