@@ -18,7 +18,7 @@ namespace vpce::detail {
 
 struct RankHeader {
   static constexpr uint32_t kMagic = 0x45435056;  // "VPCE"
-  static constexpr uint32_t kVersion = 4;  // 4: the sum of logits relative to the max
+  static constexpr uint32_t kVersion = 5;  // 5: half the logits' mean relative to the max
 
   uint32_t magic = kMagic;
   uint32_t version = kVersion;

@@ -239,12 +239,18 @@ TEST(Adversarial, SmoothingWithLargeCloseTogetherLogitsKeepsItsAccuracy) {
       }
     }
     // One huge logit among ordinary ones (up to 1e38): the offsets from the max are huge
-    // too, and their mean, not their sum (32000 x -1e35 is beyond fp32), travels; the lanes
-    // keep their sums scaled by 2^-32. The target on the huge logit or not.
-    Problem q = random_problem(4, kColumns, kFloat32, 53, 1.0f);
+    // too, and (half) their mean, not their sum (32000 x -1e35 is beyond fp32), travels; the
+    // lanes keep their sums scaled by 2^-32. The target on the huge logit or not.
+    // And rows whose logits span beyond fp32's range (3e38 and -3e38: offsets of -6e38,
+    // whose half-mean is what travels).
+    Problem q = random_problem(6, kColumns, kFloat32, 53, 1.0f);
     const float huge[] = {1e34f, 1e36f, 1e38f, 1e36f};
     for (int64_t i = 0; i < 4; ++i) q.set(i, 4444 + i, huge[i]);
-    q.targets = {4444, 4445, 4446, 17};
+    for (int64_t v = 0; v < kColumns; ++v) {
+      q.set(4, v, v == 9 ? 3e38f : v % 2 == 0 ? -3e38f : 0.0f);
+      q.set(5, v, v < 9000 ? 3e38f - static_cast<float>(v % 5) * 1e31f : -3e38f);  // one rank near the top
+    }
+    q.targets = {4444, 4445, 4446, 17, 9, 3};
     const std::vector<double> xq = q.as_double();
     for (const auto& sizes : std::vector<std::vector<int64_t>>{{kColumns}, {7000, 13000}}) {
       for (int mode = 0; mode < 3; ++mode) {
@@ -255,7 +261,7 @@ TEST(Adversarial, SmoothingWithLargeCloseTogetherLogitsKeepsItsAccuracy) {
         const RunResult result = run_ranks(q, shards_from_sizes(sizes), options);
         for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
         const auto want = oracle(q, options);
-        for (std::size_t i = 0; i < 4; ++i) {
+        for (std::size_t i = 0; i < 6; ++i) {
           const double got = result.per_rank[0].loss[i];
           EXPECT_LE(std::fabs(got - want.loss[i]), 1e-6 * std::fabs(want.loss[i]))
               << variant.name << " huge logit, ranks " << sizes.size() << " mode " << mode << " token " << i;

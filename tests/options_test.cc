@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 
 #include "support.h"
 
@@ -230,6 +231,16 @@ TEST(Options, PyTorchSmoothingOfOne) {
   RunResult refused = run_ranks(problem, shards_from_sizes({10}), megatron);
   EXPECT_NE(refused.status[0].message().find("options.label_smoothing: expected a value in [0, 1), got 1"),
             std::string::npos) << refused.status[0].message();
+  // A target logit of -inf: the uniform term is +inf, and so is the loss (no 0 x inf).
+  Problem minus = random_problem(2, 10, kFloat32, 7);
+  minus.set(0, minus.targets[0], -std::numeric_limits<float>::infinity());
+  RunOptions one;
+  one.loss.label_smoothing = 1.0f;
+  one.loss.smoothing_semantics = SmoothingSemantics::kPyTorch;
+  const RunResult infinite = run_ranks(minus, shards_from_sizes({4, 6}), one);
+  ASSERT_TRUE(infinite.status[0].ok()) << infinite.status[0].message();
+  EXPECT_EQ(infinite.per_rank[0].loss[0], std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(std::isfinite(infinite.per_rank[0].loss[1]));
   RunOptions beyond;
   beyond.loss.label_smoothing = 1.5f;
   beyond.loss.smoothing_semantics = SmoothingSemantics::kPyTorch;

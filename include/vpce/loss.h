@@ -86,8 +86,8 @@ struct TokenStats {
   float max;           // max_v z_v over the columns, -inf if none or all -inf
   float sum_exp;       // sum_v exp(z_v - max), 0 if max is -inf
   float target_logit;  // z_target if the target is among the columns, else -inf
-  float sum_logits;    // with label smoothing (else 0): the mean of z_v - max over the
-                       // valid columns (0 for none); of z_v when max is -inf
+  float sum_logits;    // with label smoothing (else 0): half the mean of z_v - max over
+                       // the valid columns (0 for none; of z_v when max is -inf)
 };
 static_assert(sizeof(TokenStats) == 16);
 struct TokenStatsExtras {

@@ -70,7 +70,7 @@ VPCE_HD inline int32_t float_bits_as_int(float value) {
 }
 
 // The logits' mean that label smoothing needs travels relative to the max it comes with:
-// the mean of z_v - ref(max) over the valid columns (0 for none), so that it stays small
+// half the mean of z_v - ref(max) over the valid columns (0 for none), so that it stays small
 // where the logits are large and close together (a plain fp32 sum of z over 20000 logits
 // near 1e6 is off by 2^-24 of 2e10), and a mean rather than a sum, so that it stays in
 // fp32's range where one logit is huge and the rest are not (the sum of 32000 offsets of
@@ -86,10 +86,14 @@ VPCE_HD inline double rebased_logit_sum(double sum, int64_t columns, float from,
   return sum + static_cast<double>(columns) * (logit_reference(from) - logit_reference(to));
 }
 
-// The mean of `columns` logits from their sum relative to the same reference.
-VPCE_HD inline float logit_mean(double sum, int64_t columns) {
-  return columns == 0 ? 0.0f : static_cast<float>(sum / static_cast<double>(columns));
+// What the statistics carry for `columns` logits whose sum relative to the reference is
+// `sum`: half their mean, since any offset z - ref of two fp32 values halves into fp32's range
+// (a row of 3e38 and -3e38 has offsets of -6e38). 0 for no column.
+VPCE_HD inline float logit_half_mean(double sum, int64_t columns) {
+  return columns == 0 ? 0.0f : static_cast<float>(sum / (2.0 * static_cast<double>(columns)));
 }
+// The mean from what the statistics carry.
+VPCE_HD inline double logit_mean(float half_mean) { return 2.0 * static_cast<double>(half_mean); }
 
 // How many valid columns each rank's statistics cover, for weighing their means of logits
 // in the merge: columns[r] for rank r; or unknown (null), where only one rank's mean can be
@@ -124,7 +128,7 @@ VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ran
   for (int r = 0; r < ranks; ++r) {
     const float* s = first + r * rank_stride;
     if (columns.known() && columns(r) > 0) {
-      sum_logits += rebased_logit_sum(static_cast<double>(s[3]) * static_cast<double>(columns(r)), columns(r), s[0], max);
+      sum_logits += rebased_logit_sum(logit_mean(s[3]) * static_cast<double>(columns(r)), columns(r), s[0], max);
       counted += columns(r);
     }
     // An all -inf shard adds nothing (and -inf - -inf is NaN); one whose max is -inf but
@@ -143,7 +147,7 @@ VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ran
   out[0] = max;
   out[1] = static_cast<float>(sum_exp);
   out[2] = target_logit;
-  out[3] = columns.known() ? logit_mean(sum_logits, counted) : ranks == 1 ? first[3] : 0.0f;
+  out[3] = columns.known() ? logit_half_mean(sum_logits, counted) : ranks == 1 ? first[3] : 0.0f;
   if (with_extras) {
     out[4] = int_as_float_bits(argmax);
     out[5] = static_cast<float>(weighted_offsets);
@@ -178,7 +182,12 @@ VPCE_HD inline TokenLoss token_loss(const float* st, int64_t target, double weig
   const double s = p.smoothing;
   // lse - mean z = (max - ref(max)) - mean (z - ref(max)) + log(sum); the first term is 0
   // unless max is -inf, +inf or NaN.
-  if (s != 0.0) loss = (1.0 - s) * nll + s * (((max - logit_reference(st[0])) - static_cast<double>(st[3])) + log_sum);
+  if (s != 0.0) {
+    const double uniform = ((max - logit_reference(st[0])) - logit_mean(st[3])) + log_sum;
+    // s = 1 (PyTorch's semantics take it) leaves no target term: 0 x nll would be NaN for an
+    // infinite nll, where the loss is the uniform term's (+inf then too).
+    loss = s == 1.0 ? uniform : (1.0 - s) * nll + s * uniform;
+  }
   if (p.z_loss != 0.0) loss += p.z_loss * lse * lse;
   out.weighted_loss = weight * loss;
   return out;

@@ -84,7 +84,7 @@ void write_token_stats(const BlockStats& row, float target_logit, int64_t vocab_
   out[0] = row.max;
   out[1] = static_cast<float>(row.sum_exp);
   out[2] = target_logit;
-  out[3] = params.with_sum_logits() ? logit_mean(row.sum_logits, row.columns) : 0.0f;
+  out[3] = params.with_sum_logits() ? logit_half_mean(row.sum_logits, row.columns) : 0.0f;
   if (with_extras) {
     out[4] = int_as_float_bits(row.argmax < 0 ? int32_t{-1} : static_cast<int32_t>(row.argmax + vocab_begin));
     out[5] = static_cast<float>(row.weighted);

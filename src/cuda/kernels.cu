@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kThreads) local_stats_kernel(const T* logits, 
   out[2] = column >= 0 && column < valid ? t.apply(to_float(row[column])) : -INFINITY;
   // The mean of the logits relative to the max (token_math.h), from the fp64 sum of z: the
   // column count times the max subtracted in fp64.
-  out[3] = sum_logits ? logit_mean(rebased_logit_sum(p.sum_logits, valid, -INFINITY, p.max), valid) : 0.0f;
+  out[3] = sum_logits ? logit_half_mean(rebased_logit_sum(p.sum_logits, valid, -INFINITY, p.max), valid) : 0.0f;
   if (extras) {
     out[4] = int_as_float_bits(p.argmax < 0 ? -1 : static_cast<int32_t>(p.argmax + vocab_begin));
     out[5] = static_cast<float>(p.weighted);

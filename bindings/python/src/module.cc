@@ -156,6 +156,24 @@ std::optional<vpce::TensorView> optional_view(const std::optional<A>& a, const c
 // A LossOptions field's value from Python, converted as int() / float() would (an enum must
 // be its vpce type), with TypeError or ValueError naming the field instead of nanobind's
 // signature dump.
+// A bool, or something holding one (a 0-d bool tensor or NumPy bool), which Python would
+// let pass as the number 1 or 0: never a count, a class id or a weight here.
+bool is_boolean(nb::handle value) {
+  if (PyBool_Check(value.ptr())) return true;
+  if (!nb::hasattr(value, "dtype")) return false;
+  const nb::object text = nb::steal(PyObject_Str(value.attr("dtype").ptr()));
+  if (!text.is_valid()) {
+    PyErr_Clear();
+    return false;
+  }
+  const char* dtype = PyUnicode_AsUTF8(text.ptr());
+  if (dtype == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  return std::strcmp(dtype, "bool") == 0 || std::strcmp(dtype, "torch.bool") == 0;
+}
+
 template <class T>
 T option_value(nb::handle value, const char* name) {
   const std::string field = std::string("options.") + name;
@@ -173,8 +191,9 @@ T option_value(nb::handle value, const char* name) {
     }
     return value.ptr() == Py_True;
   } else if constexpr (std::is_floating_point_v<T>) {
-    const double v = PyFloat_AsDouble(value.ptr());
-    if (v == -1.0 && PyErr_Occurred()) {
+    const bool boolean = is_boolean(value);
+    const double v = boolean ? -1.0 : PyFloat_AsDouble(value.ptr());
+    if (boolean || (v == -1.0 && PyErr_Occurred())) {
       PyErr_Clear();
       throw nb::type_error(
           (field + ": expected a number, got " + value_type_name(value) + " " + short_repr(value)).c_str());
@@ -182,7 +201,7 @@ T option_value(nb::handle value, const char* name) {
     return static_cast<T>(v);
   } else {
     // A bool is an int to Python, but never a count or a class id here (True would be 1).
-    const nb::object index = PyBool_Check(value.ptr()) ? nb::object() : nb::steal(PyNumber_Index(value.ptr()));
+    const nb::object index = is_boolean(value) ? nb::object() : nb::steal(PyNumber_Index(value.ptr()));
     if (!index.is_valid()) {
       PyErr_Clear();
       throw nb::type_error(

@@ -355,6 +355,19 @@ def test_double_backward_raises_rather_than_dropping_the_second_derivative(mode)
         torch.autograd.grad(loss, hidden, create_graph=True)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "chunked"])
+def test_a_main_grad_attached_after_the_forward_is_added_into_in_both_modes(mode):
+    hidden, weight, _, target = problem()
+    weight.requires_grad_()
+    loss = vt.linear_cross_entropy(hidden, weight, target, mode=mode, reduction="sum",
+                                   gradient_accumulation_fusion=True)
+    weight.main_grad = torch.zeros(weight.shape)
+    loss.backward()
+    want = reference(hidden, weight.detach(), None, target, None, reduction="sum")
+    assert weight.grad is None
+    assert relative_error(weight.main_grad, want[2]) < 1e-5
+
+
 def test_an_integer_main_grad_is_refused():
     hidden, weight, _, target = problem()
     weight.requires_grad_()

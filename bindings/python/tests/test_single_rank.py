@@ -51,6 +51,27 @@ def test_pytorch_smoothing_of_one_matches_f_cross_entropy():
         vt.vocab_parallel_cross_entropy(logits.clone(), target, 1.0)
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_double_backward_raises_rather_than_giving_a_wrong_second_derivative(inplace):
+    """The in-place gradient overwrote a tensor in the graph, and a gradient penalty's
+    second derivative came out silently wrong; both paths now refuse create_graph=True."""
+    logits, target, _ = problem()
+    x = logits.clone().requires_grad_()
+    loss = vt.vocab_parallel_cross_entropy(x * 2.0, target, 0.1, inplace_backward=inplace)
+    with pytest.raises(RuntimeError, match="expected a first derivative only"):
+        torch.autograd.grad(loss.sum(), x, create_graph=True)
+
+
+@pytest.mark.parametrize("options", [{"z_loss_weight": True}, {"ignore_index": torch.tensor(True)},
+                                     {"ignore_index": True}])
+def test_bools_are_not_numbers_here(options):
+    logits, target, _ = problem()
+    with pytest.raises(TypeError, match="expected a"):
+        vt.vocab_parallel_cross_entropy(logits.clone(), target, 0.0, **options)
+    with pytest.raises(TypeError, match="options.label_smoothing: expected a number, got bool"):
+        vt.vocab_parallel_cross_entropy(logits.clone(), target, True, smoothing_semantics="pytorch")
+
+
 def test_bf16_within_bf16_rounding():
     logits, target, grad_loss = problem(dtype=torch.bfloat16)
     loss, grad = run(logits, target, grad_loss, 0.1)

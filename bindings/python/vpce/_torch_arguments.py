@@ -101,3 +101,11 @@ def _as_rows(logits):
     if dims and dims[-1][1] < width:  # rows that overlap (stride 0: expanded)
         return logits.contiguous()
     return logits
+
+
+def _first_derivative_only(name):
+    """Raises in a backward run with create_graph=True (grad mode on there), whose gradients
+    would carry no second derivative: a gradient penalty would silently lose its own."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{name}: expected a first derivative only, got a backward with create_graph=True "
+                           "(double backward is not supported)")

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from . import _vpce
-from ._torch_arguments import _as_rows, _as_targets, _check_inplace, _check_logits, _options
+from ._torch_arguments import (_as_rows, _as_targets, _check_inplace, _check_logits, _first_derivative_only,
+                               _options)
 from ._torch_collective import _Collective
 from ._torch_groups import _group
 from ._torch_legacy import _legacy_grad, _legacy_loss, _legacy_smoothing
@@ -80,6 +81,7 @@ class _VpceCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        _first_derivative_only("vocab_parallel_cross_entropy")
         return _function_backward(ctx, grad_loss), None, None, None, None, None, None
 
 
@@ -96,6 +98,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         """Vocab parallel cross entropy backward function."""
+        _first_derivative_only("vocab_parallel_cross_entropy")
         return _function_backward(ctx, grad_output), None, None, None
 
 

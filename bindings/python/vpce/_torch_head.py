@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from . import _vpce
 from ._torch_arguments import (_OPTION_NAMES, _TARGET_DTYPES, _WIDENED_TARGET_DTYPES, _as_rows, _as_targets,
-                               _options, _real)
+                               _first_derivative_only, _options, _real)
 from ._torch_collective import _BLOCK_HEADER, _Blocks, _Collective
 from ._torch_compile import _CUSTOM_OPS, _compiling
 from ._torch_groups import _group
@@ -116,8 +116,9 @@ def _autocast_enabled(device_type):
 
 def _check_operands(hidden, weight, bias, target, sequence_parallel, size):
     if not isinstance(sequence_parallel, bool):  # ("no" would be true)
-        raise TypeError(f"sequence_parallel: expected a bool, got {type(sequence_parallel).__name__} "
-                        f"{sequence_parallel!r}")
+        kind = type(sequence_parallel)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        raise TypeError(f"sequence_parallel: expected a bool, got {name} {sequence_parallel!r}")
     _check_operand("hidden", hidden, dims=(1, 8) if not sequence_parallel else (2, 8))
     _check_operand("weight", weight, dims=(2, 2))
     for name, other in (("weight", weight), ("bias", bias)):
@@ -450,13 +451,6 @@ def _scaled(gradient, grad_loss, dtype):
 
 # ---- the autograd.Function ----------------------------------------------------------------
 
-def _first_derivative_only():
-    """Raises in a backward run with create_graph=True (grad mode on), whose gradients would
-    carry no second derivative: a gradient penalty would silently lose its own gradient."""
-    if torch.is_grad_enabled():
-        raise RuntimeError("linear_cross_entropy: expected a first derivative only, got a backward with "
-                           "create_graph=True (double backward is not supported)")
-
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """linear_cross_entropy as a torch.autograd.Function: the path on PyTorch < 2.4, with
@@ -474,8 +468,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.chunked = True
             ctx.gradients = [grad_hidden, grad_weight, grad_bias]
             ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-            ctx.main_grad = _main_grad(weight, _Arguments(label_smoothing, options)) if needs[1] else None
-            ctx.weight = weight if ctx.main_grad is not None else None
+            # weight.main_grad is looked up in the backward, as the recompute mode does (it
+            # may be attached after the forward); the forward checked the one it had.
+            ctx.weight = weight if needs[1] else None
             return loss
         loss, lse, _ = _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel,
                                      options, needs[0], needs[1])
@@ -485,7 +480,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        _first_derivative_only()
+        _first_derivative_only("linear_cross_entropy")
         if ctx.chunked:
             if ctx.gradients is None:
                 raise RuntimeError("linear_cross_entropy (mode 'chunked'): expected one backward per forward (the "
@@ -495,9 +490,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.gradients = None
             hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
             grad_hidden = _scaled(grad_hidden, grad_loss, hidden_dtype)
-            if ctx.main_grad is not None and grad_weight is not None:
-                ctx.main_grad.add_(_scaled(grad_weight, grad_loss, torch.float32).to(ctx.main_grad.dtype))
-                grad_weight = _returned_weight_gradient(ctx.weight, ctx.main_grad, hidden_dtype)
+            label_smoothing, _, _, options = ctx.arguments
+            main_grad = None if ctx.weight is None else _main_grad(ctx.weight, _Arguments(label_smoothing, options))
+            if main_grad is not None and grad_weight is not None:
+                main_grad.add_(_scaled(grad_weight, grad_loss, torch.float32).to(main_grad.dtype))
+                grad_weight = _returned_weight_gradient(ctx.weight, main_grad, hidden_dtype)
             else:
                 grad_weight = _scaled(grad_weight, grad_loss, weight_dtype)
             grad_bias = _scaled(grad_bias, grad_loss, bias_dtype) if ctx.has_bias else None
@@ -577,7 +574,7 @@ if _CUSTOM_OPS:
 
     def _head_autograd(ctx, grad_loss, grad_lse):
         del grad_lse  # no gradient flows through the lse
-        _first_derivative_only()
+        _first_derivative_only("linear_cross_entropy")
         hidden, weight, bias, target, lse = ctx.saved_tensors
         need_hidden, need_weight, need_bias = (bool(n) for n in ctx.needs_input_grad[:3])
         need_bias = need_bias and bias is not None
@@ -620,7 +617,7 @@ if _CUSTOM_OPS:
 
     def _chunked_autograd(ctx, grad_loss, *unused):
         del unused  # the gradients are outputs of the op, not differentiated through
-        _first_derivative_only()
+        _first_derivative_only("linear_cross_entropy")
         g = grad_loss.reshape(()).to(torch.float32)
         grads = []
         for gradient, dtype, need in zip(ctx.saved_tensors, ctx.dtypes, ctx.needs):

@@ -10,7 +10,8 @@ from typing import Tuple
 
 import torch
 
-from ._torch_arguments import _LOGITS_DTYPES, _TARGET_DTYPES, _WIDENED_TARGET_DTYPES, _as_rows, _as_targets
+from ._torch_arguments import (_LOGITS_DTYPES, _TARGET_DTYPES, _WIDENED_TARGET_DTYPES, _as_rows, _as_targets,
+                               _first_derivative_only)
 from ._torch_compile import _CUSTOM_OPS, _compiling, _constant
 from ._torch_function import _function_forward, _gradient
 from ._torch_groups import _group
@@ -153,6 +154,7 @@ if _CUSTOM_OPS:
 
     def _op_autograd(ctx, grad_loss, grad_lse):
         del grad_lse  # lse is an implementation detail: no gradient flows through it
+        _first_derivative_only("vocab_parallel_cross_entropy")
         logits, target, lse = ctx.saved_tensors
         grad = torch.ops.vpce.cross_entropy_backward(logits, target, lse, grad_loss, *ctx.arguments)
         return grad, None, None, None, None, None, None

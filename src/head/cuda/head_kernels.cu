@@ -123,7 +123,7 @@ __global__ void finalize_kernel(const RunningStats* running, int64_t rows, const
   out[1] = static_cast<float>(s.sum_exp);
   out[2] = s.target;
   // The mean of the logits relative to the max (token_math.h), from the fp64 sum of z.
-  out[3] = params.with_sum_logits() ? logit_mean(rebased_logit_sum(s.sum_logits, s.columns, -INFINITY, s.max), s.columns)
+  out[3] = params.with_sum_logits() ? logit_half_mean(rebased_logit_sum(s.sum_logits, s.columns, -INFINITY, s.max), s.columns)
                                     : 0.0f;
   if (width == 6) {
     out[4] = int_as_float_bits(s.argmax < 0 ? -1 : static_cast<int32_t>(s.argmax + vocab_begin));
