@@ -2,11 +2,11 @@
 //
 // Each entry validates every argument, then runs its kernel; on any error it returns
 // before writing anything.
-#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "common/partition.h"
 #include "cpu/kernels.h"
 #include "cuda/dispatch.h"
 #include "validate.h"
@@ -89,7 +89,7 @@ Status shard_columns(std::span<const VocabShard> shards, int64_t ranks, const Lo
                                  std::to_string(shards.size()) + " shards")};
   }
   const int64_t vocab_size = shards[0].vocab_size;
-  std::vector<std::pair<int64_t, int64_t>> ranges;
+  std::vector<detail::OwnedRange> ranges;
   for (std::size_t r = 0; r < shards.size(); ++r) {
     const VocabShard& shard = shards[r];
     const std::string name = "shards[" + std::to_string(r) + "]";
@@ -105,22 +105,13 @@ Status shard_columns(std::span<const VocabShard> shards, int64_t ranks, const Lo
                                    "0 <= begin <= end <= vocab_size (" + std::to_string(vocab_size) + ")",
                                    std::to_string(shard.vocab_begin) + ", " + std::to_string(shard.vocab_end))};
     }
-    if (shard.vocab_end > shard.vocab_begin) ranges.emplace_back(shard.vocab_begin, shard.vocab_end);  // an empty one owns nothing
+    ranges.push_back({shard.vocab_begin, shard.vocab_end, static_cast<int>(r)});
   }
-  std::sort(ranges.begin(), ranges.end());
-  int64_t covered = 0;
-  for (const auto& [begin, end] : ranges) {
-    if (begin != covered) {
-      return {Code::kInvalidArgument,
-              detail::expected_got("shards", "ranges that partition [0, " + std::to_string(vocab_size) + ")",
-                                   (begin < covered ? "an overlap at column " : "a gap at column ") +
-                                       std::to_string(std::min(begin, covered)))};
-    }
-    covered = end;
-  }
-  if (covered != vocab_size) {
+  if (const auto fault = detail::partition_fault(std::move(ranges), vocab_size)) {
+    const bool overlap = fault->kind == detail::PartitionFault::Kind::kOverlap;
     return {Code::kInvalidArgument, detail::expected_got("shards", "ranges that partition [0, " + std::to_string(vocab_size) + ")",
-                                                         "a gap at column " + std::to_string(covered))};
+                                                         (overlap ? "an overlap at column " : "a gap at column ") +
+                                                             std::to_string(overlap ? fault->first->begin : fault->covered))};
   }
   const detail::LossParams params = detail::loss_params(options, vocab_size);
   columns->clear();

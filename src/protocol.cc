@@ -6,6 +6,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common/partition.h"
 #include "common/text.h"
 
 namespace vpce::detail {
@@ -20,15 +21,6 @@ std::string dtype_text(uint32_t word) {
   return to_string(DataType{static_cast<TypeCode>(word & 0xff),
                              static_cast<uint8_t>((word >> 8) & 0xff),
                              static_cast<uint16_t>(word >> 16)});
-}
-
-std::string range_text(const RankHeader& h) {
-  std::string text = "[";
-  text += std::to_string(h.vocab_begin);
-  text += ", ";
-  text += std::to_string(h.vocab_end);
-  text += ")";
-  return text;
 }
 
 Status disagree(const char* what, int rank_a, const std::string& a, int rank_b,
@@ -47,41 +39,21 @@ RankHeader read_header(const char* gathered, std::size_t stride, int r) {
 
 // The vocabulary ranges, sorted by start, must tile [0, V) with no gap or overlap.
 Status check_partition(const std::vector<RankHeader>& headers) {
-  std::vector<const RankHeader*> sorted;
-  for (const RankHeader& h : headers) {
-    if (h.vocab_begin != h.vocab_end) sorted.push_back(&h);  // an empty range owns nothing
-  }
-  std::stable_sort(sorted.begin(), sorted.end(), [](const RankHeader* a, const RankHeader* b) {
-    return a->vocab_begin != b->vocab_begin ? a->vocab_begin < b->vocab_begin
-                                            : a->vocab_end < b->vocab_end;
-  });
+  std::vector<OwnedRange> ranges;
+  for (const RankHeader& h : headers) ranges.push_back({h.vocab_begin, h.vocab_end, h.rank});  // (ranks checked before)
   const int64_t vocab = headers[0].vocab_size;
-  int64_t covered = 0;
-  const RankHeader* previous = nullptr;
-  for (const RankHeader* h : sorted) {
-    if (h->vocab_begin > covered) {
-      return {Code::kInvalidUsage,
-              "vocabulary ranges do not partition [0, " + std::to_string(vocab) +
-                  "): expected ranges that tile it, got columns [" + std::to_string(covered) + ", " +
-                  std::to_string(h->vocab_begin) + ") owned by no rank"};
-    }
-    if (h->vocab_begin < covered) {
-      return {Code::kInvalidUsage,
-              "vocabulary ranges do not partition [0, " + std::to_string(vocab) +
-                  "): expected ranges that tile it, got rank " + std::to_string(previous->rank) + " " +
-                  range_text(*previous) + " and rank " + std::to_string(h->rank) + " " +
-                  range_text(*h) + " overlapping"};
-    }
-    covered = h->vocab_end;
-    previous = h;
+  const std::optional<PartitionFault> fault = partition_fault(std::move(ranges), vocab);
+  if (!fault) return {};
+  const std::string head = "vocabulary ranges do not partition [0, " + std::to_string(vocab) + "): expected ranges that tile it, got ";
+  if (fault->kind == PartitionFault::Kind::kOverlap) {
+    const auto range = [](const OwnedRange& r) { return "[" + std::to_string(r.begin) + ", " + std::to_string(r.end) + ")"; };
+    return {Code::kInvalidUsage, head + "rank " + std::to_string(fault->previous->rank) + " " + range(*fault->previous) +
+                                     " and rank " + std::to_string(fault->first->rank) + " " + range(*fault->first) +
+                                     " overlapping"};
   }
-  if (covered != vocab) {
-    return {Code::kInvalidUsage, "vocabulary ranges do not partition [0, " + std::to_string(vocab) +
-                                     "): expected ranges that tile it, got columns [" +
-                                     std::to_string(covered) + ", " + std::to_string(vocab) +
-                                     ") owned by no rank"};
-  }
-  return {};
+  const int64_t unowned_end = fault->first ? fault->first->begin : vocab;
+  return {Code::kInvalidUsage, head + "columns [" + std::to_string(fault->covered) + ", " + std::to_string(unowned_end) +
+                                   ") owned by no rank"};
 }
 
 }  // namespace

@@ -303,6 +303,9 @@ TEST(BadInput, SmoothedMergeNeedsTheRanksShards) {
   const VocabShard overlap[] = {{0, 6, 10}, {5, 10, 10}};
   expect_error(merge_stats(all, options, out, overlap), Code::kInvalidArgument,
                {"shards", "partition [0, 10)", "an overlap at column 5"});
+  const VocabShard short_end[] = {{0, 5, 10}, {5, 9, 10}};
+  expect_error(merge_stats(all, options, out, short_end), Code::kInvalidArgument,
+               {"shards", "partition [0, 10)", "a gap at column 9"});
   const VocabShard beyond[] = {{0, 5, 10}, {5, 11, 10}};
   expect_error(merge_stats(all, options, out, beyond), Code::kInvalidArgument,
                {"shards[1].vocab_begin, .vocab_end", "<= vocab_size (10)", "got 5, 11"});

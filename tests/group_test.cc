@@ -134,6 +134,13 @@ TEST(Group, GapInRanges) {
                   {"vocabulary ranges do not partition", "[30, 32) owned by no rank"});
 }
 
+TEST(Group, GapAtTheEndOfTheVocabulary) {
+  expect_all_fail(run_group([](int r, RankArgs& a) {
+                    if (r == 3) a.shard = {30, 38, 40};
+                  }),
+                  {"vocabulary ranges do not partition [0, 40)", "columns [38, 40) owned by no rank"});
+}
+
 TEST(Group, DifferentVocabularySize) {
   expect_all_fail(run_group([](int r, RankArgs& a) {
                     if (r == 2) a.shard.vocab_size = 41;
