@@ -4,7 +4,9 @@
 # (tokens 4096-65536, V per rank 32000-256000, fp32 and bf16, as a fraction of a
 # device-to-device copy measured in the same run), then the fused head's timing rows (its
 # forward + backward and chunked step against the three cuBLAS GEMMs of an unfused step of
-# the same shapes). Fits in a few minutes on one H200.
+# the same shapes). Fits in a few minutes on one H200. A failing step does not stop the
+# later ones (the run is rare: every result counts); the exit status is the first failure's.
+# Each step's whole log goes to $OUT (the device tool's folder) or gpu-logs/.
 #
 #   scripts/gpu-check.sh          build, then run (where the packages of setup.sh are)
 #   scripts/gpu-check.sh build    build only, into gpu-bundle/ (binaries, libhwy, libdnnl)
@@ -35,23 +37,61 @@ if [ "$mode" = all ] || [ "$mode" = build ]; then
   build=${VPCE_GPU_BUILD_DIR:-build-gpu}
   cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DVPCE_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DVPCE_WITH_MPI=OFF -DVPCE_BUILD_TOOLS=OFF -DVPCE_BUILD_EXAMPLES=OFF >/dev/null
-  cmake --build "$build" -j "$(nproc)" --target vpce_cuda_tests vpce_cuda_perf vpce_cuda_head_perf
+  cmake --build "$build" -j "$(nproc)" --target vpce_cuda_tests vpce_cuda_nccl_tests vpce_cuda_perf vpce_cuda_head_perf
   rm -rf "$bundle" && mkdir -p "$bundle"
-  cp "$build/tests/vpce_cuda_tests" "$build/bench/vpce_cuda_perf" "$build/bench/vpce_cuda_head_perf" "$bundle/"
-  # The shared libraries a bare CUDA machine lacks (Highway, and oneDNN for the CPU head);
-  # cuBLAS comes with the CUDA toolkit there.
-  for lib in $(ldd "$bundle/vpce_cuda_tests" | awk '/libhwy|libdnnl/ {print $3}'); do cp "$lib" "$bundle/"; done
-  echo "gpu-check: built $bundle/ ($(du -sh "$bundle" | cut -f1))"
+  cp "$build/tests/vpce_cuda_tests" "$build/tests/vpce_cuda_nccl_tests" "$build/bench/vpce_cuda_perf" \
+    "$build/bench/vpce_cuda_head_perf" "$bundle/"
+  # The shared libraries a bare CUDA machine may lack (Highway; oneDNN for the CPU head, with
+  # its OpenMP and OpenCL loaders); cuBLAS comes with the CUDA toolkit there, and NCCL
+  # (200 MB) from the machine, found at run time.
+  for lib in $(ldd "$bundle/vpce_cuda_tests" | awk '/libhwy|libdnnl|libgomp|libOpenCL/ {print $3}'); do
+    cp "$lib" "$bundle/"
+  done
+  echo "$(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')" \
+    >"$bundle/COMMIT"
+  echo "gpu-check: built $bundle/ ($(du -sh "$bundle" | cut -f1)) from $(cat "$bundle/COMMIT")"
 fi
 
 if [ "$mode" = all ] || [ "$mode" = run ]; then
-  # cuBLAS from the machine's CUDA toolkit, wherever its loader path does not name it.
-  export LD_LIBRARY_PATH="$PWD/$bundle${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}:/usr/local/cuda/lib64:/usr/local/cuda/lib"
+  # cuBLAS from the machine's CUDA toolkit, wherever its loader path does not name it; NCCL
+  # from the toolkit or from PyTorch's wheel.
+  nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib"))' 2>/dev/null || true)
+  export LD_LIBRARY_PATH="$PWD/$bundle${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}:/usr/local/cuda/lib64:/usr/local/cuda/lib${nccl:+:$nccl}"
+  logs=${OUT:-gpu-logs}
+  mkdir -p "$logs"
+  echo "gpu-check: bundle built from $(cat "$bundle/COMMIT" 2>/dev/null || echo '(no COMMIT file)')"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader || true
-  echo "gpu-check: tests against the CPU fp64 oracle"
-  "$bundle/vpce_cuda_tests" --gtest_brief=1
-  echo "gpu-check: bandwidth sweep"
-  "$bundle/vpce_cuda_perf" 10
-  echo "gpu-check: fused head (linear + cross-entropy) vs the unfused step's three GEMMs"
-  "$bundle/vpce_cuda_head_perf" 10
+  status=0
+  # step NAME COMMAND...: runs it, its whole output into $logs/NAME.log; the first failure's
+  # status becomes the script's.
+  step() {
+    local name=$1 rc=0
+    shift
+    echo "gpu-check: $name"
+    "$@" 2>&1 | tee "$logs/$name.log" || rc=$?
+    if [ "$rc" -ne 0 ]; then
+      echo "gpu-check: $name FAILED (exit $rc)"
+      [ "$status" -ne 0 ] || status=$rc
+    fi
+  }
+  missing=$(ldd "$bundle"/vpce_cuda_tests "$bundle"/vpce_cuda_perf "$bundle"/vpce_cuda_head_perf | grep 'not found' || true)
+  if [ -n "$missing" ]; then
+    echo "gpu-check: libraries not found: $missing"
+    exit 1
+  fi
+  step tests "$bundle/vpce_cuda_tests" --gtest_brief=1
+  if ldd "$bundle/vpce_cuda_nccl_tests" | grep -q 'not found'; then
+    echo "gpu-check: NCCL tests not run: $(ldd "$bundle/vpce_cuda_nccl_tests" | grep 'not found')"
+  else
+    step nccl "$bundle/vpce_cuda_nccl_tests" --gtest_brief=1
+  fi
+  step bandwidth "$bundle/vpce_cuda_perf" 10
+  step head "$bundle/vpce_cuda_head_perf" 10
+  # Out-of-bounds and misaligned accesses on a few small tests, where the sanitizer can see
+  # the device (it cannot on some virtualised machines: then it says so and this step fails).
+  if command -v compute-sanitizer >/dev/null; then
+    step memcheck timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 "$bundle/vpce_cuda_tests" \
+      --gtest_brief=1 --gtest_filter='Cuda.EveryOption:CudaHead.EveryOptionEveryReduction'
+  fi
+  exit "$status"
 fi

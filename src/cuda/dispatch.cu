@@ -9,16 +9,13 @@
 
 #include "device.h"
 #include "dispatch.h"
+#include "host.h"
 
 namespace vpce::detail {
 
 namespace {
 
 std::string device_text(const char* name) { return std::string(name) + ".device"; }
-
-Status cuda_failure(const char* what, cudaError_t e) {
-  return {Code::kSystemError, std::string("cuda: ") + what + ": " + cudaGetErrorString(e)};
-}
 
 }  // namespace
 
@@ -56,27 +53,6 @@ Status check_device_pointer(const TensorView& t, const char* name) {
                        device_memory ? "memory of cuda:" + std::to_string(attributes.device) : "host memory")};
 }
 
-// Makes `device` current for its lifetime (kernels, allocations and NCCL calls go to the
-// current device), restoring the caller's afterwards.
-class CurrentDevice {
- public:
-  explicit CurrentDevice(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    if (previous_ != device) status_ = cudaSetDevice(device);
-  }
-  ~CurrentDevice() {
-    if (previous_ >= 0 && status_ == cudaSuccess) cudaSetDevice(previous_);
-  }
-  CurrentDevice(const CurrentDevice&) = delete;
-  CurrentDevice& operator=(const CurrentDevice&) = delete;
-  // Whether the device could be made current.
-  Status status() const { return status_ == cudaSuccess ? Status{} : cuda_failure("cudaSetDevice", status_); }
-
- private:
-  int previous_ = 0;
-  cudaError_t status_ = cudaSuccess;
-};
-
 struct DeviceWorkspace {
   int device = 0;
   char* send = nullptr;  // this rank's payload: header + [N, W] stats
@@ -93,13 +69,14 @@ struct DeviceWorkspace {
   int self = 0;
   std::size_t payload = 0;
   bool used = false;
+  CallOrder order;  // of the calls on these buffers
 
   cuda::DeviceError* error() const { return reinterpret_cast<cuda::DeviceError*>(error_word); }
 
-  // Waits for the last forward's work, which may still use the buffers, then frees them.
+  // Waits for the last call's work, which may still use the buffers, then frees them.
   ~DeviceWorkspace() {
     CurrentDevice current(device);
-    if (used) cudaStreamSynchronize(stream);
+    order.wait();
     for (char* p : {send, recv, merged, error_word}) {
       if (p != nullptr) cudaFree(p);
     }
@@ -138,21 +115,16 @@ Status ensure(char** buffer, std::size_t* capacity, std::size_t bytes, cudaStrea
 namespace {
 
 // The protocol's buffers of `w` for one call on `stream` (the caller made `device` current):
-// ordered after the last forward that used them, grown for `ranks` payloads of `payload`
+// on the device of the workspace's first call, ordered after the last call that used them, grown for `ranks` payloads of `payload`
 // bytes and `merged_bytes`, and the error word cleared.
 Status prepare_protocol(DeviceWorkspace& w, int device, cudaStream_t stream, std::size_t payload, int ranks,
                         std::size_t merged_bytes) {
-  if (w.used && (w.stream != stream || w.device != device)) {
-    // The last forward ran on another stream and may still read these buffers: order this
-    // stream after it (without waiting on the host).
-    CurrentDevice previous(w.device);
-    cudaEvent_t done = nullptr;
-    cudaError_t e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaEventRecord(done, w.stream);
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, done, 0);
-    if (done != nullptr) cudaEventDestroy(done);
-    if (e != cudaSuccess) return cuda_failure("ordering after the previous forward's stream", e);
+  if (w.used && w.device != device) {  // (its buffers are that device's memory)
+    return {Code::kInvalidUsage, "workspace: expected the device of its first call, cuda:" + std::to_string(w.device) +
+                                     ", got cuda:" + std::to_string(device)};
   }
+  // The last call may have run on another stream and still use these buffers.
+  if (Status s = w.order.before(stream); !s.ok()) return s;
   w.device = device;
   const std::size_t total = payload * static_cast<std::size_t>(ranks);
   // Without its buffers this rank cannot join the gather: the others wait (NCCL has no
@@ -180,8 +152,9 @@ Status device_forward(Communicator& comm, const DeviceForwardArgs& a, std::share
   const std::size_t merged_bytes = static_cast<std::size_t>(a.tokens * a.width) * sizeof(float) +
                                    static_cast<std::size_t>(a.tokens) * sizeof(double);
   if (Status s = prepare_protocol(w, device, stream, a.payload, ranks, merged_bytes); !s.ok()) return s;
+  const CallScope call(w.order, stream);
   auto* header = reinterpret_cast<RankHeader*>(w.send);
-  if (Status s = cuda::write_header(a.header, header, stream); !s.ok()) return s;
+  if (Status s = cuda::write_header(a.header, header, stream); !s.ok()) return a.local.ok() ? s : a.local;
   if (a.local.ok()) {
     const RowMatrix stats{w.send + sizeof(RankHeader), kFloat32, a.tokens, a.width, a.width};
     if (Status s = cuda::local_stats(a.in.logits, a.in.targets, a.in.weights, a.vocab_begin, a.params, stats, header,
@@ -191,7 +164,9 @@ Status device_forward(Communicator& comm, const DeviceForwardArgs& a, std::share
     }
   }
   if (Status s = comm.device_all_gather(w.send, w.recv, a.payload, stream); !s.ok()) return a.local.ok() ? s : a.local;
-  if (Status s = cuda::check_group(w.recv, static_cast<int64_t>(a.payload), ranks, w.error(), stream); !s.ok()) return s;
+  if (Status s = cuda::check_group(w.recv, static_cast<int64_t>(a.payload), ranks, w.error(), stream); !s.ok()) {
+    return a.local.ok() ? s : a.local;
+  }
   w.stream = stream;
   w.ranks = ranks;
   w.self = comm.rank();
@@ -218,7 +193,7 @@ Status device_protocol(std::shared_ptr<void>* state, int device, void* stream, i
   w.self = self;
   w.payload = payload;
   w.used = true;
-  *out = DeviceProtocol{w.send, w.recv, w.merged, w.error_word};
+  *out = DeviceProtocol{w.send, w.recv, w.merged, w.error_word, &w.order};
   return {};
 }
 
@@ -236,15 +211,14 @@ Status device_status(void* state) {
   }
   if (error.code == 0) return {};
   // The same bytes the device checked, checked again on the host for the message.
-  std::vector<char> gathered(w.payload * static_cast<std::size_t>(w.ranks));
-  for (int r = 0; r < w.ranks; ++r) {
-    if (const cudaError_t e = cudaMemcpy(gathered.data() + r * w.payload, w.recv + r * w.payload, sizeof(RankHeader),
-                                         cudaMemcpyDeviceToHost);
-        e != cudaSuccess) {
-      return cuda_failure("reading the gathered headers", e);
-    }
+  // (Only the headers: the payloads may be large.)
+  std::vector<char> headers(sizeof(RankHeader) * static_cast<std::size_t>(w.ranks));
+  if (const cudaError_t e = cudaMemcpy2D(headers.data(), sizeof(RankHeader), w.recv, w.payload, sizeof(RankHeader),
+                                         static_cast<std::size_t>(w.ranks), cudaMemcpyDeviceToHost);
+      e != cudaSuccess) {
+    return cuda_failure("reading the gathered headers", e);
   }
-  Status s = check_group(gathered.data(), w.payload, w.ranks, w.self);
+  Status s = check_group(headers.data(), sizeof(RankHeader), w.ranks, w.self);
   if (s.ok()) return {Code::kInternalError, "cuda: the device's group check failed where the host's passed"};
   return s;
 }

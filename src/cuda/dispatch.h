@@ -42,11 +42,13 @@ Status device_status(void* state);
 // loss terms; not while the stream is captured), the error word cleared, and the call
 // recorded, so that device_status() reads its last gather (every gather of the call must
 // carry `payload` bytes). `device` is made current for the call and restored.
+class CallOrder;  // (cuda/host.h)
 struct DeviceProtocol {
   char* send = nullptr;    // payload bytes: this rank's header, then its [n, W] stats
   char* recv = nullptr;    // ranks * payload bytes
   char* merged = nullptr;  // merged_bytes
   char* error = nullptr;   // a cuda::DeviceError
+  CallOrder* order = nullptr;  // the caller marks its call's end in it (a CallScope)
 };
 Status device_protocol(std::shared_ptr<void>* state, int device, void* stream, int ranks, int self,
                        std::size_t payload, std::size_t merged_bytes, DeviceProtocol* out);

@@ -15,100 +15,13 @@
 #include <random>
 
 #include "cpu/dtype.h"
+#include "cuda_support.h"
 #include "support.h"
 #include "vpce/head.h"
 
 namespace vpce::test {
 namespace {
 
-bool have_device(std::string* why) {
-  int count = 0;
-  const cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess || count == 0) {
-    cudaGetLastError();
-    *why = e != cudaSuccess ? cudaGetErrorString(e) : "no devices";
-    return false;
-  }
-  return true;
-}
-
-#define REQUIRE_GPU()                                                              \
-  do {                                                                             \
-    std::string why;                                                               \
-    if (!have_device(&why)) GTEST_SKIP() << "no CUDA device here (" << why << ")"; \
-  } while (0)
-
-#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
-
-const Device kGpu{DeviceType::kCUDA, 0};
-
-// One rank on the device: the gather is a copy, asynchronous on the stream.
-class DeviceLoopback final : public Communicator {
- public:
-  int rank() const override { return 0; }
-  int size() const override { return 1; }
-  const char* name() const override { return "device loopback"; }
-  Status all_gather(const void*, void*, std::size_t) override { return {Code::kUnsupported, "host"}; }
-  Status device_all_gather(const void* send, void* recv, std::size_t bytes, void* stream) override {
-    ++calls;
-    return cudaMemcpyAsync(recv, send, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)) == cudaSuccess
-               ? Status{}
-               : Status{Code::kSystemError, "cudaMemcpyAsync"};
-  }
-  int calls = 0;
-};
-
-// R ranks as threads on one device: each gather waits for the rank's stream and goes
-// through the in-process backend.
-class StagedDeviceComm final : public Communicator {
- public:
-  explicit StagedDeviceComm(Communicator& host) : host_(host) {}
-  int rank() const override { return host_.rank(); }
-  int size() const override { return host_.size(); }
-  const char* name() const override { return "staged device"; }
-  Status all_gather(const void*, void*, std::size_t) override { return {Code::kUnsupported, "host"}; }
-  Status device_all_gather(const void* send, void* recv, std::size_t bytes, void* stream) override {
-    auto s = static_cast<cudaStream_t>(stream);
-    std::vector<char> mine(bytes), all(bytes * static_cast<std::size_t>(size()));
-    if (cudaMemcpyAsync(mine.data(), send, bytes, cudaMemcpyDeviceToHost, s) != cudaSuccess ||
-        cudaStreamSynchronize(s) != cudaSuccess) {
-      return {Code::kSystemError, "staging the send buffer"};
-    }
-    if (Status st = host_.all_gather(mine.data(), all.data(), bytes); !st.ok()) return st;
-    if (cudaMemcpyAsync(recv, all.data(), all.size(), cudaMemcpyHostToDevice, s) != cudaSuccess ||
-        cudaStreamSynchronize(s) != cudaSuccess) {
-      return {Code::kSystemError, "staging the receive buffer"};
-    }
-    ++calls;
-    return {};
-  }
-  int calls = 0;
-
- private:
-  Communicator& host_;
-};
-
-struct DeviceBuffer {
-  void* p = nullptr;
-  std::size_t bytes = 0;
-  DeviceBuffer(const void* host, std::size_t n) : bytes(n) {
-    cudaMalloc(&p, n + 16);
-    if (host != nullptr) {
-      cudaMemcpy(p, host, n, cudaMemcpyHostToDevice);
-    } else {
-      cudaMemset(p, 0, n + 16);
-    }
-  }
-  ~DeviceBuffer() { cudaFree(p); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  template <class T>
-  std::vector<T> read(std::size_t count) const {
-    std::vector<T> out(count);
-    cudaMemcpy(out.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost);
-    return out;
-  }
-};
 
 // The head's operands stored in `dtype`: hidden [N, H] with row stride H + 1 (rows not
 // aligned), weight [V, H] (rank r's rows are a slice), bias [V], targets, upstream.
@@ -284,7 +197,8 @@ HeadRun run_head(const HeadProblem& p, const std::vector<VocabShard>& shards, co
   HeadRun run;
   run.ranks.resize(static_cast<std::size_t>(ranks));
   std::unique_ptr<ThreadGroup> group;
-  EXPECT_TRUE(ThreadGroup::create(ranks, &group).ok());
+  // 20 s, not 5 minutes: a rank that returns early must not eat the GPU check's time.
+  EXPECT_TRUE(ThreadGroup::create(ranks, &group, std::chrono::seconds(20)).ok());
   const std::vector<Status> statuses = group->run([&](Communicator& host) -> Status {
     const int r = host.rank();
     RankRun& mine = run.ranks[static_cast<std::size_t>(r)];
@@ -683,6 +597,8 @@ TEST(CudaHead, TargetOutOfRangeIsAnAsynchronousErrorOnEveryRank) {
 
 // A second step of the same sizes captured in a CUDA graph replays bit-identically: the
 // recompute forward + backward, and the chunked step.
+// Warmed up on one stream, then captured on the same one or (as torch.cuda.graph does, after a
+// synchronize) on another.
 TEST(CudaHead, StepsCaptureInACudaGraph) {
   REQUIRE_GPU();
   const HeadProblem p = head_problem(64, 64, 2000, kBFloat16, true, 4);
@@ -709,17 +625,20 @@ TEST(CudaHead, StepsCaptureInACudaGraph) {
   head.token_block = 16;
   head.vocab_block = 512;
   head.chunk_tokens = 32;
-  cudaStream_t stream = nullptr;
+  cudaStream_t stream = nullptr, other = nullptr;
   CUDA_OK(cudaStreamCreate(&stream));
-  for (bool chunked : {false, true}) {
-    SCOPED_TRACE(chunked ? "chunked" : "recompute");
+  CUDA_OK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+  for (auto [chunked, capture] : {std::pair{false, stream}, std::pair{true, stream}, std::pair{false, other},
+                                  std::pair{true, other}}) {
+    SCOPED_TRACE(std::string(chunked ? "chunked" : "recompute") + (capture == other ? ", another stream" : ""));
     LossOptions o;
     o.stream = stream;
     o.reduction = chunked ? Reduction::kMean : Reduction::kNone;
     const TensorView lv = TensorView::contiguous(loss.p, kFloat32, {chunked ? 1 : n}, kGpu);
     const TensorView g = TensorView::contiguous(upstream.p, kFloat32, {n}, kGpu);
     DeviceLoopback comm;
-    Workspace workspace;
+    std::optional<Workspace> holder(std::in_place);  // released before the streams go
+    Workspace& workspace = *holder;
     auto step = [&] {
       if (chunked) {
         ASSERT_TRUE(linear_cross_entropy_forward_backward(comm, inputs, yv, {0, v, v}, o, head, 1.0f, lv, ev, grads, {},
@@ -735,24 +654,28 @@ TEST(CudaHead, StepsCaptureInACudaGraph) {
     const std::vector<float> eager_loss = loss.read<float>(n), eager_gh = gh.read<float>(n * h),
                              eager_gw = gw.read<float>(v * h), eager_gb = gb.read<float>(v);
     for (DeviceBuffer* b : {&loss, &gh, &gw, &gb}) CUDA_OK(cudaMemsetAsync(b->p, 0, b->bytes, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
     const int eager_gathers = comm.calls;
+    o.stream = capture;
     cudaGraph_t graph = nullptr;
-    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    CUDA_OK(cudaStreamBeginCapture(capture, cudaStreamCaptureModeGlobal));
     step();
-    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    CUDA_OK(cudaStreamEndCapture(capture, &graph));
     cudaGraphExec_t exec = nullptr;
     CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    CUDA_OK(cudaGraphLaunch(exec, stream));
-    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaGraphLaunch(exec, capture));
+    CUDA_OK(cudaStreamSynchronize(capture));
     EXPECT_TRUE(workspace.device_status().ok());
     EXPECT_EQ(loss.read<float>(n), eager_loss);
     EXPECT_EQ(gh.read<float>(n * h), eager_gh);
     EXPECT_EQ(gw.read<float>(v * h), eager_gw);
     EXPECT_EQ(gb.read<float>(v), eager_gb);
     EXPECT_EQ(comm.calls, 2 * eager_gathers);  // a replay runs no host code
+    holder.reset();
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
   }
+  cudaStreamDestroy(other);
   cudaStreamDestroy(stream);
 }
 

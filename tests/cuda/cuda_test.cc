@@ -10,92 +10,15 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <random>
 
+#include "cuda_support.h"
 #include "support.h"
 
 namespace vpce::test {
 namespace {
 
-bool have_device(std::string* why) {
-  int count = 0;
-  const cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess || count == 0) {
-    cudaGetLastError();
-    *why = e != cudaSuccess ? cudaGetErrorString(e) : "no devices";
-    return false;
-  }
-  return true;
-}
-
-#define REQUIRE_GPU()                                                          \
-  do {                                                                         \
-    std::string why;                                                           \
-    if (!have_device(&why)) GTEST_SKIP() << "no CUDA device here (" << why << ")"; \
-  } while (0)
-
-#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
-
-// One rank on the device: the gather is a copy, asynchronous on the stream.
-class DeviceLoopback final : public Communicator {
- public:
-  int rank() const override { return 0; }
-  int size() const override { return 1; }
-  const char* name() const override { return "device loopback"; }
-  Status all_gather(const void*, void*, std::size_t) override { return {Code::kUnsupported, "host"}; }
-  Status device_all_gather(const void* send, void* recv, std::size_t bytes, void* stream) override {
-    ++calls;
-    return cudaMemcpyAsync(recv, send, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)) == cudaSuccess
-               ? Status{}
-               : Status{Code::kSystemError, "cudaMemcpyAsync"};
-  }
-  int calls = 0;
-};
-
-// R ranks as threads on one device: each gather waits for the rank's stream, goes through
-// the in-process backend on the host and back.
-class StagedDeviceComm final : public Communicator {
- public:
-  explicit StagedDeviceComm(Communicator& host) : host_(host) {}
-  int rank() const override { return host_.rank(); }
-  int size() const override { return host_.size(); }
-  const char* name() const override { return "staged device"; }
-  Status all_gather(const void*, void*, std::size_t) override { return {Code::kUnsupported, "host"}; }
-  Status device_all_gather(const void* send, void* recv, std::size_t bytes, void* stream) override {
-    auto s = static_cast<cudaStream_t>(stream);
-    std::vector<char> mine(bytes), all(bytes * static_cast<std::size_t>(size()));
-    if (cudaMemcpyAsync(mine.data(), send, bytes, cudaMemcpyDeviceToHost, s) != cudaSuccess ||
-        cudaStreamSynchronize(s) != cudaSuccess) {
-      return {Code::kSystemError, "staging the send buffer"};
-    }
-    if (Status st = host_.all_gather(mine.data(), all.data(), bytes); !st.ok()) return st;
-    if (cudaMemcpyAsync(recv, all.data(), all.size(), cudaMemcpyHostToDevice, s) != cudaSuccess ||
-        cudaStreamSynchronize(s) != cudaSuccess) {
-      return {Code::kSystemError, "staging the receive buffer"};
-    }
-    return {};
-  }
-
- private:
-  Communicator& host_;
-};
-
-// A device copy of a host buffer, freed at the end of the test.
-struct DeviceBuffer {
-  void* p = nullptr;
-  std::size_t bytes = 0;
-  DeviceBuffer(const void* host, std::size_t n) : bytes(n) {
-    cudaMalloc(&p, n + 16);
-    if (host != nullptr) cudaMemcpy(p, host, n, cudaMemcpyHostToDevice);
-  }
-  ~DeviceBuffer() { cudaFree(p); }
-  template <class T>
-  std::vector<T> read(std::size_t count) const {
-    std::vector<T> out(count);
-    cudaMemcpy(out.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost);
-    return out;
-  }
-};
 
 struct DeviceRun {
   std::vector<Status> status;
@@ -126,7 +49,8 @@ DeviceRun run_on_device(Problem& problem, const std::vector<VocabShard>& shards,
   run.target_is_argmax.resize(static_cast<std::size_t>(ranks));
   run.entropy.resize(static_cast<std::size_t>(ranks));
   std::unique_ptr<ThreadGroup> group;
-  EXPECT_TRUE(ThreadGroup::create(ranks, &group).ok());
+  // 20 s, not 5 minutes: a rank that returns early must not eat the GPU check's time.
+  EXPECT_TRUE(ThreadGroup::create(ranks, &group, std::chrono::seconds(20)).ok());
   run.status = group->run([&](Communicator& host) -> Status {
     const int r = host.rank();
     StagedDeviceComm staged(host);
@@ -161,7 +85,8 @@ DeviceRun run_on_device(Problem& problem, const std::vector<VocabShard>& shards,
     cudaStreamCreate(&stream);
     LossOptions opts = options.loss;
     opts.stream = stream;
-    Workspace workspace;
+    std::optional<Workspace> holder(std::in_place);  // released before the stream goes
+    Workspace& workspace = *holder;
     Status s = forward(comm, x, yv, shard, opts, lv, ev, extras, &workspace);
     if (s.ok()) {
       const TensorView g = TensorView::contiguous(upstream.p, kFloat32, {reduced ? 1 : n}, gpu);
@@ -177,6 +102,7 @@ DeviceRun run_on_device(Problem& problem, const std::vector<VocabShard>& shards,
     run.lse[static_cast<std::size_t>(r)] = lse.read<float>(static_cast<std::size_t>(n));
     run.target_is_argmax[static_cast<std::size_t>(r)] = argmax.read<float>(static_cast<std::size_t>(n));
     run.entropy[static_cast<std::size_t>(r)] = entropy.read<float>(static_cast<std::size_t>(n));
+    holder.reset();
     cudaStreamDestroy(stream);
     return s;
   });
@@ -308,8 +234,10 @@ TEST(Cuda, TargetOutOfRangeIsAnAsynchronousErrorOnEveryRank) {
   }
 }
 
-TEST(Cuda, ForwardAndBackwardCaptureInACudaGraph) {
-  REQUIRE_GPU();
+// A forward and backward run eagerly on `warm_up` (allocating the workspace), then captured
+// on `capture` (the same stream, or another as torch.cuda.graph's), the graph replayed: the
+// same loss and gradient, bit for bit.
+void expect_capture_matches_eager(bool other_stream) {
   const int64_t n = 64, vocab = 5000;
   Problem p = random_problem(n, vocab, kBFloat16, 4);
   DeviceBuffer logits(p.storage.data(), p.storage.size());
@@ -324,37 +252,58 @@ TEST(Cuda, ForwardAndBackwardCaptureInACudaGraph) {
   const TensorView ev = TensorView::contiguous(lse.p, kFloat32, {n}, gpu);
   const TensorView gv = TensorView::contiguous(upstream.p, kFloat32, {n}, gpu);
   const TensorView out = TensorView::contiguous(grad.p, kFloat32, {n, vocab}, gpu);
-  cudaStream_t stream = nullptr;
-  CUDA_OK(cudaStreamCreate(&stream));
-  LossOptions o;
-  o.stream = stream;
+  cudaStream_t warm_up = nullptr, capture = nullptr;
+  CUDA_OK(cudaStreamCreate(&warm_up));
+  if (other_stream) {
+    CUDA_OK(cudaStreamCreateWithFlags(&capture, cudaStreamNonBlocking));
+  } else {
+    capture = warm_up;
+  }
   DeviceLoopback comm;
-  Workspace workspace;
-  auto step = [&] {
-    ASSERT_TRUE(forward(comm, x, yv, {0, vocab, vocab}, o, lv, ev, {}, &workspace).ok());
-    ASSERT_TRUE(backward(x, yv, ev, gv, {0, vocab, vocab}, o, out).ok());
+  std::optional<Workspace> holder(std::in_place);  // released before the streams go
+  auto step = [&](cudaStream_t stream) {
+    LossOptions o;
+    o.stream = stream;
+    const Status f = forward(comm, x, yv, {0, vocab, vocab}, o, lv, ev, {}, &*holder);
+    ASSERT_TRUE(f.ok()) << f.to_string();
+    const Status b = backward(x, yv, ev, gv, {0, vocab, vocab}, o, out);
+    ASSERT_TRUE(b.ok()) << b.to_string();
   };
-  step();  // allocates the workspace
-  CUDA_OK(cudaStreamSynchronize(stream));
+  step(warm_up);  // allocates the workspace
+  CUDA_OK(cudaStreamSynchronize(warm_up));
   const std::vector<float> eager_loss = loss.read<float>(n);
   const std::vector<float> eager_grad = grad.read<float>(static_cast<std::size_t>(n * vocab));
-  CUDA_OK(cudaMemsetAsync(loss.p, 0, n * sizeof(float), stream));
-  CUDA_OK(cudaMemsetAsync(grad.p, 0, grad.bytes, stream));
+  CUDA_OK(cudaMemsetAsync(loss.p, 0, n * sizeof(float), capture));
+  CUDA_OK(cudaMemsetAsync(grad.p, 0, grad.bytes, capture));
+  CUDA_OK(cudaStreamSynchronize(capture));
   cudaGraph_t graph = nullptr;
-  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  step();
-  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_OK(cudaStreamBeginCapture(capture, cudaStreamCaptureModeGlobal));
+  step(capture);
+  CUDA_OK(cudaStreamEndCapture(capture, &graph));
   cudaGraphExec_t exec = nullptr;
   CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  CUDA_OK(cudaGraphLaunch(exec, stream));
-  CUDA_OK(cudaStreamSynchronize(stream));
-  EXPECT_TRUE(workspace.device_status().ok());
+  CUDA_OK(cudaGraphLaunch(exec, capture));
+  CUDA_OK(cudaStreamSynchronize(capture));
+  EXPECT_TRUE(holder->device_status().ok());
   EXPECT_EQ(loss.read<float>(n), eager_loss);
   EXPECT_EQ(grad.read<float>(static_cast<std::size_t>(n * vocab)), eager_grad);
   EXPECT_EQ(comm.calls, 2);  // the eager forward and the captured one (a replay runs no host code)
+  holder.reset();
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+  if (other_stream) cudaStreamDestroy(capture);
+  cudaStreamDestroy(warm_up);
+}
+
+TEST(Cuda, ForwardAndBackwardCaptureInACudaGraph) {
+  REQUIRE_GPU();
+  expect_capture_matches_eager(false);
+}
+
+// As torch.cuda.graph does: warmed up on one stream, synchronized, captured on another.
+TEST(Cuda, CaptureOnAnotherStreamThanTheWarmUp) {
+  REQUIRE_GPU();
+  expect_capture_matches_eager(true);
 }
 
 TEST(Cuda, HostPointerLabelledAsDeviceIsRefused) {

@@ -33,10 +33,13 @@ Status NcclCommunicator::all_gather(const void*, void*, std::size_t) {
 }
 
 Status NcclCommunicator::device_all_gather(const void* send, void* recv, std::size_t bytes, void* stream) {
-  if (const ncclResult_t r = ncclAllGather(send, recv, bytes, ncclUint8, comm_, static_cast<cudaStream_t>(stream));
-      r != ncclSuccess) {
-    return nccl_failure("ncclAllGather", r);
+  ncclResult_t r = ncclAllGather(send, recv, bytes, ncclUint8, comm_, static_cast<cudaStream_t>(stream));
+  // A non-blocking communicator may still be enqueuing the call: wait for that (on the host;
+  // the gather itself stays asynchronous on the stream), as NCCL's documentation says.
+  while (r == ncclInProgress) {
+    if (const ncclResult_t e = ncclCommGetAsyncError(comm_, &r); e != ncclSuccess) r = e;
   }
+  if (r != ncclSuccess) return nccl_failure("ncclAllGather", r);
   return {};
 }
 

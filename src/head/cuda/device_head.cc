@@ -40,11 +40,13 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "../../cuda/device.h"
 #include "../../cuda/dispatch.h"
+#include "../../cuda/host.h"
 #include "../../exchange.h"
 #include "../../protocol.h"
 #include "../../validate.h"
@@ -65,43 +67,11 @@ constexpr int64_t kMinDefaultVocabBlock = 256;
 constexpr std::size_t kCublasWorkspace = std::size_t{32} << 20;  // cuBLAS's recommendation on Hopper
 constexpr std::size_t kAlign = 256;
 
-Status cuda_failure(const char* what, cudaError_t e) {
-  return {Code::kSystemError, std::string("cuda: ") + what + ": " + cudaGetErrorString(e)};
-}
-
 Status cublas_failure(const char* what, cublasStatus_t e) {
   return {Code::kSystemError, std::string("cublas: ") + what + ": " + cublasGetStatusString(e)};
 }
 
 std::size_t round_up(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-
-// Makes `device` current for its lifetime, restoring the caller's afterwards.
-class ScopedDevice {
- public:
-  explicit ScopedDevice(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    if (previous_ != device) status_ = cudaSetDevice(device);
-  }
-  ~ScopedDevice() {
-    if (previous_ >= 0 && status_ == cudaSuccess) cudaSetDevice(previous_);
-  }
-  ScopedDevice(const ScopedDevice&) = delete;
-  ScopedDevice& operator=(const ScopedDevice&) = delete;
-  Status status() const { return status_ == cudaSuccess ? Status{} : cuda_failure("cudaSetDevice", status_); }
-
- private:
-  int previous_ = 0;
-  cudaError_t status_ = cudaSuccess;
-};
-
-Status capturing(cudaStream_t stream, bool* out) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (const cudaError_t e = cudaStreamIsCapturing(stream, &status); e != cudaSuccess) {
-    return cuda_failure("cudaStreamIsCapturing", e);
-  }
-  *out = status != cudaStreamCaptureStatusNone;
-  return {};
-}
 
 Status refuse_while_capturing(const char* what) {
   return {Code::kInvalidUsage, std::string("workspace: expected ") + what +
@@ -119,7 +89,7 @@ struct HeadBuffers {
   int device = -1;
   cublasHandle_t handle = nullptr;
   cudaStream_t stream = nullptr;  // of the last call
-  bool used = false;
+  CallOrder order;                // of the calls on these buffers
   Buffer cublas, running, tile, hi, lo, hidden32, weight32, grad_hidden32, grad_weight32, bias_sums, partial, upstream;
 
   Buffer* all() { return &cublas; }
@@ -131,8 +101,8 @@ struct HeadBuffers {
   // Waits for the last call's work, which may still use the buffers, then frees them.
   ~HeadBuffers() {
     if (device < 0) return;
-    ScopedDevice current(device);
-    if (used) cudaStreamSynchronize(stream);
+    CurrentDevice current(device);
+    order.wait();
     Buffer* b = all();
     for (int k = 0; k < kBuffers; ++k) {
       if (b[k].p != nullptr) cudaFree(b[k].p);
@@ -144,7 +114,7 @@ struct HeadBuffers {
   Status grow(Buffer& b, std::size_t bytes) {
     if (bytes <= b.capacity) return {};
     bool captured = false;
-    if (Status s = capturing(stream, &captured); !s.ok()) return s;
+    if (Status s = is_capturing(stream, &captured); !s.ok()) return s;
     if (captured) return refuse_while_capturing("device buffers");
     if (b.p != nullptr) {
       if (const cudaError_t e = cudaFreeAsync(b.p, stream); e != cudaSuccess) return cuda_failure("cudaFreeAsync", e);
@@ -173,22 +143,13 @@ Status begin(std::shared_ptr<void>* state, int device, cudaStream_t stream, Head
     return {Code::kInvalidUsage, "workspace: expected the device of its first fused-head call, cuda:" +
                                      std::to_string(b.device) + ", got cuda:" + std::to_string(device)};
   }
-  if (b.used && b.stream != stream) {
-    // The last call ran on another stream and may still use these buffers: order this
-    // stream after it (without waiting on the host).
-    cudaEvent_t done = nullptr;
-    cudaError_t e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaEventRecord(done, b.stream);
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, done, 0);
-    if (done != nullptr) cudaEventDestroy(done);
-    if (e != cudaSuccess) return cuda_failure("ordering after the previous call's stream", e);
-  }
+  // The last call may have run on another stream and still use these buffers.
+  if (Status s = b.order.before(stream); !s.ok()) return s;
   b.device = device;
   b.stream = stream;
-  b.used = true;
   if (b.handle == nullptr) {
     bool captured = false;
-    if (Status s = capturing(stream, &captured); !s.ok()) return s;
+    if (Status s = is_capturing(stream, &captured); !s.ok()) return s;
     if (captured) return refuse_while_capturing("a cuBLAS handle");
     if (const cublasStatus_t e = cublasCreate(&b.handle); e != CUBLAS_STATUS_SUCCESS) {
       b.handle = nullptr;
@@ -773,12 +734,14 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   }
   Workspace own;  // only when the caller gave none: that is this rank's error, but it still joins
   Workspace::Buffers* buffers = WorkspaceAccess::buffers(f.workspace != nullptr ? *f.workspace : own);
-  ScopedDevice current(f.device);
+  CurrentDevice current(f.device);
   if (Status s = current.status(); !s.ok()) return local.ok() ? s : local;
   Call c = make_call(a, tiles, *f.shard, options, width);
   PanelGradients pg;
   // Everything is allocated before the first gather, so that no later step fails alone.
   if (local.ok()) local = begin(&buffers->device_head, f.device, stream, &c.b);
+  std::optional<CallScope> head_call;  // (declared after `own`: it marks the end before own's buffers go)
+  if (local.ok()) head_call.emplace(c.b->order, stream);
   if (local.ok()) local = prepare_forward(c, g, chunk, &pg);
   if (local.ok() && g != nullptr) pg.lse = out.lse;
   DeviceProtocol protocol;
@@ -787,6 +750,7 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
       !s.ok()) {
     return local.ok() ? s : local;  // without its buffers this rank cannot join: the others wait
   }
+  const CallScope protocol_call(*protocol.order, stream);
   auto* header = reinterpret_cast<RankHeader*>(protocol.send);
   auto* error = reinterpret_cast<cuda::DeviceError*>(protocol.error);
   auto* stats = reinterpret_cast<float*>(protocol.send + sizeof(RankHeader));
@@ -1005,11 +969,12 @@ Status device_linear_cross_entropy_backward(const HeadInputs& inputs, const Tens
   // its stream before it returns them.
   std::shared_ptr<void> own;
   std::shared_ptr<void>* state = workspace != nullptr ? &WorkspaceAccess::buffers(*workspace)->device_head : &own;
-  head_cuda::ScopedDevice current(d.id);
+  CurrentDevice current(d.id);
   if (Status s = current.status(); !s.ok()) return s;
   const head_cuda::Tiles tiles = head_cuda::gpu_tiles(head, a.tokens(), a.vocab_rows(), a.vocab_rows());
   Call c = head_cuda::make_call(a, tiles, shard, options, kStatsWidth);
   if (Status s = head_cuda::begin(state, d.id, c.stream, &c.b); !s.ok()) return s;
+  const CallScope call(c.b->order, c.stream);  // (after `own`: marks the end before own's buffers go)
   return head_cuda::run_backward(c, g, lse_in, upstream);
 }
 
@@ -1030,11 +995,12 @@ Status device_linear_cross_entropy_local_stats(const HeadInputs& inputs, const T
   // No workspace here: the buffers and the cuBLAS handle are this call's, and it waits for
   // its stream before it returns them.
   std::shared_ptr<void> own;
-  head_cuda::ScopedDevice current(d.id);
+  CurrentDevice current(d.id);
   if (Status s = current.status(); !s.ok()) return s;
   const head_cuda::Tiles tiles = head_cuda::gpu_tiles(head, a.tokens(), a.vocab_rows(), a.vocab_rows());
   Call c = head_cuda::make_call(a, tiles, shard, options, width);
   if (Status s = head_cuda::begin(&own, d.id, c.stream, &c.b); !s.ok()) return s;
+  const CallScope call(c.b->order, c.stream);  // (after `own`: marks the end before own's buffers go)
   head_cuda::HeadBuffers& b = *c.b;
   const int64_t n = a.tokens();
   if (Status s = b.grow(b.running, static_cast<std::size_t>(n) * sizeof(head_cuda::RunningStats)); !s.ok()) return s;
