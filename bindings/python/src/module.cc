@@ -301,14 +301,28 @@ class CallbackCommunicator final : public vpce::Communicator {
         std::memcpy(recv, PyByteArray_AS_STRING(recv_copy.ptr()), static_cast<std::size_t>(recv_bytes));
       return {};
     } catch (nb::python_error& e) {
-      return {vpce::Code::kRemoteError, std::string("all_gather: the Python collective raised: ") + e.what()};
+      raised_.emplace(std::move(e));
+      return {vpce::Code::kRemoteError, "all_gather: the Python collective raised an exception"};
     }
+  }
+
+  // After the call (with the GIL): re-raises what the callable raised, as it was (its class,
+  // KeyboardInterrupt and a framework's timeout too), rather than as a vpce.Error that
+  // carries its traceback as text; else raises for a failed `status`.
+  void check_call(const vpce::Status& status) {
+    if (raised_) {
+      nb::python_error e = std::move(*raised_);
+      raised_.reset();
+      throw e;
+    }
+    check(status);
   }
 
  private:
   int rank_;
   int size_;
   nb::object all_gather_;
+  std::optional<nb::python_error> raised_;
 };
 
 // A HeadOptions field from Python, checked as a LossOptions field is (the same messages;
@@ -493,7 +507,7 @@ NB_MODULE(_vpce, m) {
           nb::gil_scoped_release release;
           status = vpce::forward(comm, x, y, shard_of(vocab_begin, vocab_end, vocab_size), options, l, e, extras.views);
         }
-        check(status);
+        comm.check_call(status);
       },
       nb::arg("logits").none(), nb::arg("targets").none(), nb::arg("vocab_begin"), nb::arg("vocab_end"),
       nb::arg("vocab_size"), nb::arg("options"), nb::arg("loss").none(), nb::arg("lse").none(),
@@ -616,7 +630,7 @@ NB_MODULE(_vpce, m) {
                                                       shard_of(vocab_begin, vocab_end, vocab_size), options,
                                                       head_options, l, e, extras.views, operands.workspace());
         }
-        check(status);
+        comm.check_call(status);
       },
       nb::arg("hidden").none(), nb::arg("weight").none(), nb::arg("bias").none(), nb::arg("targets").none(),
       nb::arg("vocab_begin"), nb::arg("vocab_end"), nb::arg("vocab_size"), nb::arg("options"), nb::arg("head"),
@@ -685,7 +699,7 @@ NB_MODULE(_vpce, m) {
               comm, operands.inputs, y, shard_of(vocab_begin, vocab_end, vocab_size), options, head_options,
               grad_loss, l, e, gradients.views, extras.views, operands.workspace(), &collectives);
         }
-        check(status);
+        comm.check_call(status);
         return collectives;
       },
       nb::arg("hidden").none(), nb::arg("weight").none(), nb::arg("bias").none(), nb::arg("targets").none(),
@@ -730,7 +744,7 @@ NB_MODULE(_vpce, m) {
           nb::gil_scoped_release release;
           status = vpce::all_reduce_hidden_gradient(comm, g);
         }
-        check(status);
+        comm.check_call(status);
       },
       nb::arg("grad_hidden").none(), nb::arg("rank") = 0, nb::arg("size") = 1, nb::arg("all_gather") = nb::none(),
       "grad_hidden (float32, this rank's part) <- the sum of every rank's part, in rank order (the same bits on "

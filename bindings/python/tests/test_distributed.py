@@ -263,6 +263,16 @@ def check_legacy_smoothing_disagrees(group, rank, size):
                                 "smoothing): expected rank 0's 0.1 on every rank, got 0.2 on rank 1"), outcome
 
 
+def check_legacy_flag_disagrees(group, rank, size):
+    # The same smoothing, the legacy flag on rank 1 only: the error names the flag.
+    logits, target, _ = global_problem(seed=14)
+    x = logits[..., rank * (logits.shape[-1] // size):(rank + 1) * (logits.shape[-1] // size)]
+    outcome = same_outcome_on_every_rank(group, size, lambda: vt.vocab_parallel_cross_entropy(
+        x, target, 0.1, tp_group=group, megatron_legacy_label_smoothing=rank == 1))
+    assert outcome == ("Error", "invalid usage: ranks disagree on megatron_legacy_label_smoothing: expected rank "
+                                "0's False on every rank, got True on rank 1"), outcome
+
+
 def check_still_one_collective(group, rank, size):
     # After the failures above the group still agrees on its blocks: one gather, right loss.
     logits, target, grad_loss = global_problem(seed=19, vocab=60)
@@ -293,6 +303,29 @@ def test_ranks_with_different_token_counts_all_get_the_disagreement():
 
 def test_ranks_with_different_legacy_smoothing_all_get_the_disagreement():
     spawn(failure_worker, 2, check=check_legacy_smoothing_disagrees)
+
+
+def test_ranks_that_differ_on_the_legacy_flag_all_get_the_disagreement():
+    spawn(failure_worker, 2, check=check_legacy_flag_disagrees)
+
+
+def regroup_worker(rank, size, init_file):
+    # torch.distributed torn down and made again (test suites, in-process restarts): the new
+    # group, which has the old one's name, is the one used, on both of vpce's paths.
+    logits, target, grad_loss = global_problem(seed=23, vocab=40)
+    local = 40 // size
+    want_loss, _ = loss_and_grad(logits, target, grad_loss)
+    for round_ in range(2):
+        group = init_group(rank, size, f"{init_file}.{round_}")
+        for inplace in (False, True):
+            x = logits[..., rank * local:(rank + 1) * local].clone()
+            loss = vt.vocab_parallel_cross_entropy(x, target, 0.0, tp_group=group, inplace_backward=inplace)
+            assert relative_error(loss, want_loss) < 1e-6, (round_, inplace)
+        dist.destroy_process_group()
+
+
+def test_a_group_made_again_after_destroy_process_group_is_used():
+    spawn(regroup_worker, 2)
 
 
 def growth_worker(rank, size, init_file):

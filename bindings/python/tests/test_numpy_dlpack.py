@@ -203,3 +203,24 @@ def test_collective_that_keeps_its_views_cannot_write_into_freed_memory():
     assert result.returncode == 0, (result.returncode, result.stdout, result.stderr)
     assert result.stdout.splitlines()[:2] == ["refused: operation forbidden on released memoryview object"] * 2
     assert result.stdout.splitlines()[-2:] == ["array written", "ok"]
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit, _Interrupted, ValueError])
+def test_what_the_collective_raises_comes_back_as_it_was(raised):
+    # Ctrl-C or a framework's timeout inside the gather must reach the caller as itself (not
+    # as a vpce.Error carrying a traceback as text, which `except Exception` would swallow);
+    # and the outputs stay as they were.
+    def gather(send, recv):
+        raise raised("from the collective")
+
+    logits = np.zeros((3, 4), np.float32)
+    target = np.zeros(3, np.int64)
+    loss, lse = np.full(3, -7, np.float32), np.full(3, -7, np.float32)
+    with pytest.raises(raised, match="from the collective") as caught:
+        vpce.forward(logits, target, 0, 4, 8, vpce.LossOptions(), loss, lse, rank=0, size=2, all_gather=gather)
+    assert type(caught.value) is raised
+    assert (loss == -7).all() and (lse == -7).all()

@@ -133,6 +133,7 @@ def _loss(collective, rank, size, logits, target, label_smoothing, inplace, lega
     loss = torch.empty(target.shape, dtype=torch.float32, device=x.device)
     lse = torch.empty(target.shape, dtype=torch.float32, device=x.device)
     if collective is not None:
+        collective.agree("megatron_legacy_label_smoothing", legacy)
         collective.legacy_smoothing = alpha
     _vpce.forward(x, y, *shard, opts, loss, lse, rank=rank, size=size, all_gather=collective)
     if alpha > 0:

@@ -58,7 +58,7 @@ def _group_key(tp_group):
         return _key_of_object(tp_group)
     key = _key_of_group_name(name)
     if not _compiling():
-        _KEYED_GROUPS.setdefault(key, tp_group)
+        _KEYED_GROUPS[key] = tp_group  # (the latest: a group of that name made again after destroy_process_group)
     return key
 
 
@@ -67,11 +67,20 @@ def _keyed_group(group_key):
     if not group_key:
         return None
     group = _KEYED_GROUPS.get(group_key)
-    if group is None:
+    if group_key in _KEYED_NAMES and (group is None or not _registered(group)):
         from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: PLC0415
 
         group = _KEYED_GROUPS[group_key] = _resolve_process_group(_KEYED_NAMES[group_key])
     return group
+
+
+def _registered(group):
+    """Whether torch.distributed still knows `group` (not after destroy_process_group)."""
+    from torch.distributed import distributed_c10d  # noqa: PLC0415
+
+    world = getattr(distributed_c10d, "_world", None)
+    pg_map = getattr(world, "pg_map", None)
+    return pg_map is None or group in pg_map
 
 
 @_constant
