@@ -2,6 +2,7 @@
 #include "vpce/tensor.h"
 
 #include <algorithm>
+#include <limits>
 
 namespace vpce {
 
@@ -58,7 +59,8 @@ TensorView TensorView::contiguous(const void* data, DataType dtype,
   int64_t stride = 1;
   for (int d = view.ndim - 1; d >= 0; --d) {
     view.strides[d] = stride;
-    stride *= view.shape[d];
+    // Saturated where the size overflows int64 (a shape the checks then refuse), not UB.
+    if (__builtin_mul_overflow(stride, view.shape[d], &stride)) stride = std::numeric_limits<int64_t>::max();
   }
   return view;
 }

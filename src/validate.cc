@@ -1,10 +1,13 @@
 // validate.cc: argument checks shared by every public entry point (see validate.h).
 #include "validate.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <string>
+#include <thread>
 
 #include "common/text.h"
 
@@ -116,6 +119,17 @@ bool extent_bytes(int64_t count, int64_t stride, int64_t tail, int bytes, int64_
 }
 
 }  // namespace
+
+Status check_thread_count(const char* name, int num_threads) {
+  // (OpenMP crashes or exits when it cannot make the threads asked for.)
+  const int most = 4 * static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (num_threads >= 0 && num_threads <= most) return {};
+  return {Code::kInvalidArgument,
+          expected_got(name,
+                       "in [0, " + std::to_string(most) + "] (0: OpenMP's default; at most 4 x this machine's " +
+                           std::to_string(most / 4) + " hardware threads)",
+                       std::to_string(num_threads))};
+}
 
 std::string expected_got(const char* name, const std::string& expected, const std::string& got) {
   return std::string(name) + ": expected " + expected + ", got " + got;
@@ -270,11 +284,7 @@ Status check_options(const LossOptions& options, int64_t vocab_size) {
             expected_got("valid vocabulary size", ">= 2 when Megatron label smoothing is used",
                          std::to_string(valid))};
   }
-  if (options.num_threads < 0) {
-    return {Code::kInvalidArgument,
-            expected_got("options.num_threads", ">= 0 (0: OpenMP's default)",
-                         std::to_string(options.num_threads))};
-  }
+  if (Status s = check_thread_count("options.num_threads", options.num_threads); !s.ok()) return s;
   return {};
 }
 

@@ -82,6 +82,9 @@ bool overlaps(const char* a_begin, const char* a_end, const char* b_begin, const
 // "expected X, got Y" message helper.
 std::string expected_got(const char* name, const std::string& expected, const std::string& got);
 
+// A thread count for OpenMP: 0 (its default) up to 4 x this machine's hardware threads.
+Status check_thread_count(const char* name, int num_threads);
+
 }  // namespace vpce::detail
 
 namespace vpce::detail {

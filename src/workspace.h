@@ -49,7 +49,11 @@ struct Workspace::Buffers {
 };
 
 struct WorkspaceAccess {
-  static Workspace::Buffers* buffers(Workspace& w) { return w.buffers_.get(); }
+  // (A moved-from workspace has none: it gets new ones, as a new workspace would.)
+  static Workspace::Buffers* buffers(Workspace& w) {
+    if (!w.buffers_) w.buffers_ = std::make_unique<Workspace::Buffers>();
+    return w.buffers_.get();
+  }
 };
 
 }  // namespace vpce

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 
 #include "vpce/dlpack.h"
 #include "vpce/vpce.h"
@@ -42,6 +43,35 @@ TEST(DLPack, NullStridesBecomeRowMajorAndRoundTrip) {
   EXPECT_EQ(back.shape[2], 4);
   EXPECT_EQ(back.strides[0], 12);
   EXPECT_EQ(back.byte_offset, 8u);
+}
+
+// A shape whose size overflows int64, with null strides (compact) or through
+// TensorView::contiguous: strides computed without overflow (UBSan checks it in
+// scripts/sanitize.sh), and the forward refuses the logits by name.
+TEST(DLPack, ShapesWhoseSizeOverflowsInt64AreRefused) {
+  int64_t shape[4] = {8, int64_t{1} << 40, int64_t{1} << 40, 4};  // strides[0] would be 2^82
+  float data[4] = {};
+  DLTensor t{};
+  t.data = data;
+  t.device = {kDLCPU, 0};
+  t.ndim = 4;
+  t.dtype = {kDLFloat, 32, 1};
+  t.shape = shape;
+  TensorView from_pack;
+  ASSERT_TRUE(from_dlpack(t, &from_pack).ok());
+  EXPECT_EQ(from_pack.strides[0], std::numeric_limits<int64_t>::max());
+  const TensorView direct = TensorView::contiguous(data, kFloat32, {8, int64_t{1} << 40, int64_t{1} << 40, 4});
+  EXPECT_EQ(direct.strides[0], std::numeric_limits<int64_t>::max());
+  std::unique_ptr<ThreadGroup> group;
+  ASSERT_TRUE(ThreadGroup::create(1, &group).ok());
+  int64_t targets[1] = {0};
+  float loss[1], lse[1];
+  for (const TensorView& x : {from_pack, direct}) {
+    const Status s = forward(group->communicator(0), x, TensorView::contiguous(targets, kInt64, {1}), {0, 4, 4}, {},
+                             TensorView::contiguous(loss, kFloat32, {1}), TensorView::contiguous(lse, kFloat32, {1}));
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+    EXPECT_NE(s.message().find("logits"), std::string::npos) << s.to_string();
+  }
 }
 
 TEST(DLPack, RejectsMalformedTensors) {

@@ -282,6 +282,15 @@ TEST(BadInput, NegativeThreadCount) {
   f.expect_nothing_written();
 }
 
+// More threads than OpenMP can make crashes it (or it calls exit): refused, by name.
+TEST(BadInput, ThreadCountBeyondFourPerHardwareThread) {
+  Fixture f;
+  f.options.num_threads = 100000;
+  expect_error(f.run_forward(), Code::kInvalidArgument,
+               {"options.num_threads", "at most 4 x this machine's", "got 100000"});
+  f.expect_nothing_written();
+}
+
 // With label smoothing the merge rebases each rank's sum of logits by its column count, so
 // merge_stats over R > 1 ranks needs their shards: missing, one too few, a gap, an overlap,
 // a range beyond V or shards of different V are each an error that names them, and nothing

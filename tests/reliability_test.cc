@@ -3,7 +3,11 @@
 // LeakSanitizer in scripts/sanitize.sh, races by ThreadSanitizer).
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <new>
 #include <thread>
+
+#include "cpu/parallel.h"
 
 #include "support.h"
 
@@ -106,6 +110,55 @@ TEST(Endurance, OneGroupThousandsOfCalls) {
   EXPECT_EQ(mismatches, (std::vector<int>{0, 0}));
   EXPECT_EQ(capacity_at_end, capacity_after_first);
   EXPECT_EQ(first_loss[0], first_loss[1]);
+}
+
+// A moved-from workspace is empty and serves as a new one (it crashed the forward), and the
+// one it moved into keeps working: both give the loss a fresh workspace gives.
+TEST(Workspace, MovedFromAndMovedIntoBothWork) {
+  constexpr int64_t kTokens = 6, kVocab = 40;
+  Problem problem = random_problem(kTokens, kVocab, kFloat32, 5);
+  const VocabShard shard{0, kVocab, kVocab};
+  const TensorView x = problem.shard_view(shard);
+  const TensorView y = TensorView::contiguous(problem.targets.data(), kInt64, {kTokens});
+  std::unique_ptr<ThreadGroup> group;
+  ASSERT_TRUE(ThreadGroup::create(1, &group).ok());
+  auto loss_with = [&](Workspace* workspace) {
+    std::vector<float> loss(kTokens, -1.0f), lse(kTokens);
+    const Status s = forward(group->communicator(0), x, y, shard, {}, TensorView::contiguous(loss.data(), kFloat32, {kTokens}),
+                             TensorView::contiguous(lse.data(), kFloat32, {kTokens}), {}, workspace);
+    EXPECT_TRUE(s.ok()) << s.to_string();
+    return loss;
+  };
+  Workspace fresh;
+  const std::vector<float> want = loss_with(&fresh);
+  Workspace moved_into(std::move(fresh));
+  EXPECT_EQ(fresh.capacity(), 0u);
+  EXPECT_EQ(loss_with(&fresh), want);
+  EXPECT_EQ(loss_with(&moved_into), want);
+  Workspace assigned;
+  assigned = std::move(moved_into);
+  EXPECT_EQ(loss_with(&moved_into), want);
+  EXPECT_EQ(loss_with(&assigned), want);
+}
+
+// An allocation that fails on one of OpenMP's threads (the fused head's per-thread staging)
+// reaches the caller as std::bad_alloc, which the library turns into an error; escaping the
+// parallel region it would terminate the process. The other rows still run.
+TEST(Threads, AnExceptionOnAWorkerThreadReachesTheCaller) {
+  for (int threads : {1, 2, 4}) {
+    std::atomic<int64_t> ran{0};
+    bool caught = false;
+    try {
+      detail::parallel_rows(64, threads, [&](int64_t i) {
+        ran.fetch_add(1);
+        if (i == 63) throw std::bad_alloc();  // on the last thread's rows
+      });
+    } catch (const std::bad_alloc&) {
+      caught = true;
+    }
+    EXPECT_TRUE(caught) << threads << " threads";
+    EXPECT_EQ(ran.load(), 64) << threads << " threads";
+  }
 }
 
 }  // namespace

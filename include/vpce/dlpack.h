@@ -8,6 +8,8 @@
 
 #include <dlpack/dlpack.h>
 
+#include <cstdint>
+#include <limits>
 #include <string>
 
 #include "vpce/status.h"
@@ -34,7 +36,8 @@ inline Status from_dlpack(const DLTensor& tensor, TensorView* view) {
   for (int d = tensor.ndim - 1; d >= 0; --d) {
     out.shape[d] = tensor.shape[d];
     out.strides[d] = tensor.strides != nullptr ? tensor.strides[d] : compact;
-    compact *= tensor.shape[d];
+    // Saturated where the size overflows int64 (a shape the checks then refuse), not UB.
+    if (__builtin_mul_overflow(compact, tensor.shape[d], &compact)) compact = std::numeric_limits<int64_t>::max();
   }
   out.byte_offset = tensor.byte_offset;
   *view = out;

@@ -115,7 +115,7 @@ class Workspace {
  public:
   Workspace();
   ~Workspace();
-  Workspace(Workspace&&) noexcept;
+  Workspace(Workspace&&) noexcept;  // the moved-from one is empty, and usable as a new one
   Workspace& operator=(Workspace&&) noexcept;
   // Bytes currently held (host memory).
   std::size_t capacity() const;

@@ -1,9 +1,12 @@
 // cpu/parallel.h: the CPU kernels' one threading primitive: body(i) for i in [0, n) over
 // OpenMP threads, statically scheduled (so each index's work never depends on the thread
-// count), or in order on this thread.
+// count), or in order on this thread. An exception a body throws (std::bad_alloc) comes out
+// of parallel_rows on the calling thread, as it would without threads: one escaping an
+// OpenMP region would terminate the process.
 #pragma once
 
 #include <cstdint>
+#include <exception>
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -30,8 +33,17 @@ void parallel_rows(int64_t n, int num_threads, const Body& body) {
     return;
   }
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+  std::exception_ptr failure;
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t i = 0; i < n; ++i) body(i);
+  for (int64_t i = 0; i < n; ++i) {
+    try {
+      body(i);
+    } catch (...) {
+#pragma omp critical(vpce_parallel_rows_failure)
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
 #else
   (void)num_threads;
   for (int64_t i = 0; i < n; ++i) body(i);

@@ -18,11 +18,7 @@ detail::StorageType storage_of(DataType dtype) {
                               : detail::StorageType::kFloat16;
 }
 
-Status check_threads(int num_threads) {
-  if (num_threads >= 0) return {};
-  return {Code::kInvalidArgument,
-          detail::expected_got("num_threads", ">= 0 (0: OpenMP's default)", std::to_string(num_threads))};
-}
+Status check_threads(int num_threads) { return detail::check_thread_count("num_threads", num_threads); }
 
 // A float32 [..., K] matrix named `name` with as many rows and columns as `like`.
 Status as_float_matrix_like(const TensorView& t, const char* name, const RowMatrix& like, RowMatrix* out) {
