@@ -1,6 +1,7 @@
 // exchange.cc: the forward's one all-gather (see exchange.h).
 #include "exchange.h"
 
+#include <bit>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -65,6 +66,8 @@ Status exchange_stats(Communicator& comm, Workspace::Buffers& buffers, const Exc
                                   call.inputs_hash, local);
   header.hidden_size = call.hidden_size;
   header.head_chunked = call.head_chunked ? 1 : 0;
+  header.head_tokens = call.head_tokens;
+  header.head_grad_loss_bits = std::bit_cast<uint32_t>(call.head_grad_loss);
   std::memcpy(buffers.send.data(), &header, sizeof(header));
 
   Status gathered = comm.all_gather(buffers.send.data(), buffers.recv.data(), payload);

@@ -20,7 +20,9 @@ struct ExchangeCall {
   VocabShard shard;
   DataType dtype{};
   int64_t hidden_size = 0;  // the fused head's H; 0 for logits
-  bool head_chunked = false;  // the fused head's chunked mode
+  bool head_chunked = false;  // the fused head's chunked mode, with:
+  int64_t head_tokens = 0;    // all its tokens (`tokens` being a chunk's)
+  float head_grad_loss = 0.0f;  // its upstream gradient
   LossOptions options;
   bool has_weights = false;
   uint64_t inputs_hash = 0;

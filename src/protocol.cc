@@ -128,6 +128,14 @@ Status check_group(const char* gathered, std::size_t stride, int ranks, int self
       };
       return disagree("the fused head's mode", 0, text(first.head_chunked), r, text(h.head_chunked));
     }
+    if (h.head_tokens != first.head_tokens) {  // (the chunked mode's chunks may agree where N does not)
+      return disagree("the number of tokens", 0, std::to_string(first.head_tokens), r, std::to_string(h.head_tokens));
+    }
+    if (h.head_grad_loss_bits != first.head_grad_loss_bits) {
+      auto text = [](uint32_t bits) { return number_text(std::bit_cast<float>(bits)); };
+      return disagree("grad_loss (the chunked mode's upstream gradient)", 0, text(first.head_grad_loss_bits), r,
+                      text(h.head_grad_loss_bits));
+    }
     if (h.num_tokens != first.num_tokens) {
       return disagree("the number of tokens", 0, std::to_string(first.num_tokens), r,
                       std::to_string(h.num_tokens));

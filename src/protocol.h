@@ -18,7 +18,8 @@ namespace vpce::detail {
 
 struct RankHeader {
   static constexpr uint32_t kMagic = 0x45435056;  // "VPCE"
-  static constexpr uint32_t kVersion = 5;  // 5: half the logits' mean relative to the max
+  // 5: half the logits' mean relative to the max; 6: the chunked head's tokens and grad_loss
+  static constexpr uint32_t kVersion = 6;
 
   uint32_t magic = kMagic;
   uint32_t version = kVersion;
@@ -45,7 +46,12 @@ struct RankHeader {
   uint8_t head_chunked = 0;  // 1: the fused head's chunked mode (a gather per chunk)
   char padding[6] = {};
   int64_t hidden_size = 0;  // H of the fused head (vpce/head.h); 0 for a forward of logits
-  char message[255] = {};  // this rank's error, truncated, NUL-terminated
+  // The fused head's chunked mode: all its tokens (each gather carries a chunk's) and its
+  // upstream gradient, bit for bit (0 otherwise).
+  int64_t head_tokens = 0;
+  uint32_t head_grad_loss_bits = 0;
+  char padding_after_grad_loss[4] = {};
+  char message[239] = {};  // this rank's error, truncated, NUL-terminated
 };
 static_assert(sizeof(RankHeader) == 384);
 

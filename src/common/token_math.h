@@ -171,19 +171,23 @@ VPCE_HD inline TokenLoss token_loss(const float* st, int64_t target, double weig
   const double lse = max + log_sum;
   out.lse = static_cast<float>(lse);
   const bool counted = !p.ignored(target) && weight != 0.0;
+  // The loss's terms and the entropy are >= 0; the sums' roundings can take a very confident
+  // token's a rounding below 0 (a sum of 1 - 2^-24 where it is 1 + 1e-9), which is 0's
+  // nearer neighbour. (at_least_zero keeps a NaN.)
+  const auto at_least_zero = [](double x) { return x < 0.0 ? 0.0 : x; };
   if (with_extras) {
-    out.entropy = static_cast<float>(log_sum - static_cast<double>(st[5]) / sum_exp);
+    out.entropy = static_cast<float>(at_least_zero(log_sum - static_cast<double>(st[5]) / sum_exp));
     out.target_is_argmax = counted && float_bits_as_int(st[4]) == target ? 1.0f : 0.0f;
   }
   if (!counted) return out;
   // lse - z_target as (max - z_target) + log(sum): exact subtraction of nearby values.
-  const double nll = (max - static_cast<double>(st[2])) + log_sum;
+  const double nll = at_least_zero((max - static_cast<double>(st[2])) + log_sum);
   double loss = nll;
   const double s = p.smoothing;
   // lse - mean z = (max - ref(max)) - mean (z - ref(max)) + log(sum); the first term is 0
   // unless max is -inf, +inf or NaN.
   if (s != 0.0) {
-    const double uniform = ((max - logit_reference(st[0])) - logit_mean(st[3])) + log_sum;
+    const double uniform = at_least_zero(((max - logit_reference(st[0])) - logit_mean(st[3])) + log_sum);
     // s = 1 (PyTorch's semantics take it) leaves no target term: 0 x nll would be NaN for an
     // infinite nll, where the loss is the uniform term's (+inf then too).
     loss = s == 1.0 ? uniform : (1.0 - s) * nll + s * uniform;

@@ -211,7 +211,7 @@ void gradient_rows_kernel(const RowMatrix& logits, const TokenVector& targets, c
   auto target_gradient = [&](float x, const GradientConstants& c) {
     const float z = transform_one(x, transform);
     float g = c.upstream * ((exp_shifted_one(z, c.lse) * c.coefficient - c.uniform) - target_term);
-    if (!transform.identity()) g *= slope_one(z, transform);
+    if (!transform.identity()) g *= slope_one(x, transform);
     return g;
   };
   auto zero = [&](int64_t i, int64_t begin, int64_t end) {

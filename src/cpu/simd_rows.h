@@ -48,7 +48,7 @@ void block_gradient(const void* row, StorageType in, void* grad, StorageType out
 
 // z and dz/dx of one logit, with the same arithmetic as the blocks.
 float transform_one(float x, const TransformParams& t);
-float slope_one(float z, const TransformParams& t);
+float slope_one(float x, const TransformParams& t);
 // e^(x - s) with the same arithmetic as the blocks (see Exp2 and ExpShifted in simd_rows.cc).
 float exp_shifted_one(float x, float s);
 // y[v] = e^(x[v] - s) for v in [0, n) (y may be x): the vectorised exp alone, for tests and

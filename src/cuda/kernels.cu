@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kThreads) gradient_kernel(const TIn* logits, i
     float g = expf(z - c.lse) * c.coefficient - c.uniform;
     if (v == target_column) g -= target_term;
     g *= c.upstream;
-    return identity ? g : g * t.slope(z);
+    return identity ? g : g * t.slope(x);
   });
 }
 
@@ -290,7 +290,8 @@ __global__ void check_group_kernel(const char* gathered, int64_t stride, int ran
             h->softcap_bits == first->softcap_bits && h->valid_vocab_size == first->valid_vocab_size &&
             h->reduction == first->reduction && h->has_weights == first->has_weights &&
             h->stats_width == first->stats_width && h->inputs_hash == first->inputs_hash &&
-            h->hidden_size == first->hidden_size && h->head_chunked == first->head_chunked;
+            h->hidden_size == first->hidden_size && h->head_chunked == first->head_chunked &&
+            h->head_tokens == first->head_tokens && h->head_grad_loss_bits == first->head_grad_loss_bits;
   // Ranges: each non-empty one inside [0, V), overlapping no other; together they cover V.
   const int64_t begin = h->vocab_begin;
   const int64_t end = h->vocab_end;

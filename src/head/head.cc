@@ -51,9 +51,10 @@ int64_t stats_width(const ForwardExtras& extras) {
   return extras.target_is_argmax != nullptr || extras.entropy != nullptr ? kStatsWidthWithExtras : kStatsWidth;
 }
 
+// `chunked`: the chunked mode's gather of a chunk of `tokens` of all `head_tokens`.
 detail::ExchangeCall exchange_call(const HeadArgs& a, int64_t tokens, int64_t width, const VocabShard& shard,
                                    const HeadInputs& inputs, const LossOptions& options, bool has_weights,
-                                   bool chunked) {
+                                   bool chunked, int64_t head_tokens = 0, float grad_loss = 0.0f) {
   detail::ExchangeCall call;
   call.tokens = tokens;
   call.width = width;
@@ -63,6 +64,8 @@ detail::ExchangeCall exchange_call(const HeadArgs& a, int64_t tokens, int64_t wi
   call.options = options;
   call.has_weights = has_weights;
   call.head_chunked = chunked;
+  call.head_tokens = head_tokens;
+  call.head_grad_loss = grad_loss;
   call.inputs_hash = a.inputs_hash;
   return call;
 }
@@ -215,9 +218,6 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
       local = out_of_memory("linear_cross_entropy_forward_backward");
     }
   }
-  // The total token count is part of the agreement, so that the ranks agree on the number
-  // of chunks (hence of gathers) at the first one.
-  a.inputs_hash ^= static_cast<uint64_t>(n) * 0x9e3779b97f4a7c15ULL;
   const float one[1] = {grad_loss};
   const TokenVector scalar{const_cast<char*>(reinterpret_cast<const char*>(one)), kFloat32, 1, 1};
   const detail::Upstream upstream = detail::upstream_of(scalar, a.targets, a.weights, ctx.params);
@@ -227,7 +227,7 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
     const int64_t rows = std::min(chunk, n - row);
     RowMatrix merged;
     Status group = detail::exchange_stats(
-        comm, *buffers, exchange_call(a, rows, width, shard, inputs, options, extras.weights != nullptr, true), local,
+        comm, *buffers, exchange_call(a, rows, width, shard, inputs, options, extras.weights != nullptr, true, n, grad_loss), local,
         [&](const RowMatrix& stats) -> Status {
           try {
             detail::sweep_stats(a, *ops, ctx, row, rows, logits, stats, buffers->head_tiles);

@@ -861,7 +861,52 @@ TEST(HeadErrors, RanksThatDisagreeOnTheHiddenSizeAllFailAlike) {
 
 // Rank 0 calls the recompute forward, rank 1 the chunked mode with one chunk of all the
 // tokens (so that the gathers have one size): both return the mode's disagreement, not the
-// targets' (the chunked mode's agreement hash also covers the token count).
+// targets' or the token count's.
+// The chunked mode, ranks whose first chunks agree but whose token counts (32 and 48 in
+// chunks of 16) or upstream gradients (1 and 1000) differ: every rank is told which, at the
+// first gather (the gradient's scale went unnoticed, the count was blamed on the targets).
+TEST(HeadErrors, ChunkedRanksThatDisagreeOnTheTokensOrTheUpstreamGradientAllFailAlike) {
+  HeadProblem p = random_head_problem(48, 8, 20, kFloat32, 7);
+  const std::vector<VocabShard> shards = shards_from_sizes({10, 10});
+  for (bool tokens : {true, false}) {
+    std::unique_ptr<ThreadGroup> g;
+    ASSERT_TRUE(ThreadGroup::create(2, &g).ok());
+    int gathers[2] = {0, 0};
+    const std::vector<Status> st = g->run([&](Communicator& comm) {
+      const int r = comm.rank();
+      const VocabShard& shard = shards[static_cast<std::size_t>(r)];
+      const int64_t n = tokens && r == 1 ? 48 : 32;
+      const TensorView hidden = TensorView::matrix(p.hidden_base(), kFloat32, n, 8, p.ld_hidden);
+      const TensorView weight =
+          TensorView::matrix(p.weight_base() + shard.vocab_begin * p.ld_weight * 4, kFloat32, 10, 8, p.ld_weight);
+      std::vector<float> loss(1), lse(static_cast<std::size_t>(n)), gw(10 * 8);
+      const TensorView gwv = TensorView::contiguous(gw.data(), kFloat32, {10, 8});
+      LossOptions options;
+      options.reduction = Reduction::kSum;
+      HeadOptions head;
+      head.token_block = 8;
+      head.chunk_tokens = 16;
+      int64_t collectives = 0;
+      const Status s = linear_cross_entropy_forward_backward(
+          comm, {hidden, weight}, TensorView::contiguous(p.targets.data(), kInt64, {n}), shard, options, head,
+          !tokens && r == 1 ? 1000.0f : 1.0f, TensorView::contiguous(loss.data(), kFloat32, {1}),
+          TensorView::contiguous(lse.data(), kFloat32, {n}), {{}, {&gwv, false}, {}}, {}, nullptr, &collectives);
+      gathers[r] = static_cast<int>(collectives);
+      return s;
+    });
+    const std::string want = tokens ? "ranks disagree on the number of tokens: expected rank 0's 32 on every rank, "
+                                      "got 48 on rank 1"
+                                    : "ranks disagree on grad_loss (the chunked mode's upstream gradient): expected "
+                                      "rank 0's 1 on every rank, got 1000 on rank 1";
+    for (const Status& s : st) {
+      EXPECT_EQ(s.code(), Code::kInvalidUsage);
+      EXPECT_NE(s.message().find(want), std::string::npos) << s.message();
+    }
+    EXPECT_EQ(gathers[0], 1);  // told at the first gather
+    EXPECT_EQ(gathers[1], 1);
+  }
+}
+
 TEST(HeadErrors, RanksThatDisagreeOnTheModeAllFailAlike) {
   HeadProblem p = random_head_problem(40, 8, 20, kFloat32, 6);
   std::unique_ptr<ThreadGroup> g;

@@ -37,6 +37,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -662,11 +663,13 @@ Status finish_gradients(const Call& c, const HeadGradientArgs& g, const PanelGra
 // The header of this rank's gathers (hidden_size = H), its message ready for an error the
 // device finds.
 RankHeader head_header(const Communicator& comm, int64_t n, int64_t width, int64_t hidden, const VocabShard& shard,
-                       DataType dtype, const LossOptions& options, bool has_weights, bool chunked,
+                       DataType dtype, const LossOptions& options, bool has_weights, bool chunked, float grad_loss,
                        const Status& local) {
   RankHeader header = make_header(comm.rank(), comm.size(), n, width, shard, dtype, options, has_weights, 0, local);
   header.hidden_size = hidden;
   header.head_chunked = chunked ? 1 : 0;
+  header.head_tokens = chunked ? n : 0;
+  header.head_grad_loss_bits = chunked ? std::bit_cast<uint32_t>(grad_loss) : 0;
   if (local.ok()) {
     std::snprintf(header.message, sizeof(header.message),
                   "targets or weights: expected targets in [0, %lld) or %lld and finite weights >= 0, got another value "
@@ -756,7 +759,7 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   auto* stats = reinterpret_cast<float*>(protocol.send + sizeof(RankHeader));
   auto* terms = reinterpret_cast<double*>(protocol.merged + stats_bytes);
   const RankHeader mine = head_header(comm, n, width, local.ok() ? a.hidden_size() : f.hidden_size, *f.shard, f.dtype,
-                                      options, f.extras->weights != nullptr, g != nullptr, local);
+                                      options, f.extras->weights != nullptr, g != nullptr, grad_loss, local);
   if (Status s = cuda::write_header(mine, header, stream); !s.ok()) return local.ok() ? s : local;
   const bool reduced = options.reduction != Reduction::kNone;
   if (local.ok() && g != nullptr) {

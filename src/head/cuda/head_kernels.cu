@@ -175,11 +175,12 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t c = threadIdx.x; c < cols; c += kThreads) {
     float g = 0.0f;
     if (k.upstream != 0.0f && c < valid) {  // else a token that does not count, or padding
-      const float zc = t.apply(row[c] + bias.at(c));
+      const float xc = row[c] + bias.at(c);
+      const float zc = t.apply(xc);
       g = expf(zc - k.lse) * k.coefficient - k.uniform;
       if (c == target_column) g -= target_term;
       g *= k.upstream;
-      if (!identity) g *= t.slope(zc);
+      if (!identity) g *= t.slope(xc);
     }
     if (hi != nullptr) {
       const __nv_bfloat16 h = __float2bfloat16_rn(g);
