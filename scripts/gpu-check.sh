@@ -23,7 +23,7 @@ bundle=gpu-bundle
 
 if [ "$mode" = debs ]; then
   rm -rf gpu-debs && mkdir -p gpu-debs
-  (cd gpu-debs && apt-get download libhwy-dev libhwy1 libgtest-dev libdnnl-dev libdnnl2)
+  (cd gpu-debs && apt-get download libhwy-dev libhwy1 libgtest-dev libdnnl-dev libdnnl2 libxxhash-dev)
   exit 0
 fi
 if [ "$mode" = all ] && [ -d gpu-debs ]; then

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "common/text.h"
+#include "common/values_hash.h"
 
 namespace vpce::detail {
 namespace {
@@ -291,7 +292,6 @@ Status check_options(const LossOptions& options, int64_t vocab_size) {
 Status check_targets(const TokenVector& targets, int64_t valid_vocab, int64_t ignore_index,
                      uint64_t* hash) {
   const bool wide = targets.dtype == kInt64;
-  uint64_t h = *hash;
   for (int64_t i = 0; i < targets.n; ++i) {
     const int64_t y = wide ? targets.at<int64_t>(i) : targets.at<int32_t>(i);
     if (y != ignore_index && (y < 0 || y >= valid_vocab)) {
@@ -301,9 +301,10 @@ Status check_targets(const TokenVector& targets, int64_t valid_vocab, int64_t ig
                                std::to_string(ignore_index),
                            std::to_string(y) + " at token " + std::to_string(i))};
     }
-    h = (h ^ static_cast<uint64_t>(y)) * 0x100000001b3ULL;  // FNV-1a over 64-bit values
   }
-  *hash = h;
+  *hash = extend_values_hash<int64_t>(*hash, targets.n, [&](int64_t i) {
+    return wide ? targets.at<int64_t>(i) : static_cast<int64_t>(targets.at<int32_t>(i));
+  });
   return {};
 }
 
@@ -319,7 +320,6 @@ Status check_weights(const TensorView* weights, int64_t n, TokenVector* out, uin
   if (Status s = as_weights(weights, n, &w); !s.ok()) return s;
   *out = w;
   if (weights == nullptr) return {};
-  uint64_t h = *hash;
   for (int64_t i = 0; i < n; ++i) {
     const float value = w.at<float>(i);
     // Non-negative, so that a mean's denominator is 0 only when every counted weight is.
@@ -327,10 +327,9 @@ Status check_weights(const TensorView* weights, int64_t n, TokenVector* out, uin
       return {Code::kInvalidArgument, expected_got("weights", "finite values >= 0",
                                                    number_text(value) + " at token " + std::to_string(i))};
     }
-    h = (h ^ std::bit_cast<uint32_t>(value)) * 0x100000001b3ULL;
   }
   *out = w;
-  *hash = h;
+  *hash = extend_values_hash<uint32_t>(*hash, n, [&](int64_t i) { return std::bit_cast<uint32_t>(w.at<float>(i)); });
   return {};
 }
 
@@ -373,7 +372,7 @@ Status check_loss_inputs(const TensorView& logits, const TensorView& targets,
   if (weights != nullptr) {
     if (Status s = check_device(*weights, "weights", logits.device); !s.ok()) return s;
   }
-  in.inputs_hash = 0xcbf29ce484222325ULL;  // FNV-1a offset basis
+  in.inputs_hash = kValuesHashSeed;
   if (logits.device.type != DeviceType::kCPU) {
     // Device memory: the values are checked by the kernels (see loss.h), not read here.
     if (Status s = as_weights(weights, in.logits.rows, &in.weights); !s.ok()) return s;

@@ -178,6 +178,30 @@ TEST(Group, DifferentTargets) {
                   {"ranks disagree on the targets or weights"});
 }
 
+// Targets {0, 0} on one rank and {1, D} on the other, D (the ignore_index) chosen so that the
+// FNV-1a over 64-bit words used before gave both the same hash: told, as any difference.
+TEST(Group, TargetsMadeToCollideUnderTheOldHashAreTold) {
+  const uint64_t prime = 0x100000001b3ULL, basis = 0xcbf29ce484222325ULL;
+  const auto d = static_cast<int64_t>(((basis ^ 0) * prime) ^ ((basis ^ 1) * prime));
+  std::vector<float> x = {1, 2, 3, 4, 4, 3, 2, 1};
+  const std::vector<std::vector<int64_t>> y = {{0, 0}, {1, d}};
+  std::unique_ptr<ThreadGroup> group;
+  ASSERT_TRUE(ThreadGroup::create(2, &group, std::chrono::seconds(20)).ok());
+  std::vector<float> loss(2, -7.0f), lse(4);
+  const std::vector<Status> results = group->run([&](Communicator& comm) {
+    const int r = comm.rank();
+    LossOptions options;
+    options.ignore_index = d;
+    options.reduction = Reduction::kSum;
+    return forward(comm, TensorView::matrix(x.data() + 2 * r, kFloat32, 2, 2, 4),
+                   TensorView::contiguous(y[static_cast<std::size_t>(r)].data(), kInt64, {2}), {2 * r, 2 * r + 2, 4},
+                   options, TensorView::contiguous(&loss[static_cast<std::size_t>(r)], kFloat32, {1}),
+                   TensorView::contiguous(lse.data() + 2 * r, kFloat32, {2}));
+  });
+  expect_all_fail(results, {"ranks disagree on the targets or weights"});
+  EXPECT_EQ(loss, (std::vector<float>{-7.0f, -7.0f}));
+}
+
 TEST(Group, DifferentNumberOfTokens) {
   expect_all_fail(run_group([](int r, RankArgs& a) {
                     if (r == 1) a.targets.push_back(3);

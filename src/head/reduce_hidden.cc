@@ -24,8 +24,9 @@ struct ReduceHeader {
   int64_t rows = 0;
   int64_t cols = 0;
   int64_t reserved = 0;
+  char message[224] = {};  // this rank's error, truncated, NUL-terminated
 };
-static_assert(sizeof(ReduceHeader) == 32);
+static_assert(sizeof(ReduceHeader) == 256);
 
 }  // namespace
 
@@ -55,6 +56,7 @@ Status all_reduce_hidden_gradient(Communicator& comm, const TensorView& grad_hid
   mine.status = static_cast<int32_t>(local.code());
   mine.rows = local.ok() ? g.rows : 0;
   mine.cols = local.ok() ? g.cols : 0;
+  std::memcpy(mine.message, local.message().data(), std::min(local.message().size(), sizeof(mine.message) - 1));
   std::vector<ReduceHeader> headers(static_cast<std::size_t>(ranks));
   if (Status s = comm.all_gather(&mine, headers.data(), sizeof(mine)); !s.ok()) return local.ok() ? s : local;
   for (int r = 0; r < ranks; ++r) {
@@ -63,10 +65,12 @@ Status all_reduce_hidden_gradient(Communicator& comm, const TensorView& grad_hid
       return {Code::kInvalidUsage, "all_reduce_hidden_gradient: rank " + std::to_string(r) +
                                        " sent something else: is another collective running on the same communicator?"};
     }
-    if (h.status != 0) {
-      return r == rank ? local
-                       : Status{Code::kRemoteError, "rank " + std::to_string(r) + " of " + std::to_string(ranks) +
-                                                        ": its grad_hidden could not be reduced"};
+    if (h.status != 0) {  // the same text on every rank, as the forward's (protocol.cc)
+      if (ranks == 1) return local;
+      const std::string message(h.message, strnlen(h.message, sizeof(h.message)));
+      return {r == rank ? local.code() : Code::kRemoteError, "rank " + std::to_string(r) + " of " +
+                                                                 std::to_string(ranks) + ": " +
+                                                                 code_name(static_cast<Code>(h.status)) + ": " + message};
     }
   }
   for (int r = 1; r < ranks; ++r) {

@@ -1,6 +1,7 @@
 // head/validate_head.cc: the fused head's argument checks (see head_args.h).
 #include <string>
 
+#include "../common/values_hash.h"
 #include "head_args.h"
 
 namespace vpce::detail {
@@ -119,7 +120,7 @@ Status check_head_inputs(const HeadInputs& inputs, const TensorView& targets, co
   if (weights != nullptr) {
     if (Status s = check_device(*weights, "weights", hidden.device); !s.ok()) return s;
   }
-  a.inputs_hash = 0xcbf29ce484222325ULL;  // FNV-1a offset basis, as check_loss_inputs
+  a.inputs_hash = kValuesHashSeed;  // as check_loss_inputs
   if (hidden.device.type != DeviceType::kCPU) {
     if (Status s = as_weights(weights, a.hidden.rows, &a.weights); !s.ok()) return s;
     *out = a;

@@ -982,6 +982,24 @@ TEST(HeadErrors, ABadTargetOnOneRankOfTheChunkedModeFailsEveryRankAlike) {
   for (const auto& l : losses) EXPECT_EQ(l[0], -7.0f);
 }
 
+// One rank's bad grad_hidden: every rank gets its error, in the same text (the others only
+// learnt that it "could not be reduced").
+TEST(HeadErrors, TheHiddenGradientsReductionTellsEveryRankWhyOneFailed) {
+  std::unique_ptr<ThreadGroup> g;
+  ASSERT_TRUE(ThreadGroup::create(2, &g).ok());
+  std::vector<float> parts[2] = {std::vector<float>(12, 1.0f), std::vector<float>(12, 1.0f)};
+  const std::vector<Status> st = g->run([&](Communicator& comm) {
+    const int r = comm.rank();
+    return all_reduce_hidden_gradient(
+        comm, TensorView::contiguous(parts[r].data(), r == 1 ? kBFloat16 : kFloat32, {3, 4}));
+  });
+  EXPECT_EQ(st[1].code(), Code::kInvalidArgument) << st[1].message();
+  EXPECT_EQ(st[0].code(), Code::kRemoteError) << st[0].message();
+  EXPECT_EQ(st[0].message(), st[1].message());
+  EXPECT_EQ(st[0].message(), "rank 1 of 2: invalid argument: grad_hidden.dtype: expected float32, got bfloat16");
+  for (float x : parts[0]) EXPECT_EQ(x, 1.0f);  // nothing reduced
+}
+
 TEST(HeadErrors, TheHiddenGradientOfNoFeaturesReducesToNothing) {
   std::unique_ptr<ThreadGroup> g;
   ASSERT_TRUE(ThreadGroup::create(2, &g).ok());
