@@ -118,6 +118,24 @@ TEST_F(Cli, RunsEvenSplitAndMatchesOracle) {
   expect_matches_oracle(dir_ / "out", 0.0, false, 1e-6);
 }
 
+// A run with --extras, then one without into the same --out: the first run's extras would
+// pass for the second's, so they are removed, and it says so.
+TEST_F(Cli, ARunWithoutExtrasRemovesAnEarlierRunsExtras) {
+  const std::string args = "run --logits " + (dir_ / "logits.npy").string() + " --targets " +
+                           (dir_ / "targets.npy").string() + " --out " + (dir_ / "out").string();
+  ASSERT_EQ(run_cli(args + " --extras", dir_).status, 0);
+  ASSERT_TRUE(fs::exists(dir_ / "out" / "entropy.npy"));
+  const Command c = run_cli(args, dir_);
+  ASSERT_EQ(c.status, 0) << c.err;
+  EXPECT_FALSE(fs::exists(dir_ / "out" / "entropy.npy"));
+  EXPECT_FALSE(fs::exists(dir_ / "out" / "target_is_argmax.npy"));
+  EXPECT_TRUE(fs::exists(dir_ / "out" / "loss.npy"));
+  EXPECT_NE(c.err.find("removed " + (dir_ / "out" / "entropy.npy").string() + ", an earlier run's"), std::string::npos)
+      << c.err;
+  // Nothing to remove the next time, nothing said.
+  EXPECT_EQ(run_cli(args, dir_).err, "");
+}
+
 TEST_F(Cli, UnevenSplitsSmoothingUpstreamGradientInPlaceBf16) {
   const Command c = run_cli("run " + inputs() + " --vocab-splits 1,20,0,16 --label-smoothing 0.1 --grad-output " +
                                 (dir_ / "grad.npy").string() + " --in-place --dtype fp32 --out " + (dir_ / "out").string(),

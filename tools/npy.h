@@ -69,7 +69,11 @@ struct OutputFile {
 // temporary file in `dir` with every write checked, is fsync'ed and closed (checked too),
 // and only when all are complete are they renamed into place. On failure every temporary
 // is removed, the files already in `dir` are left as they were, and the kSystemError
-// message names the file and the system's error text.
-Status write_all(const std::string& dir, const std::vector<OutputFile>& files);
+// message names the file and the system's error text. A signal that ends the program
+// meanwhile (SIGINT, SIGTERM, SIGHUP, SIGXFSZ) removes the temporaries first. After
+// success, the files named in `stale` (an earlier run's outputs this one does not make) are
+// removed, and those that were there listed in *removed.
+Status write_all(const std::string& dir, const std::vector<OutputFile>& files,
+                 const std::vector<std::string>& stale = {}, std::vector<std::string>* removed = nullptr);
 
 }  // namespace vpce::npy

@@ -158,11 +158,19 @@ Status write_outputs(const RunConfig& config, const std::vector<int64_t>& logits
   std::vector<npy::OutputFile> files = {{"loss.npy", npy::Dtype::kFloat32, loss_shape, first.loss.data()},
                                         {"lse.npy", npy::Dtype::kFloat32, token_shape, first.lse.data()},
                                         {"grad_logits.npy", npy::Dtype::kFloat32, logits_shape, grad}};
+  std::vector<std::string> stale;  // an earlier run's extras, which would pass for this one's
   if (config.extras) {
     files.push_back({"target_is_argmax.npy", npy::Dtype::kFloat32, token_shape, first.target_is_argmax.data()});
     files.push_back({"entropy.npy", npy::Dtype::kFloat32, token_shape, first.entropy.data()});
+  } else {
+    stale = {"target_is_argmax.npy", "entropy.npy"};
   }
-  if (Status s = npy::write_all(config.out_dir, files); !s.ok()) return s;
+  std::vector<std::string> removed;
+  if (Status s = npy::write_all(config.out_dir, files, stale, &removed); !s.ok()) return s;
+  for (const std::string& name : removed) {
+    std::fprintf(stderr, "vpce run: removed %s/%s, an earlier run's (this run computes no extras)\n",
+                 config.out_dir.c_str(), name.c_str());
+  }
   const int64_t tokens = static_cast<int64_t>(first.lse.size());
   double loss_value = 0.0;  // the reduced loss, or the mean of the per-token losses
   for (float l : first.loss) loss_value += static_cast<double>(l);

@@ -126,6 +126,20 @@ TEST_F(Fault, FullDiskLeavesAnEarlierRunsFilesUntouched) {
   }
 }
 
+// A signal in the middle of writing the outputs (here SIGXFSZ at a file-size limit; Ctrl-C
+// and SIGTERM take the same way) ends the program, as it should, but first removes the
+// temporaries: none is left behind, and an earlier run's files stay as they were.
+TEST_F(Fault, ASignalWhileWritingLeavesNoTemporary) {
+  const fs::path out = dir_ / "out";
+  ASSERT_EQ(run_vpce("", run_args(out)).status, 0);
+  const auto before = contents(out);
+  for (const char* limit : {"--fsize-signal 150", "--fsize-signal 1000"}) {
+    const Result r = run_vpce(limit, run_args(out) + " --label-smoothing 0.1");
+    EXPECT_NE(r.status, 0) << limit << ": " << r.err;  // ended by the signal
+    EXPECT_EQ(contents(out), before) << limit << ": the earlier outputs changed, or a temporary was left";
+  }
+}
+
 #ifndef VPCE_SANITIZED_ADDRESS_SPACE  // a sanitizer's shadow memory needs an unlimited address space
 TEST_F(Fault, OutOfMemoryIsAnErrorNotAnAbort) {
   // 64 MiB of logits under 150 MiB of address space beyond the shared libraries: the copies
