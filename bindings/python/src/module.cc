@@ -425,6 +425,39 @@ NB_MODULE(_vpce, m) {
   def_option<&vpce::LossOptions::valid_vocab_size>(options, "valid_vocab_size");
   def_option<&vpce::LossOptions::reduction>(options, "reduction");
   def_option<&vpce::LossOptions::num_threads>(options, "num_threads");
+  // Pickling, copy and deepcopy (a module holding one, torch.save): the fields by name, read
+  // back through the same checks as the setters. (Not the CUDA stream, which Python does
+  // not set.)
+  options.def("__getstate__", [](const vpce::LossOptions& o) {
+    nb::dict state;
+    state["label_smoothing"] = o.label_smoothing;
+    state["smoothing_semantics"] = o.smoothing_semantics;
+    state["ignore_index"] = o.ignore_index;
+    state["z_loss_weight"] = o.z_loss_weight;
+    state["logit_scale"] = o.logit_scale;
+    state["softcap"] = o.softcap;
+    state["valid_vocab_size"] = o.valid_vocab_size;
+    state["reduction"] = o.reduction;
+    state["num_threads"] = o.num_threads;
+    return state;
+  });
+  options.def("__setstate__", [](vpce::LossOptions& o, const nb::dict& state) {
+    new (&o) vpce::LossOptions();
+    auto field = [&](const char* name, auto& member) {
+      if (!state.contains(name)) return;
+      const nb::object value = state[name];
+      member = option_value<std::remove_reference_t<decltype(member)>>(value, name);
+    };
+    field("label_smoothing", o.label_smoothing);
+    field("smoothing_semantics", o.smoothing_semantics);
+    field("ignore_index", o.ignore_index);
+    field("z_loss_weight", o.z_loss_weight);
+    field("logit_scale", o.logit_scale);
+    field("softcap", o.softcap);
+    field("valid_vocab_size", o.valid_vocab_size);
+    field("reduction", o.reduction);
+    field("num_threads", o.num_threads);
+  });
 
   // A hint for a new CPU buffer, before anything is written to it: back the 2 MiB-aligned
   // part of [address, address + bytes) with transparent huge pages, so that first touching
@@ -606,6 +639,26 @@ NB_MODULE(_vpce, m) {
   def_head_option<&vpce::HeadOptions::vocab_block>(head, "vocab_block");
   def_head_option<&vpce::HeadOptions::chunk_tokens>(head, "chunk_tokens");
   def_head_option<&vpce::HeadOptions::bf16_logit_gradients>(head, "bf16_logit_gradients");
+  head.def("__getstate__", [](const vpce::HeadOptions& o) {
+    nb::dict state;
+    state["token_block"] = o.token_block;
+    state["vocab_block"] = o.vocab_block;
+    state["chunk_tokens"] = o.chunk_tokens;
+    state["bf16_logit_gradients"] = o.bf16_logit_gradients;
+    return state;
+  });
+  head.def("__setstate__", [](vpce::HeadOptions& o, const nb::dict& state) {
+    new (&o) vpce::HeadOptions();
+    auto field = [&](const char* name, auto& member) {
+      if (!state.contains(name)) return;
+      const nb::object value = state[name];
+      member = option_value<std::remove_reference_t<decltype(member)>>(value, name);
+    };
+    field("token_block", o.token_block);
+    field("vocab_block", o.vocab_block);
+    field("chunk_tokens", o.chunk_tokens);
+    field("bf16_logit_gradients", o.bf16_logit_gradients);
+  });
 
   m.def(
       "linear_cross_entropy_forward",

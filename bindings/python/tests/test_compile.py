@@ -122,3 +122,26 @@ def test_the_op_is_used_in_eager_mode_and_gives_the_reference(monkeypatch):
     want_loss, want_grad = loss_and_grad(logits, target, grad_loss, label_smoothing=0.1)
     assert relative_error(loss.detach(), want_loss) < 1e-6
     assert relative_error(logits.grad, want_grad) < 1e-6
+
+
+@pytest.mark.parametrize("device", ["fake", "meta"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["out of place", "in place"])
+def test_tensors_without_values_give_shapes_forward_and_backward(device, inplace):
+    # FakeTensorMode (shape propagation, memory planning) and the meta device: the loss's
+    # shape and dtype and the logits' gradient's, with inplace_backward too (whose
+    # autograd.Function handed the C++ code tensors without data).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def run():
+        x = torch.randn(4, 3, 16, requires_grad=True, device="meta" if device == "meta" else "cpu")
+        target = torch.randint(0, 16, (4, 3), device=x.device)
+        loss = vt.vocab_parallel_cross_entropy(x * 1, target, 0.1, inplace_backward=inplace)
+        assert loss.shape == (4, 3) and loss.dtype == torch.float32
+        loss.sum().backward()
+        assert x.grad.shape == x.shape and x.grad.dtype == x.dtype
+
+    if device == "fake":
+        with FakeTensorMode():
+            run()
+    else:
+        run()

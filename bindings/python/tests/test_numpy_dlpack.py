@@ -224,3 +224,37 @@ def test_what_the_collective_raises_comes_back_as_it_was(raised):
         vpce.forward(logits, target, 0, 4, 8, vpce.LossOptions(), loss, lse, rank=0, size=2, all_gather=gather)
     assert type(caught.value) is raised
     assert (loss == -7).all() and (lse == -7).all()
+
+
+def test_options_copy_deepcopy_and_pickle():
+    import copy
+    import pickle
+
+    options = vpce.LossOptions()
+    options.label_smoothing = 0.25
+    options.smoothing_semantics = vpce.SmoothingSemantics.PYTORCH
+    options.ignore_index = -7
+    options.z_loss_weight = 1e-4
+    options.logit_scale = 0.5
+    options.softcap = 30.0
+    options.valid_vocab_size = 1000
+    options.reduction = vpce.Reduction.MEAN
+    options.num_threads = 1
+    head = vpce.HeadOptions()
+    head.token_block = 64
+    head.vocab_block = 512
+    head.chunk_tokens = 1024
+    head.bf16_logit_gradients = True
+    loss_fields = ("label_smoothing", "smoothing_semantics", "ignore_index", "z_loss_weight", "logit_scale", "softcap",
+                   "valid_vocab_size", "reduction", "num_threads")
+    head_fields = ("token_block", "vocab_block", "chunk_tokens", "bf16_logit_gradients")
+    for original, fields in ((options, loss_fields), (head, head_fields)):
+        for made in (copy.copy(original), copy.deepcopy(original), pickle.loads(pickle.dumps(original))):
+            assert type(made) is type(original) and made is not original
+            assert [getattr(made, f) for f in fields] == [getattr(original, f) for f in fields]
+    # A state that the setters would refuse is refused on the way in too.
+    state = options.__getstate__()
+    state["ignore_index"] = "seven"
+    fresh = vpce.LossOptions.__new__(vpce.LossOptions)
+    with pytest.raises(TypeError, match="options.ignore_index: expected an integer"):
+        fresh.__setstate__(state)

@@ -171,6 +171,19 @@ if _CUSTOM_OPS:
     torch.library.register_autograd("vpce::cross_entropy_forward", _op_autograd, setup_context=_setup_context)
 
 
+def _without_data(tensor):
+    """Whether `tensor` has shapes but no values (a fake tensor, as torch.compile and
+    FakeTensorMode make, or one on the meta device): only the op's fake implementation
+    can take it."""
+    if not isinstance(tensor, torch.Tensor):
+        return False
+    if tensor.device.type == "meta":
+        return True
+    from torch._subclasses.fake_tensor import FakeTensor  # noqa: PLC0415
+
+    return isinstance(tensor, FakeTensor)
+
+
 def _fits_op(logits, target, label_smoothing, options):
     """Whether the custom op takes these arguments: dense CPU or CUDA tensors of the dtypes
     vpce reads, a float smoothing, JSON options. Anything else takes the autograd.Function
@@ -179,7 +192,7 @@ def _fits_op(logits, target, label_smoothing, options):
         return False
     if logits.layout != torch.strided or target.layout != torch.strided:
         return False
-    if logits.device.type not in ("cpu", "cuda") or target.device != logits.device:
+    if logits.device.type not in ("cpu", "cuda", "meta") or target.device != logits.device:
         return False
     if logits.dtype not in _LOGITS_DTYPES or not 1 <= logits.dim() <= 8:
         return False

@@ -62,7 +62,7 @@ from ._torch_groups import (get_tensor_model_parallel_group, get_tensor_model_pa
                             get_tensor_model_parallel_world_size)
 from ._torch_head import linear_cross_entropy
 from ._torch_helpers import VocabParallelCrossEntropy
-from ._torch_ops import _encode_options, _fits_op, _group_key
+from ._torch_ops import _encode_options, _fits_op, _group_key, _without_data
 
 __all__ = ["VocabParallelCrossEntropy", "_VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
            "unfused_cross_entropy", "fused_vocab_parallel_cross_entropy", "get_tensor_model_parallel_group",
@@ -103,7 +103,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     Returns the float32 loss with target's shape, the same on every rank. An error on any
     rank is raised on every rank, with the same text.
     """
-    compiling = _CUSTOM_OPS and _compiling()
+    # (Fake and meta tensors, which have no values to write over, take the op as compiling does.)
+    compiling = _CUSTOM_OPS and (_compiling() or _without_data(vocab_parallel_logits))
     if (_CUSTOM_OPS and (compiling or not inplace_backward)
             and _fits_op(vocab_parallel_logits, target, label_smoothing, options)):
         loss, _ = torch.ops.vpce.cross_entropy_forward(vocab_parallel_logits, target, float(label_smoothing),
