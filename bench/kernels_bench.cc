@@ -89,6 +89,23 @@ void BM_BlockGradient(benchmark::State& state) {
 }
 BENCHMARK(BM_BlockGradient)->Args({0, 0})->Args({0, 1})->Args({1, 0})->Args({1, 1})->Args({2, 0})->Args({2, 2});
 
+// fp32 logits soft-capped at 30 (Gemma's cap), the gradient into fp32: the slope's cost,
+// against BM_BlockGradient/0/0 (the same without the cap).
+void BM_BlockGradientSoftCapped(benchmark::State& state) {
+  const std::vector<std::byte> row = random_row(StorageType::kFloat32, kBlockColumns);
+  std::vector<float> grad(kBlockColumns);
+  TransformParams t;
+  t.cap = 30.0f;
+  t.inverse_cap = 1.0f / 30.0f;
+  const GradientConstants c{1.0f, 12.0f, 1.0f, 0.0f};
+  for (auto _ : state) {
+    block_gradient(row.data(), StorageType::kFloat32, grad.data(), StorageType::kFloat32, kBlockColumns, t, c);
+    benchmark::DoNotOptimize(grad.data());
+  }
+  state.SetItemsProcessed(state.iterations() * kBlockColumns);
+}
+BENCHMARK(BM_BlockGradientSoftCapped);
+
 // The same with AVX512-BF16's instructions turned off: the bf16 gradients' software rounding,
 // which AVX-512 CPUs without them run, timed on a CPU that has them (elsewhere the same code
 // as BM_BlockGradient).

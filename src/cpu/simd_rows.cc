@@ -418,6 +418,28 @@ struct BinadeShift {};  // (other targets round bf16 after the exp)
 
 // ---- the logit transform ----------------------------------------------------------------
 
+// The soft cap's z = cap tanh(a), a = scale x / cap, and, with `slope`, dz/dx = scale (1 -
+// tanh^2 a), both from y = expm1(2|a|) as Highway's Tanh takes it: tanh |a| = y / (y + 2)
+// and 1 - tanh^2 a = 4 (y + 1) / (y + 2)^2, which does not cancel where tanh saturates
+// (1 - u^2 from the rounded u = tanh a did: 7.5e-4 of a row's gradient at |a| of 3 to 6.5);
+// beyond |a| = 18.7, where tanh rounds to 1, the slope is 4 / (y + 2). One expm1 and one
+// division for both, and the forward's z is the backward's, bit for bit.
+template <bool kWithSlope>
+HWY_INLINE VF SoftCap(DF d, VF x, const TransformParams& t, VF* slope) {
+  const VF a = hn::Mul(hn::Mul(x, hn::Set(d, t.scale)), hn::Set(d, t.inverse_cap));
+  const VF sign = hn::And(hn::SignBit(d), a);
+  const VF abs_a = hn::Xor(a, sign);
+  const VF y = hn::Expm1(d, hn::Add(abs_a, abs_a));
+  const VF r = hn::Div(hn::Set(d, 1.0f), hn::Add(y, hn::Set(d, 2.0f)));
+  const auto saturated = hn::Gt(abs_a, hn::Set(d, 18.714973875f));
+  const VF tanh_abs = hn::IfThenElse(saturated, hn::Set(d, 1.0f), hn::Mul(y, r));
+  if constexpr (kWithSlope) {
+    const VF four_r = hn::Mul(hn::Set(d, 4.0f * t.scale), r);
+    *slope = hn::IfThenElse(saturated, four_r, hn::Mul(hn::Mul(four_r, r), hn::Add(y, hn::Set(d, 1.0f))));
+  }
+  return hn::Mul(hn::Set(d, t.cap), hn::Xor(tanh_abs, sign));
+}
+
 template <int kKind>
 HWY_INLINE VF Transform(DF d, VF x, const TransformParams& t) {
   if constexpr (kKind == kIdentity) {
@@ -425,23 +447,18 @@ HWY_INLINE VF Transform(DF d, VF x, const TransformParams& t) {
   } else if constexpr (kKind == kScaled) {
     return hn::Mul(x, hn::Set(d, t.scale));
   } else {
-    const VF z = hn::Mul(x, hn::Set(d, t.scale));
-    return hn::Mul(hn::Set(d, t.cap), hn::Tanh(d, hn::Mul(z, hn::Set(d, t.inverse_cap))));
+    return SoftCap<false>(d, x, t, nullptr);
   }
 }
 
-// dz/dx at the logit x. Soft-capped: scale (1 - tanh^2 a), a = scale x / cap as Transform
-// rounds it, taken as 4 e / (1 + e)^2 with e = exp(-2 |a|): 1 - u^2 from the rounded u =
-// tanh a cancels where tanh saturates (|a| of 3 and more: 1e-4 relative at a = 5).
+// z and dz/dx at the logit x.
 template <int kKind>
-HWY_INLINE VF Slope(DF d, VF x, const TransformParams& t) {
+HWY_INLINE VF TransformWithSlope(DF d, VF x, const TransformParams& t, VF* slope) {
   if constexpr (kKind == kSoftCapped) {
-    const VF a = hn::Mul(hn::Mul(x, hn::Set(d, t.scale)), hn::Set(d, t.inverse_cap));
-    const VF e = hn::Exp(d, hn::Mul(hn::Abs(a), hn::Set(d, -2.0f)));
-    const VF one_plus = hn::Add(e, hn::Set(d, 1.0f));
-    return hn::Mul(hn::Set(d, 4.0f * t.scale), hn::Div(e, hn::Mul(one_plus, one_plus)));
+    return SoftCap<true>(d, x, t, slope);
   } else {
-    return hn::Set(d, t.scale);
+    *slope = hn::Set(d, t.scale);
+    return Transform<kKind>(d, x, t);
   }
 }
 
@@ -781,7 +798,8 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
                                                                     : ExpPrecision::kFull;
   const ShiftedPolynomial<kPrecision> poly(d, kFolded ? coefficient : 1.0);
   auto element = [&](VF x) {
-    const VF z = Transform<kKind>(d, x, t);
+    VF slope;
+    const VF z = TransformWithSlope<kKind>(d, x, t, &slope);
     VF g;
     if constexpr (kBinade) {
 #if HWY_TARGET == HWY_AVX3
@@ -792,7 +810,7 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
     } else {
       g = hn::MulSub(ExpShifted(d, z, shift, poly), scaled_coefficient, scaled_uniform);
     }
-    if constexpr (kKind != kIdentity) g = hn::Mul(g, Slope<kKind>(d, x, t));
+    if constexpr (kKind != kIdentity) g = hn::Mul(g, slope);
     return g;
   };
   constexpr int64_t kAhead = 1024;  // elements prefetched ahead of the loads
@@ -995,7 +1013,11 @@ float TransformOneImpl(float x, const TransformParams& t) {
 
 float SlopeOneImpl(float x, const TransformParams& t) {
   const DF d;
-  if (t.cap > 0.0f) return hn::GetLane(Slope<kSoftCapped>(d, hn::Set(d, x), t));
+  if (t.cap > 0.0f) {
+    VF slope;
+    TransformWithSlope<kSoftCapped>(d, hn::Set(d, x), t, &slope);
+    return hn::GetLane(slope);
+  }
   return t.scale;
 }
 
