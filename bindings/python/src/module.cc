@@ -23,6 +23,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <type_traits>
 
 #include "vpce/head.h"
@@ -218,14 +219,32 @@ T option_value(nb::handle value, const char* name) {
   }
 }
 
-template <auto Member>
-void def_option(nb::class_<vpce::LossOptions>& options, const char* name) {
-  using T = std::remove_reference_t<decltype(std::declval<vpce::LossOptions&>().*Member)>;
-  options.def_prop_rw(
-      name, [](const vpce::LossOptions& o) { return o.*Member; },
-      [name](vpce::LossOptions& o, std::optional<nb::object> value) {  // optional: None gets the message too
-        o.*Member = option_value<T>(value ? nb::handle(*value) : nb::none(), name);
-      });
+// An options class's fields as (name, member) pairs: a property each, whose setter checks
+// the value (option_value), and pickling, copy and deepcopy (a module that holds one,
+// torch.save) by name, read back through the same checks.
+template <class Options, class... Types>
+void def_fields(nb::class_<Options>& cls, std::pair<const char*, Types Options::*>... fields) {
+  (cls.def_prop_rw(
+       fields.first, [member = fields.second](const Options& o) { return o.*member; },
+       [name = fields.first, member = fields.second](Options& o, std::optional<nb::object> value) {
+         // optional: None gets the message too
+         o.*member = option_value<Types>(value ? nb::handle(*value) : nb::none(), name);
+       }),
+   ...);
+  cls.def("__getstate__", [fields...](const Options& o) {
+    nb::dict state;
+    ((state[fields.first] = o.*(fields.second)), ...);
+    return state;
+  });
+  cls.def("__setstate__", [fields...](Options& o, const nb::dict& state) {
+    new (&o) Options();
+    auto read = [&](const char* name, auto& member) {
+      if (!state.contains(name)) return;
+      const nb::object value = state[name];
+      member = option_value<std::remove_reference_t<decltype(member)>>(value, name);
+    };
+    (read(fields.first, o.*(fields.second)), ...);
+  });
 }
 
 // The optional per-token tensors of a forward, as views that ForwardExtras points into
@@ -325,17 +344,6 @@ class CallbackCommunicator final : public vpce::Communicator {
   std::optional<nb::python_error> raised_;
 };
 
-// A HeadOptions field from Python, checked as a LossOptions field is (the same messages;
-// in vpce.torch they are keyword options too).
-template <auto Member>
-void def_head_option(nb::class_<vpce::HeadOptions>& head, const char* name) {
-  using T = std::remove_reference_t<decltype(std::declval<vpce::HeadOptions&>().*Member)>;
-  head.def_prop_rw(
-      name, [](const vpce::HeadOptions& o) { return o.*Member; },
-      [name](vpce::HeadOptions& o, std::optional<nb::object> value) {
-        o.*Member = option_value<T>(value ? nb::handle(*value) : nb::none(), name);
-      });
-}
 
 // The fused head's operands, as views that HeadInputs points into (so the object must stay
 // where it is while the call runs).
@@ -416,48 +424,13 @@ NB_MODULE(_vpce, m) {
 
   auto options = nb::class_<vpce::LossOptions>(m, "LossOptions", "Every loss option; see include/vpce/loss.h");
   options.def(nb::init<>());
-  def_option<&vpce::LossOptions::label_smoothing>(options, "label_smoothing");
-  def_option<&vpce::LossOptions::smoothing_semantics>(options, "smoothing_semantics");
-  def_option<&vpce::LossOptions::ignore_index>(options, "ignore_index");
-  def_option<&vpce::LossOptions::z_loss_weight>(options, "z_loss_weight");
-  def_option<&vpce::LossOptions::logit_scale>(options, "logit_scale");
-  def_option<&vpce::LossOptions::softcap>(options, "softcap");
-  def_option<&vpce::LossOptions::valid_vocab_size>(options, "valid_vocab_size");
-  def_option<&vpce::LossOptions::reduction>(options, "reduction");
-  def_option<&vpce::LossOptions::num_threads>(options, "num_threads");
-  // Pickling, copy and deepcopy (a module holding one, torch.save): the fields by name, read
-  // back through the same checks as the setters. (Not the CUDA stream, which Python does
-  // not set.)
-  options.def("__getstate__", [](const vpce::LossOptions& o) {
-    nb::dict state;
-    state["label_smoothing"] = o.label_smoothing;
-    state["smoothing_semantics"] = o.smoothing_semantics;
-    state["ignore_index"] = o.ignore_index;
-    state["z_loss_weight"] = o.z_loss_weight;
-    state["logit_scale"] = o.logit_scale;
-    state["softcap"] = o.softcap;
-    state["valid_vocab_size"] = o.valid_vocab_size;
-    state["reduction"] = o.reduction;
-    state["num_threads"] = o.num_threads;
-    return state;
-  });
-  options.def("__setstate__", [](vpce::LossOptions& o, const nb::dict& state) {
-    new (&o) vpce::LossOptions();
-    auto field = [&](const char* name, auto& member) {
-      if (!state.contains(name)) return;
-      const nb::object value = state[name];
-      member = option_value<std::remove_reference_t<decltype(member)>>(value, name);
-    };
-    field("label_smoothing", o.label_smoothing);
-    field("smoothing_semantics", o.smoothing_semantics);
-    field("ignore_index", o.ignore_index);
-    field("z_loss_weight", o.z_loss_weight);
-    field("logit_scale", o.logit_scale);
-    field("softcap", o.softcap);
-    field("valid_vocab_size", o.valid_vocab_size);
-    field("reduction", o.reduction);
-    field("num_threads", o.num_threads);
-  });
+  // (Not the CUDA stream, which Python does not set.)
+  using Loss = vpce::LossOptions;
+  def_fields(options, std::pair{"label_smoothing", &Loss::label_smoothing},
+             std::pair{"smoothing_semantics", &Loss::smoothing_semantics}, std::pair{"ignore_index", &Loss::ignore_index},
+             std::pair{"z_loss_weight", &Loss::z_loss_weight}, std::pair{"logit_scale", &Loss::logit_scale},
+             std::pair{"softcap", &Loss::softcap}, std::pair{"valid_vocab_size", &Loss::valid_vocab_size},
+             std::pair{"reduction", &Loss::reduction}, std::pair{"num_threads", &Loss::num_threads});
 
   // A hint for a new CPU buffer, before anything is written to it: back the 2 MiB-aligned
   // part of [address, address + bytes) with transparent huge pages, so that first touching
@@ -635,30 +608,10 @@ NB_MODULE(_vpce, m) {
   auto head = nb::class_<vpce::HeadOptions>(m, "HeadOptions",
                                             "Tile and chunk sizes, the gradients' precision; see include/vpce/head.h");
   head.def(nb::init<>());
-  def_head_option<&vpce::HeadOptions::token_block>(head, "token_block");
-  def_head_option<&vpce::HeadOptions::vocab_block>(head, "vocab_block");
-  def_head_option<&vpce::HeadOptions::chunk_tokens>(head, "chunk_tokens");
-  def_head_option<&vpce::HeadOptions::bf16_logit_gradients>(head, "bf16_logit_gradients");
-  head.def("__getstate__", [](const vpce::HeadOptions& o) {
-    nb::dict state;
-    state["token_block"] = o.token_block;
-    state["vocab_block"] = o.vocab_block;
-    state["chunk_tokens"] = o.chunk_tokens;
-    state["bf16_logit_gradients"] = o.bf16_logit_gradients;
-    return state;
-  });
-  head.def("__setstate__", [](vpce::HeadOptions& o, const nb::dict& state) {
-    new (&o) vpce::HeadOptions();
-    auto field = [&](const char* name, auto& member) {
-      if (!state.contains(name)) return;
-      const nb::object value = state[name];
-      member = option_value<std::remove_reference_t<decltype(member)>>(value, name);
-    };
-    field("token_block", o.token_block);
-    field("vocab_block", o.vocab_block);
-    field("chunk_tokens", o.chunk_tokens);
-    field("bf16_logit_gradients", o.bf16_logit_gradients);
-  });
+  using HeadOpts = vpce::HeadOptions;
+  def_fields(head, std::pair{"token_block", &HeadOpts::token_block}, std::pair{"vocab_block", &HeadOpts::vocab_block},
+             std::pair{"chunk_tokens", &HeadOpts::chunk_tokens},
+             std::pair{"bf16_logit_gradients", &HeadOpts::bf16_logit_gradients});
 
   m.def(
       "linear_cross_entropy_forward",
