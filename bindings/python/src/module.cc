@@ -18,6 +18,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -45,8 +46,17 @@ struct StatusError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A group's error reads "rank r of R: <code>: ..." on every rank, its code the failing
+// rank's own there and kRemoteError elsewhere: raised as that text alone, the same on every
+// rank. Any other error as "<code>: <message>".
+bool is_group_error(const std::string& message) {
+  int rank = 0, ranks = 0, consumed = 0;
+  return std::sscanf(message.c_str(), "rank %d of %d: %n", &rank, &ranks, &consumed) == 2 && consumed > 0;
+}
+
 void check(const vpce::Status& status) {
-  if (!status.ok()) throw StatusError(status.to_string());
+  if (status.ok()) return;
+  throw StatusError(is_group_error(status.message()) ? status.message() : status.to_string());
 }
 
 template <class A>

@@ -258,3 +258,43 @@ def test_options_copy_deepcopy_and_pickle():
     fresh = vpce.LossOptions.__new__(vpce.LossOptions)
     with pytest.raises(TypeError, match="options.ignore_index: expected an integer"):
         fresh.__setstate__(state)
+
+
+def test_a_group_error_reads_the_same_on_every_rank():
+    # Two ranks as threads with an in-process gather; rank 1's targets are out of range. The
+    # C++ status codes differ (the failing rank's own, remote error elsewhere); the raised
+    # text is the same on both: "rank 1 of 2: invalid argument: targets: ...".
+    import threading
+
+    size, vocab = 2, 8
+    barrier = threading.Barrier(size)
+    slots = [b""] * size
+
+    def gather_for(rank):
+        def gather(send, recv):
+            slots[rank] = bytes(send)
+            barrier.wait()
+            recv[:] = b"".join(slots)
+            barrier.wait()
+        return gather
+
+    logits = np.random.default_rng(3).standard_normal((3, vocab)).astype(np.float32)
+    texts = [None] * size
+
+    def rank_main(rank):
+        target = np.array([1, 12 if rank == 1 else 2, 3], np.int64)
+        loss, lse = np.zeros(3, np.float32), np.zeros(3, np.float32)
+        half = vocab // size
+        try:
+            vpce.forward(logits[:, rank * half:(rank + 1) * half], target, rank * half, (rank + 1) * half, vocab,
+                         vpce.LossOptions(), loss, lse, rank=rank, size=size, all_gather=gather_for(rank))
+        except vpce.Error as error:
+            texts[rank] = str(error)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert texts[0] == texts[1], texts
+    assert texts[0].startswith("rank 1 of 2: invalid argument: targets: expected values in [0, 8)"), texts
