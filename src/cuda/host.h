@@ -47,11 +47,13 @@ inline Status is_capturing(cudaStream_t stream, bool* out) {
 }
 
 // The end of the last call that ran (was not captured into a graph) on a workspace's device
-// buffers, as an event. A call on another stream waits for it on the device; while that
-// stream is being captured, where a wait on work outside the capture is not allowed (and
-// the legacy stream may not be touched), the last call must be done already (as after the
-// synchronize that torch.cuda.graph makes before it captures), or the call is refused. An
-// event, unlike a stream, stays valid when the stream it was recorded on is destroyed.
+// buffers, as an event. A call on another stream waits for it on the device. While the
+// stream is being captured, where a plain wait on work outside the capture is not allowed
+// (and no event may be queried in global mode), the wait goes into the graph as an external
+// event node (cudaEventWaitExternal), so each replay waits for the last call that ran before
+// it: the torch.cuda.graph recipe, warm-up on one stream and capture on another, is ordered.
+// An event, unlike a stream, stays valid when the stream it was recorded on is destroyed;
+// graphs captured with it must not outlive the workspace (they use its buffers anyway).
 class CallOrder {
  public:
   CallOrder() = default;
@@ -66,20 +68,12 @@ class CallOrder {
     if (!pending_) return {};
     bool captured = false;
     if (Status s = is_capturing(stream, &captured); !s.ok()) return s;
-    if (!captured) {
-      if (const cudaError_t e = cudaStreamWaitEvent(stream, done_, 0); e != cudaSuccess) {
-        return cuda_failure("ordering after the previous call", e);
-      }
-      return {};
+    if (captured && stream == stream_) return {};  // (replays on that stream follow it)
+    if (const cudaError_t e = cudaStreamWaitEvent(stream, done_, captured ? cudaEventWaitExternal : cudaEventWaitDefault);
+        e != cudaSuccess) {
+      return cuda_failure("ordering after the previous call", e);
     }
-    if (stream == stream_) return {};  // (captured after it on its own stream: replays follow it)
-    const cudaError_t e = cudaEventQuery(done_);
-    if (e == cudaSuccess) return {};
-    cudaGetLastError();  // (cudaErrorNotReady is not an error of the stream)
-    if (e != cudaErrorNotReady) return cuda_failure("the previous call's end", e);
-    return {Code::kInvalidUsage,
-            "workspace: expected the previous call's work (on another stream) finished when capturing a CUDA graph "
-            "(synchronize first), got it still running"};
+    return {};
   }
 
   // After a call's work is queued on `stream`: a captured call leaves the last one that
