@@ -44,9 +44,12 @@ Status check_partition(const std::vector<RankHeader>& headers) {
   const int64_t vocab = headers[0].vocab_size;
   const std::optional<PartitionFault> fault = partition_fault(std::move(ranges), vocab);
   if (!fault) return {};
-  const std::string head = "vocabulary ranges do not partition [0, " + std::to_string(vocab) + "): expected ranges that tile it, got ";
+  const std::string head =
+      "vocabulary ranges do not partition [0, " + std::to_string(vocab) + "): expected ranges that tile it, got ";
   if (fault->kind == PartitionFault::Kind::kOverlap) {
-    const auto range = [](const OwnedRange& r) { return "[" + std::to_string(r.begin) + ", " + std::to_string(r.end) + ")"; };
+    const auto range = [](const OwnedRange& r) {
+      return "[" + std::to_string(r.begin) + ", " + std::to_string(r.end) + ")";
+    };
     return {Code::kInvalidUsage, head + "rank " + std::to_string(fault->previous->rank) + " " + range(*fault->previous) +
                                      " and rank " + std::to_string(fault->first->rank) + " " + range(*fault->first) +
                                      " overlapping"};

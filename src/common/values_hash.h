@@ -4,8 +4,8 @@
 // words, used before, let two different target arrays be made to collide in a few lines.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
-#include <cstring>
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>

@@ -42,7 +42,7 @@ struct Transform {
   }
   // dz/dx at the logit x: soft-capped, scale (1 - tanh^2 a) with a = scale x / cap, as
   // 4 e / (1 + e)^2, e = exp(-2 |a|) (1 - u^2 from the rounded u = tanh a cancels where tanh
-  // saturates; the CPU's Slope does the same).
+  // saturates; the CPU's SoftCap takes the same value from expm1, as 4 (y + 1) / (y + 2)^2).
   __device__ __forceinline__ float slope(float x) const {
     if (cap <= 0.0f) return scale;
     const float a = (x * scale) * inverse_cap;

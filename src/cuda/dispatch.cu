@@ -115,8 +115,8 @@ Status ensure(char** buffer, std::size_t* capacity, std::size_t bytes, cudaStrea
 namespace {
 
 // The protocol's buffers of `w` for one call on `stream` (the caller made `device` current):
-// on the device of the workspace's first call, ordered after the last call that used them, grown for `ranks` payloads of `payload`
-// bytes and `merged_bytes`, and the error word cleared.
+// on the device of the workspace's first call, ordered after the last call that used them,
+// grown for `ranks` payloads of `payload` bytes and `merged_bytes`, the error word cleared.
 Status prepare_protocol(DeviceWorkspace& w, int device, cudaStream_t stream, std::size_t payload, int ranks,
                         std::size_t merged_bytes) {
   if (w.used && w.device != device) {  // (its buffers are that device's memory)

@@ -227,7 +227,8 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
     const int64_t rows = std::min(chunk, n - row);
     RowMatrix merged;
     Status group = detail::exchange_stats(
-        comm, *buffers, exchange_call(a, rows, width, shard, inputs, options, extras.weights != nullptr, true, n, grad_loss), local,
+        comm, *buffers,
+        exchange_call(a, rows, width, shard, inputs, options, extras.weights != nullptr, true, n, grad_loss), local,
         [&](const RowMatrix& stats) -> Status {
           try {
             detail::sweep_stats(a, *ops, ctx, row, rows, logits, stats, buffers->head_tiles);

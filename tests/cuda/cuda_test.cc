@@ -13,6 +13,7 @@
 #include <optional>
 #include <random>
 
+#include "cuda_step.h"
 #include "cuda_support.h"
 #include "support.h"
 
@@ -234,24 +235,11 @@ TEST(Cuda, TargetOutOfRangeIsAnAsynchronousErrorOnEveryRank) {
   }
 }
 
-// A forward and backward run eagerly on `warm_up` (allocating the workspace), then captured
-// on `capture` (the same stream, or another as torch.cuda.graph's), the graph replayed: the
-// same loss and gradient, bit for bit.
+// A forward and backward run eagerly, then (in another workspace) warmed up on one stream and
+// captured on `other_stream` or the same one, the graph replayed: the same loss and gradient,
+// bit for bit.
 void expect_capture_matches_eager(bool other_stream) {
-  const int64_t n = 64, vocab = 5000;
-  Problem p = random_problem(n, vocab, kBFloat16, 4);
-  DeviceBuffer logits(p.storage.data(), p.storage.size());
-  DeviceBuffer y(p.targets.data(), p.targets.size() * sizeof(int64_t));
-  DeviceBuffer loss(nullptr, n * sizeof(float)), lse(nullptr, n * sizeof(float));
-  DeviceBuffer upstream(p.grad_loss.data(), n * sizeof(float));
-  DeviceBuffer grad(nullptr, static_cast<std::size_t>(n * vocab) * sizeof(float));
-  const Device gpu{DeviceType::kCUDA, 0};
-  const TensorView x = TensorView::matrix(static_cast<char*>(logits.p) + p.offset_bytes, p.dtype, n, vocab, p.ld, gpu);
-  const TensorView yv = TensorView::contiguous(y.p, kInt64, {n}, gpu);
-  const TensorView lv = TensorView::contiguous(loss.p, kFloat32, {n}, gpu);
-  const TensorView ev = TensorView::contiguous(lse.p, kFloat32, {n}, gpu);
-  const TensorView gv = TensorView::contiguous(upstream.p, kFloat32, {n}, gpu);
-  const TensorView out = TensorView::contiguous(grad.p, kFloat32, {n, vocab}, gpu);
+  const Problem p = random_problem(64, 5000, kBFloat16, 4);
   cudaStream_t warm_up = nullptr, capture = nullptr;
   CUDA_OK(cudaStreamCreate(&warm_up));
   if (other_stream) {
@@ -259,38 +247,12 @@ void expect_capture_matches_eager(bool other_stream) {
   } else {
     capture = warm_up;
   }
-  DeviceLoopback comm;
-  std::optional<Workspace> holder(std::in_place);  // released before the streams go
-  auto step = [&](cudaStream_t stream) {
-    LossOptions o;
-    o.stream = stream;
-    const Status f = forward(comm, x, yv, {0, vocab, vocab}, o, lv, ev, {}, &*holder);
-    ASSERT_TRUE(f.ok()) << f.to_string();
-    const Status b = backward(x, yv, ev, gv, {0, vocab, vocab}, o, out);
-    ASSERT_TRUE(b.ok()) << b.to_string();
-  };
-  step(warm_up);  // allocates the workspace
-  CUDA_OK(cudaStreamSynchronize(warm_up));
-  const std::vector<float> eager_loss = loss.read<float>(n);
-  const std::vector<float> eager_grad = grad.read<float>(static_cast<std::size_t>(n * vocab));
-  CUDA_OK(cudaMemsetAsync(loss.p, 0, n * sizeof(float), capture));
-  CUDA_OK(cudaMemsetAsync(grad.p, 0, grad.bytes, capture));
-  CUDA_OK(cudaStreamSynchronize(capture));
-  cudaGraph_t graph = nullptr;
-  CUDA_OK(cudaStreamBeginCapture(capture, cudaStreamCaptureModeGlobal));
-  step(capture);
-  CUDA_OK(cudaStreamEndCapture(capture, &graph));
-  cudaGraphExec_t exec = nullptr;
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  CUDA_OK(cudaGraphLaunch(exec, capture));
-  CUDA_OK(cudaStreamSynchronize(capture));
-  EXPECT_TRUE(holder->device_status().ok());
-  EXPECT_EQ(loss.read<float>(n), eager_loss);
-  EXPECT_EQ(grad.read<float>(static_cast<std::size_t>(n * vocab)), eager_grad);
+  DeviceLoopback eager_comm, comm;
+  const StepOutputs eager = device_step(eager_comm, p, warm_up, nullptr);
+  const StepOutputs replayed = device_step(comm, p, warm_up, capture);
+  EXPECT_EQ(replayed.loss, eager.loss);
+  EXPECT_EQ(replayed.grad, eager.grad);
   EXPECT_EQ(comm.calls, 2);  // the eager forward and the captured one (a replay runs no host code)
-  holder.reset();
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   if (other_stream) cudaStreamDestroy(capture);
   cudaStreamDestroy(warm_up);
 }
