@@ -225,7 +225,7 @@ Status calculate_loss(const TensorView& stats, const TensorView& targets, int64_
 
   detail::LossOutputs out;
   if (Status s = detail::check_loss_output(loss, "loss", n, options.reduction, &out.loss); !s.ok()) return s;
-  if (Status s = detail::as_float_tokens(lse, "lse", n, &out.lse); !s.ok()) return s;
+  if (Status s = detail::as_lse_tokens(lse, "lse", n, &out.lse); !s.ok()) return s;
   const std::pair<const TensorView*, TokenVector*> wanted[] = {{extras.target_is_argmax, &out.target_is_argmax},
                                                                {extras.entropy, &out.entropy}};
   for (const auto& [view, vec] : wanted) {
@@ -268,7 +268,7 @@ Status backward(const TensorView& logits, const TensorView& targets, const Tenso
   }
   TokenVector lse_in;
   TokenVector upstream;
-  if (Status s = detail::as_float_tokens(lse, "lse", n, &lse_in); !s.ok()) return s;
+  if (Status s = detail::as_lse_tokens(lse, "lse", n, &lse_in); !s.ok()) return s;
   if (Status s = detail::check_loss_output(grad_loss, "grad_loss", n, options.reduction, &upstream); !s.ok()) {
     return s;
   }

@@ -421,6 +421,11 @@ Status as_float_tokens(const TensorView& t, const char* name, int64_t n, TokenVe
   return as_token_vector(t, name, n, out);
 }
 
+Status as_lse_tokens(const TensorView& t, const char* name, int64_t n, TokenVector* out) {
+  if (Status s = check_dtype(name, t.dtype, {kFloat64, kFloat32}, "float64 or float32"); !s.ok()) return s;
+  return as_token_vector(t, name, n, out);
+}
+
 Status check_no_overlap(const std::vector<NamedRegion>& outputs, const std::vector<NamedRegion>& inputs) {
   auto clash = [](const NamedRegion& a, const NamedRegion& b) -> Status {
     if (a.begin == nullptr || b.begin == nullptr || !overlaps(a.begin, a.end, b.begin, b.end)) return {};
@@ -448,7 +453,7 @@ Status check_forward_outputs(int64_t n, Device device, const LossOptions& option
     if (Status s = check_device(*view, name, device); !s.ok()) return s;
   }
   if (Status s = check_loss_output(loss, "loss", n, options.reduction, &out->loss); !s.ok()) return s;
-  if (Status s = as_float_tokens(lse, "lse", n, &out->lse); !s.ok()) return s;
+  if (Status s = as_lse_tokens(lse, "lse", n, &out->lse); !s.ok()) return s;
   if (extras.target_is_argmax != nullptr) {
     if (Status s = as_float_tokens(*extras.target_is_argmax, "target_is_argmax", n, &out->target_is_argmax); !s.ok()) {
       return s;

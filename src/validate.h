@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/token_math.h"
 #include "vpce/loss.h"
 #include "vpce/status.h"
 #include "vpce/tensor.h"
@@ -124,6 +125,10 @@ Status as_stats_matrix(const TensorView& t, const char* name, int64_t rows, int6
 
 // A float32 tensor of n elements, one per token.
 Status as_float_tokens(const TensorView& t, const char* name, int64_t n, TokenVector* out);
+// The lse, one per token: float32, or float64 (which keeps the gradient exact at any |lse|:
+// GradientConstants).
+Status as_lse_tokens(const TensorView& t, const char* name, int64_t n, TokenVector* out);
+inline LseTokens lse_tokens(const TokenVector& v) { return {v.base, v.stride, v.dtype == kFloat64}; }
 
 // A named byte range [begin, end) of an argument, for the overlap checks (begin null: absent).
 struct NamedRegion {

@@ -47,9 +47,10 @@ TEST(Adversarial, InfinityColumnsShardsAndBoundariesMatchOracle) {
   }
 }
 
-// Logits of +-1e4 (bar: finite loss and gradient, with label smoothing 0.1 and R = 4).
-// lse is kept in fp32, whose spacing at 1e4 is 2^-10, so p = exp(z - lse) is good to about
-// 1e-3 relative there; the loss, computed as (max - z_target) + log(sum), stays within 1e-6.
+// Logits of +-1e4 (bar: finite loss and gradient, with label smoothing 0.1 and R = 4), the
+// loss within 1e-6 (it is (max - z_target) + log(sum)). With the lse kept in float64 the
+// gradient is within 1e-6 too; kept in float32, whose spacing at 1e4 is 2^-10, p = exp(z -
+// lse) is good only to about 1e-3 relative there.
 TEST(Adversarial, HugeLogitsStayFinite) {
   for (float smoothing : {0.0f, 0.1f}) {
     Problem problem = random_problem(16, 4096, kFloat32, 21);
@@ -59,16 +60,60 @@ TEST(Adversarial, HugeLogitsStayFinite) {
     }
     problem.set(3, 100, 1e4f + 1.0f);
     const std::vector<double> x = problem.as_double();
-    RunOptions options;
-    options.loss.label_smoothing = smoothing;
-    const RunResult result = run_ranks(problem, shards_from_sizes(even_splits(4096, 4)), options);
-    for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
     const auto want = reference::cross_entropy(x, 16, 4096, problem.targets, smoothing, widen(problem.grad_loss));
-    for (float l : result.per_rank[0].loss) EXPECT_TRUE(std::isfinite(l));
-    for (double g : result.grad) EXPECT_TRUE(std::isfinite(g));
-    EXPECT_LE(relative_error(widen(result.per_rank[0].loss), want.loss), 1e-6);
-    EXPECT_LE(relative_error(result.grad, want.grad), 2e-3);
+    for (DataType lse_dtype : {kFloat64, kFloat32}) {
+      SCOPED_TRACE("lse " + to_string(lse_dtype) + ", smoothing " + std::to_string(smoothing));
+      RunOptions options;
+      options.loss.label_smoothing = smoothing;
+      options.lse_dtype = lse_dtype;
+      Problem copy = problem;
+      const RunResult result = run_ranks(copy, shards_from_sizes(even_splits(4096, 4)), options);
+      for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
+      for (float l : result.per_rank[0].loss) EXPECT_TRUE(std::isfinite(l));
+      for (double g : result.grad) EXPECT_TRUE(std::isfinite(g));
+      EXPECT_LE(relative_error(widen(result.per_rank[0].loss), want.loss), 1e-6);
+      const double grad_error = relative_error(result.grad, want.grad);
+      EXPECT_LE(grad_error, lse_dtype == kFloat64 ? 1e-6 : 2e-3);
+    }
   }
+}
+
+// The lse kept in float64 gives the gradient fp32's accuracy whatever the logits' offset:
+// the kernels take e^(z - lse) as e^(z - fl32(lse)) times e^(fl32(lse) - lse), the factor in
+// the per-row coefficient (GradientConstants). Offsets up to 3e6 (the logits' own spacing
+// 0.25 there; the oracle takes the stored values), both signs, three uneven ranks (one of a
+// single column), with label smoothing and with z-loss, on every SIMD target: loss and
+// gradient within 1e-6 of the oracle. With a float32 lse the gradient's error at |offset| >=
+// 1e4 is checked to exceed 1e-5 (2^-24 |lse| relative, about 1e-4 at 1e4): what float64 buys.
+TEST(Adversarial, AFloat64LseKeepsTheGradientAtFp32sAccuracyWhateverTheLogitsOffset) {
+  for (const SimdVariant& variant : simd_variants()) {
+    use_simd_variant(variant);
+    for (double offset : {0.0, 300.0, 1e4, -1e4, 1e5, 3e6}) {
+      for (int option = 0; option < 3; ++option) {  // plain, label smoothing 0.1, z-loss 1e-4
+        const std::string where = variant.name + ", offset " + std::to_string(offset) + ", option " +
+                                  std::to_string(option);
+        Problem problem = random_problem(12, 1201, kFloat32, 61, 3.0f);
+        for (int64_t i = 0; i < problem.tokens; ++i) {
+          for (int64_t v = 0; v < problem.vocab; ++v) problem.set(i, v, static_cast<float>(problem.at(i, v) + offset));
+        }
+        RunOptions options;
+        if (option == 1) options.loss.label_smoothing = 0.1f;
+        if (option == 2) options.loss.z_loss_weight = 1e-4f;
+        const RunResult result = run_ranks(problem, shards_from_sizes({600, 1, 600}), options);
+        for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
+        const reference::Result want = oracle(problem, options);
+        EXPECT_LE(relative_error(widen(result.per_rank[0].loss), want.loss), 1e-6) << where;
+        EXPECT_LE(relative_error(result.grad, want.grad), 1e-6) << where;
+        if (std::fabs(offset) >= 1e4) {
+          options.lse_dtype = kFloat32;
+          const RunResult fp32_lse = run_ranks(problem, shards_from_sizes({600, 1, 600}), options);
+          for (const Status& s : fp32_lse.status) ASSERT_TRUE(s.ok()) << s.to_string();
+          EXPECT_GT(relative_error(fp32_lse.grad, want.grad), 1e-5) << where << ", float32 lse";
+        }
+      }
+    }
+  }
+  use_best_simd_variant();
 }
 
 // Finite logits far beyond fp32's exp shift: |z log2(e)| past 2^27, where the AVX-512 lanes'

@@ -96,7 +96,7 @@ class Cli : public testing::Test {
     for (double w : want.grad) grad_scale = std::max(grad_scale, std::fabs(w));
     for (std::size_t i = 0; i < want.loss.size(); ++i) {
       EXPECT_NEAR(loss.as<float>()[i], want.loss[i], tolerance * 10);
-      EXPECT_NEAR(lse.as<float>()[i], want.lse[i], tolerance * 10);
+      EXPECT_NEAR(lse.as<double>()[i], want.lse[i], tolerance * 10);
     }
     for (std::size_t i = 0; i < want.grad.size(); ++i) {
       EXPECT_NEAR(grad.as<float>()[i], want.grad[i], tolerance * grad_scale) << i;

@@ -179,6 +179,16 @@ TEST(BadInput, UnsupportedTargetsAndOutputDtypes) {
   std::vector<double> wide(kTokens * kVocab);
   expect_error(f.run_backward(TensorView::contiguous(wide.data(), kFloat64, {kTokens, kVocab})),
                Code::kInvalidArgument, {"grad_logits.dtype", "got float64"});
+  // The lse: float64 or float32, in the forward, the staged loss and the backward.
+  const TensorView half_lse = TensorView::contiguous(half.data(), kFloat16, {kTokens});
+  expect_error(f.run_forward(f.x(), f.y(), f.loss_view(), half_lse), Code::kInvalidArgument,
+               {"lse.dtype: expected float64 or float32, got float16"});
+  std::vector<float> stats(kTokens * kStatsWidth, 0.0f);
+  expect_error(calculate_loss(TensorView::contiguous(stats.data(), kFloat32, {kTokens, kStatsWidth}), f.y(), kVocab,
+                              f.options, f.loss_view(), half_lse),
+               Code::kInvalidArgument, {"lse.dtype: expected float64 or float32, got float16"});
+  expect_error(backward(f.x(), f.y(), half_lse, f.g(), f.shard, f.options, f.grad_view()), Code::kInvalidArgument,
+               {"lse.dtype: expected float64 or float32, got float16"});
   f.expect_nothing_written();
 }
 

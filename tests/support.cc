@@ -129,7 +129,17 @@ Status run_rank(Communicator& comm, Problem& problem, const VocabShard& shard, c
   const TensorView x = problem.shard_view(shard);
   const TensorView y = TensorView::contiguous(problem.targets.data(), kInt64, {n});
   const TensorView loss = TensorView::contiguous(mine->loss.data(), kFloat32, {static_cast<int64_t>(mine->loss.size())});
-  const TensorView lse = TensorView::contiguous(mine->lse.data(), kFloat32, {n});
+  // An fp32 lse goes through its own buffer, widened into mine->lse at the end.
+  std::vector<float> lse32(options.lse_dtype == kFloat32 ? static_cast<std::size_t>(n) : 0, std::nanf(""));
+  struct Widen {
+    const std::vector<float>& from;
+    std::vector<double>& to;
+    ~Widen() {
+      for (std::size_t i = 0; i < from.size(); ++i) to[i] = static_cast<double>(from[i]);
+    }
+  } widen_at_return{lse32, mine->lse};
+  const TensorView lse = options.lse_dtype == kFloat32 ? TensorView::contiguous(lse32.data(), kFloat32, {n})
+                                                       : TensorView::contiguous(mine->lse.data(), options.lse_dtype, {n});
   const TensorView argmax = TensorView::contiguous(mine->target_is_argmax.data(), kFloat32, {n});
   const TensorView entropy = TensorView::contiguous(mine->entropy.data(), kFloat32, {n});
   ForwardExtras extras;

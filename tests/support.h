@@ -44,7 +44,8 @@ Problem random_problem(int64_t tokens, int64_t vocab, DataType dtype, uint64_t s
 
 struct RankOutputs {
   std::vector<float> loss;  // [N] for kNone, [1] otherwise
-  std::vector<float> lse, target_is_argmax, entropy;
+  std::vector<double> lse;  // as RunOptions::lse_dtype keeps it, widened
+  std::vector<float> target_is_argmax, entropy;
 };
 
 struct RunResult {
@@ -61,6 +62,7 @@ struct RunOptions {
   bool extras = false;             // ask for target_is_argmax and entropy
   std::vector<float> weights;      // per-token weights, or empty for none
   float grad_scalar = 1.0f;        // the upstream gradient of a reduced loss
+  DataType lse_dtype = kFloat64;   // the lse kept between forward and backward (or kFloat32)
 };
 
 // Runs forward and backward on one ThreadGroup of shards.size() ranks.
@@ -86,6 +88,7 @@ reference::Result oracle(const Problem& problem, const RunOptions& options);
 // max |a - b| / max |b| (or max |a - b| when b is all zero).
 double relative_error(const std::vector<double>& a, const std::vector<double>& b);
 std::vector<double> widen(const std::vector<float>& v);
+inline const std::vector<double>& widen(const std::vector<double>& v) { return v; }
 
 // The SIMD variants the kernels' tests run one at a time: every target Highway compiled and
 // this CPU runs and, on a CPU with AVX512-BF16, AVX3 a second time without those

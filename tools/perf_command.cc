@@ -233,7 +233,7 @@ Timing time_row(const Row& row, const PerfConfig& config, bool in_place, const B
   const DataType grad_dtype = in_place ? row.dtype : kFloat32;
   const std::size_t logits_bytes = static_cast<std::size_t>(row.tokens * row.vocab * row.dtype.bytes());
   std::vector<std::vector<float>> loss(static_cast<std::size_t>(ranks), std::vector<float>(static_cast<std::size_t>(row.tokens)));
-  std::vector<std::vector<float>> lse = loss;
+  std::vector<std::vector<double>> lse(static_cast<std::size_t>(ranks), std::vector<double>(static_cast<std::size_t>(row.tokens)));
   std::unique_ptr<ThreadGroup> group;
   Timing timing;
   if (Status s = ThreadGroup::create(ranks, &group); !s.ok()) return Timing::failed(s);
@@ -248,7 +248,7 @@ Timing time_row(const Row& row, const PerfConfig& config, bool in_place, const B
     const TensorView x = TensorView::matrix(logits + shard.vocab_begin * row.dtype.bytes(), row.dtype, row.tokens, cols, row.vocab);
     const TensorView y = TensorView::contiguous(targets.data(), kInt64, {row.tokens});
     const TensorView l = TensorView::contiguous(loss[r].data(), kFloat32, {row.tokens});
-    const TensorView e = TensorView::contiguous(lse[r].data(), kFloat32, {row.tokens});
+    const TensorView e = TensorView::contiguous(lse[r].data(), kFloat64, {row.tokens});
     const TensorView g = TensorView::contiguous(ones.data(), kFloat32, {row.tokens});
     const TensorView grad = in_place ? x
                                      : TensorView::matrix(grad_buffer + shard.vocab_begin * 4, kFloat32, row.tokens, cols, row.vocab);

@@ -162,9 +162,10 @@ Status fused_step(Communicator& comm, Problem& p, bool counted, int threads, con
   LossOptions options;
   options.reduction = counted ? Reduction::kSum : Reduction::kMean;
   options.num_threads = threads;
-  std::vector<float> loss(1), lse(static_cast<std::size_t>(s.tokens)), grad_loss(1, 1.0f);
+  std::vector<float> loss(1), grad_loss(1, 1.0f);
+  std::vector<double> lse(static_cast<std::size_t>(s.tokens));
   const TensorView loss_v = TensorView::contiguous(loss.data(), kFloat32, {1});
-  const TensorView lse_v = TensorView::contiguous(lse.data(), kFloat32, {s.tokens});
+  const TensorView lse_v = TensorView::contiguous(lse.data(), kFloat64, {s.tokens});
   const TensorView gh = TensorView::contiguous(d.grad_hidden.data(), kFloat32, {s.tokens, s.hidden});
   const TensorView gw = TensorView::contiguous(d.grad_weight.data(), kFloat32, {vr, s.hidden});
   const TensorView gb = TensorView::contiguous(d.grad_bias.data(), kFloat32, {vr});

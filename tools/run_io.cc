@@ -140,7 +140,7 @@ RankOutputs make_rank_outputs(const RunConfig& config, int64_t tokens) {
 
 ForwardOutputs::ForwardOutputs(const RunConfig& config, RankOutputs& out, int64_t tokens, const TensorView* weights)
     : loss(TensorView::contiguous(out.loss.data(), kFloat32, {static_cast<int64_t>(out.loss.size())})),
-      lse(TensorView::contiguous(out.lse.data(), kFloat32, {tokens})),
+      lse(TensorView::contiguous(out.lse.data(), kFloat64, {tokens})),
       target_is_argmax(TensorView::contiguous(out.target_is_argmax.data(), kFloat32, {tokens})),
       entropy(TensorView::contiguous(out.entropy.data(), kFloat32, {tokens})) {
   extras.weights = config.weights_path.empty() ? nullptr : weights;
@@ -156,7 +156,7 @@ Status write_outputs(const RunConfig& config, const std::vector<int64_t>& logits
   const std::vector<int64_t> token_shape(logits_shape.begin(), logits_shape.end() - 1);
   const std::vector<int64_t> loss_shape = reduced ? std::vector<int64_t>{} : token_shape;
   std::vector<npy::OutputFile> files = {{"loss.npy", npy::Dtype::kFloat32, loss_shape, first.loss.data()},
-                                        {"lse.npy", npy::Dtype::kFloat32, token_shape, first.lse.data()},
+                                        {"lse.npy", npy::Dtype::kFloat64, token_shape, first.lse.data()},
                                         {"grad_logits.npy", npy::Dtype::kFloat32, logits_shape, grad}};
   std::vector<std::string> stale;  // an earlier run's extras, which would pass for this one's
   if (config.extras) {

@@ -40,7 +40,8 @@ Status vocab_ranges(const RunConfig& config, int ranks, int64_t vocab, std::vect
 
 // One rank's forward outputs.
 struct RankOutputs {
-  std::vector<float> loss, lse, target_is_argmax, entropy;
+  std::vector<float> loss, target_is_argmax, entropy;
+  std::vector<double> lse;  // float64: the backward's gradient exact at any |lse|
 };
 RankOutputs make_rank_outputs(const RunConfig& config, int64_t tokens);
 

@@ -144,7 +144,8 @@ int main(int argc, char** argv) {
   vpce::Workspace workspace;  // reused across steps: no allocation in the loop's forward
 
   std::vector<int64_t> previous(n), targets(n);
-  std::vector<float> hidden(n * d), logits(n * cols), lse(n);
+  std::vector<float> hidden(n * d), logits(n * cols);
+  std::vector<double> lse(n);  // float64: the gradient exact whatever the logits' size
   std::vector<double> grad_hidden(n * d), grad_hidden_sum(n * d);
   std::vector<float> grad_weight(d * cols), grad_bias(cols);
   const float one = 1.0f;
@@ -170,7 +171,7 @@ int main(int argc, char** argv) {
     float loss = 0.0f;
     const auto x = vpce::TensorView::contiguous(logits.data(), vpce::kFloat32, {n, cols});
     const auto y = vpce::TensorView::contiguous(targets.data(), vpce::kInt64, {n});
-    const auto lse_view = vpce::TensorView::contiguous(lse.data(), vpce::kFloat32, {n});
+    const auto lse_view = vpce::TensorView::contiguous(lse.data(), vpce::kFloat64, {n});
     if (vpce::Status s = vpce::forward(*comm, x, y, shard, options, vpce::TensorView::contiguous(&loss, vpce::kFloat32, {1}),
                                        lse_view, {}, &workspace);
         !s.ok()) {

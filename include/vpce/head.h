@@ -104,7 +104,7 @@ struct HeadOptions {
 
 // Forward: the loss of x = h W_r^T + b_r, exactly as vpce::forward of those logits (one
 // all_gather through `comm`, the group's agreement checked, the same outputs: loss, lse to
-// keep for the backward, the extras). Every rank also checks that the group agrees on H and
+// keep for the backward (float64, or float32: vpce/loss.h), the extras). Every rank also checks that the group agrees on H and
 // the dtype. `workspace` may be null; one kept between the steps holds the tiles' buffers
 // (and the backward's logit gradients, the chunked mode's chunk of logits), so that a step
 // that finds it large enough neither allocates nor faults in fresh pages.

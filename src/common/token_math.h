@@ -157,7 +157,7 @@ VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ran
 // One token's results from its merged statistics `st`.
 struct TokenLoss {
   double weighted_loss = 0.0;  // weight x loss; 0 when the token is not counted
-  float lse = 0.0f;
+  double lse = 0.0;            // max + log(sum): as exact as the sum, whatever |max| (LseTokens)
   float entropy = 0.0f;           // with the extras
   float target_is_argmax = 0.0f;  // with the extras; 0 when not counted
 };
@@ -169,7 +169,7 @@ VPCE_HD inline TokenLoss token_loss(const float* st, int64_t target, double weig
   const auto sum_exp = static_cast<double>(st[1]);
   const double log_sum = log(sum_exp);
   const double lse = max + log_sum;
-  out.lse = static_cast<float>(lse);
+  out.lse = lse;
   const bool counted = !p.ignored(target) && weight != 0.0;
   // The loss's terms and the entropy are >= 0; the sums' roundings can take a very confident
   // token's a rounding below 0 (a sum of 1 - 2^-24 where it is 1 + 1e-9), which is 0's
@@ -199,20 +199,47 @@ VPCE_HD inline TokenLoss token_loss(const float* st, int64_t target, double weig
 
 // The constants of one token's gradient:
 //   grad_v = upstream (exp(z_v - lse) coefficient - uniform [- target_weight at the target]) dz/dx_v
+// The kernels take exp(z_v - lse) as exp(z_v - lse32) e^(lse32 - lse), lse32 the lse rounded
+// to fp32: the fp32 subtraction (or AVX-512's fused multiply-subtract) is exact for the terms
+// that count, and the factor, |lse32 - lse| <= min(ulp(lse) / 2, log Vv), rides in the
+// coefficient. So an lse kept in fp64 gives p to fp32's rounding at any |lse|; one kept in
+// fp32 has lost 2^-24 |lse| already (the factor is then 1).
 struct GradientConstants {
   float upstream;     // g_i w_i (0 for an ignored token)
-  float lse;
-  float coefficient;  // 1 + 2 zl lse
+  float lse;          // lse32
+  float coefficient;  // (1 + 2 zl lse) e^(lse32 - lse)
   float uniform;      // s / Vv
 };
 
-VPCE_HD inline GradientConstants gradient_constants(int64_t target, double upstream, float weight, float token_lse,
+VPCE_HD inline GradientConstants gradient_constants(int64_t target, double upstream, float weight, double token_lse,
                                                     const LossParams& p) {
+  const auto lse32 = static_cast<float>(token_lse);
+  const double residual = static_cast<double>(lse32) - token_lse;
+  // (An lse of +-inf or NaN leaves a NaN residual: no factor.)
+  const double factor = residual == 0.0 || !(residual - residual == 0.0) ? 1.0 : exp(residual);
   return GradientConstants{
-      p.ignored(target) ? 0.0f : static_cast<float>(upstream * static_cast<double>(weight)), token_lse,
-      static_cast<float>(1.0 + 2.0 * p.z_loss * static_cast<double>(token_lse)),
+      p.ignored(target) ? 0.0f : static_cast<float>(upstream * static_cast<double>(weight)), lse32,
+      static_cast<float>((1.0 + 2.0 * p.z_loss * token_lse) * factor),
       static_cast<float>(p.smoothing / static_cast<double>(p.valid_vocab))};
 }
+
+// A token's lse as the forward stored it, float32 or float64 (host and device).
+struct LseTokens {
+  char* base = nullptr;
+  int64_t stride = 0;
+  bool fp64 = false;
+  VPCE_HD double get(int64_t i) const {
+    return fp64 ? reinterpret_cast<const double*>(base)[i * stride]
+                : static_cast<double>(reinterpret_cast<const float*>(base)[i * stride]);
+  }
+  VPCE_HD void set(int64_t i, double v) const {
+    if (fp64) {
+      reinterpret_cast<double*>(base)[i * stride] = v;
+    } else {
+      reinterpret_cast<float*>(base)[i * stride] = static_cast<float>(v);
+    }
+  }
+};
 
 // The weight of the one-hot target term: 1 - s.
 VPCE_HD inline float target_weight(const LossParams& p) { return static_cast<float>(1.0 - p.smoothing); }

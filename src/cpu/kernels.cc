@@ -144,7 +144,7 @@ void loss_kernel(const RowMatrix& stats, const TokenVector& targets, const Token
   auto token = [&](int64_t i) {
     const TokenLoss t = token_loss(stats.row<float>(i), target_at(targets, i),
                                    static_cast<double>(weight_at(weights, i)), params, with_extras);
-    out.lse.at<float>(i) = t.lse;
+    lse_tokens(out.lse).set(i, t.lse);
     if (present(out.entropy)) out.entropy.at<float>(i) = t.entropy;
     if (present(out.target_is_argmax)) out.target_is_argmax.at<float>(i) = t.target_is_argmax;
     return t.weighted_loss;
@@ -203,9 +203,10 @@ void gradient_rows_kernel(const RowMatrix& logits, const TokenVector& targets, c
   const StorageType in = storage_of(logits.dtype), out = storage_of(grad.dtype);
   const TransformParams transform = logit_transform(params);
   const int in_bytes = logits.dtype.bytes(), out_bytes = grad.dtype.bytes();
+  const LseTokens token_lse = lse_tokens(lse);
   auto constants = [&](int64_t i) {
     const double g = present(upstream.per_token) ? static_cast<double>(upstream.per_token.at<float>(i)) : upstream.shared;
-    return gradient_constants(target_at(targets, i), g, weight_at(weights, i), lse.at<float>(i), params);
+    return gradient_constants(target_at(targets, i), g, weight_at(weights, i), token_lse.get(i), params);
   };
   // The target's gradient, from its logit read before the row is overwritten (in place).
   auto target_gradient = [&](float x, const GradientConstants& c) {

@@ -127,7 +127,7 @@ __global__ void merge_kernel(const float* gathered, int64_t rank_stride, int ran
 // reduction), lse, extras. Poisons the outputs with NaN when the device found an error.
 __global__ void loss_kernel(const float* merged, int64_t rows, int64_t width, const void* targets, bool wide_targets,
                             int64_t target_stride, const float* weights, int64_t weight_stride, LossParams params,
-                            float* loss, int64_t loss_stride, double* terms, float* lse, int64_t lse_stride,
+                            float* loss, int64_t loss_stride, double* terms, LseTokens lse,
                             float* target_is_argmax, int64_t argmax_stride, float* entropy, int64_t entropy_stride,
                             const DeviceError* error) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -141,7 +141,7 @@ __global__ void loss_kernel(const float* merged, int64_t rows, int64_t width, co
     t.entropy = NAN;
     t.target_is_argmax = NAN;
   }
-  lse[i * lse_stride] = t.lse;
+  lse.set(i, t.lse);
   if (target_is_argmax != nullptr) target_is_argmax[i * argmax_stride] = t.target_is_argmax;
   if (entropy != nullptr) entropy[i * entropy_stride] = t.entropy;
   if (params.reduction == Reduction::kNone) {
@@ -252,15 +252,14 @@ __global__ void __launch_bounds__(kThreads) gradient_kernel(const TIn* logits, i
                                                             int64_t cols, int64_t valid, const void* targets,
                                                             bool wide_targets, int64_t target_stride,
                                                             const float* weights, int64_t weight_stride,
-                                                            const float* lse, int64_t lse_stride,
-                                                            const float* grad_loss, int64_t grad_loss_stride,
+                                                            LseTokens lse, const float* grad_loss, int64_t grad_loss_stride,
                                                             const double* shared_upstream, int64_t vocab_begin,
                                                             LossParams params, Transform t) {
   const int64_t i = blockIdx.x;
   const int64_t y = target_of(targets, wide_targets, target_stride, i);
   const double upstream = shared_upstream != nullptr ? *shared_upstream : static_cast<double>(grad_loss[i * grad_loss_stride]);
   const float weight = weights != nullptr ? weights[i * weight_stride] : 1.0f;
-  const GradientConstants c = gradient_constants(y, upstream, weight, lse[i * lse_stride], params);
+  const GradientConstants c = gradient_constants(y, upstream, weight, lse.get(i), params);
   const float target_term = target_weight(params);
   const int64_t target_column = y - vocab_begin;
   const bool identity = t.scale == 1.0f && t.cap <= 0.0f;
@@ -354,8 +353,8 @@ Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int
   if (Status s = launched("merge"); !s.ok()) return s;
   loss_kernel<<<grid_for(rows, kTokens), kTokens, 0, stream>>>(
       merged, rows, width, targets.base, targets.dtype == kInt64, targets.stride, w, weights.stride, params,
-      reinterpret_cast<float*>(out.loss.base), out.loss.stride, terms, reinterpret_cast<float*>(out.lse.base),
-      out.lse.stride, reinterpret_cast<float*>(out.target_is_argmax.base), out.target_is_argmax.stride,
+      reinterpret_cast<float*>(out.loss.base), out.loss.stride, terms, lse_tokens(out.lse),
+      reinterpret_cast<float*>(out.target_is_argmax.base), out.target_is_argmax.stride,
       reinterpret_cast<float*>(out.entropy.base), out.entropy.stride, error);
   if (Status s = launched("loss"); !s.ok()) return s;
   if (params.reduction == Reduction::kNone) return {};
@@ -394,7 +393,7 @@ Status gradient(const RowMatrix& logits, const TokenVector& targets, const Token
       gradient_kernel<TIn, TOut><<<static_cast<unsigned>(logits.rows), kThreads, 0, stream>>>(
           reinterpret_cast<const TIn*>(logits.base), logits.row_stride, reinterpret_cast<TOut*>(grad.base),
           grad.row_stride, logits.cols, valid, targets.base, wide, targets.stride, w, weights.stride,
-          reinterpret_cast<const float*>(lse.base), lse.stride, reinterpret_cast<const float*>(grad_loss.base),
+          lse_tokens(lse), reinterpret_cast<const float*>(grad_loss.base),
           grad_loss.stride, shared, vocab_begin, params, transform_of(params));
     });
   });

@@ -134,7 +134,7 @@ Status linear_cross_entropy_backward(const HeadInputs& inputs, const TensorView&
     if (Status s = detail::check_device(*view, name, Device{}); !s.ok()) return s;
   }
   TokenVector lse_in, upstream;
-  if (Status s = detail::as_float_tokens(lse, "lse", a.tokens(), &lse_in); !s.ok()) return s;
+  if (Status s = detail::as_lse_tokens(lse, "lse", a.tokens(), &lse_in); !s.ok()) return s;
   if (Status s = detail::check_loss_output(grad_loss, "grad_loss", a.tokens(), options.reduction, &upstream);
       !s.ok()) {
     return s;
@@ -245,8 +245,8 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
       std::memcpy(dst, merged.row<float>(r), static_cast<std::size_t>(width) * sizeof(float));
       const int64_t t = row + r;
       const double w = a.weights.base != nullptr ? static_cast<double>(a.weights.at<float>(t)) : 1.0;
-      out.lse.at<float>(t) =
-          detail::token_loss(dst, detail::target_at(a.targets, t), w, ctx.params, width == kStatsWidthWithExtras).lse;
+      detail::lse_tokens(out.lse).set(
+          t, detail::token_loss(dst, detail::target_at(a.targets, t), w, ctx.params, width == kStatsWidthWithExtras).lse);
     }
     detail::chunk_gradients(a, *ops, ctx, row, rows, logits, out.lse, upstream, g, row == 0, sums);
     row += rows;

@@ -153,7 +153,8 @@ Want oracle_of(const HeadProblem& p, const std::vector<VocabShard>& shards, cons
 struct RankRun {
   Status status;
   Status device_status;
-  std::vector<float> loss, lse, target_is_argmax, entropy;
+  std::vector<float> loss, target_is_argmax, entropy;
+  std::vector<double> lse;          // kept in float64, as vpce.torch keeps it
   std::vector<double> grad_hidden;  // [N, H]
   int64_t collectives = 0;
   int gathers = 0;
@@ -211,7 +212,7 @@ HeadRun run_head(const HeadProblem& p, const std::vector<VocabShard>& shards, co
     DeviceBuffer y(s.int32_targets ? static_cast<const void*>(narrow_targets.data()) : targets.data(),
                    targets.size() * (s.int32_targets ? sizeof(int32_t) : sizeof(int64_t)));
     DeviceBuffer loss(nullptr, (reduced ? 1 : n) * sizeof(float));
-    DeviceBuffer lse(nullptr, n * sizeof(float));
+    DeviceBuffer lse(nullptr, n * sizeof(double));
     DeviceBuffer argmax(nullptr, n * sizeof(float));
     DeviceBuffer entropy(nullptr, n * sizeof(float));
     DeviceBuffer grad_hidden(nullptr, static_cast<std::size_t>(n * h * gd.bytes()));
@@ -230,7 +231,7 @@ HeadRun run_head(const HeadProblem& p, const std::vector<VocabShard>& shards, co
     HeadInputs inputs{hv, wv, p.with_bias ? &bv : nullptr};
     const TensorView yv = TensorView::contiguous(y.p, s.int32_targets ? kInt32 : kInt64, {n}, kGpu);
     const TensorView lv = TensorView::contiguous(loss.p, kFloat32, {reduced ? 1 : n}, kGpu);
-    const TensorView ev = TensorView::contiguous(lse.p, r == s.bad_rank ? kFloat16 : kFloat32, {n}, kGpu);
+    const TensorView ev = TensorView::contiguous(lse.p, r == s.bad_rank ? kFloat16 : kFloat64, {n}, kGpu);
     const TensorView tw = TensorView::contiguous(token_weights.p, kFloat32, {n}, kGpu);
     const TensorView av = TensorView::contiguous(argmax.p, kFloat32, {n}, kGpu);
     const TensorView nv = TensorView::contiguous(entropy.p, kFloat32, {n}, kGpu);
@@ -269,7 +270,7 @@ HeadRun run_head(const HeadProblem& p, const std::vector<VocabShard>& shards, co
     mine.device_status = workspace.device_status();
     cudaStreamSynchronize(stream);
     mine.loss = loss.read<float>(reduced ? 1 : static_cast<std::size_t>(n));
-    mine.lse = lse.read<float>(static_cast<std::size_t>(n));
+    mine.lse = lse.read<double>(static_cast<std::size_t>(n));
     mine.target_is_argmax = argmax.read<float>(static_cast<std::size_t>(n));
     mine.entropy = entropy.read<float>(static_cast<std::size_t>(n));
     mine.grad_hidden = read_widened(grad_hidden, static_cast<std::size_t>(n * h), gd);

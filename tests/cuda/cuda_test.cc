@@ -24,7 +24,8 @@ namespace {
 struct DeviceRun {
   std::vector<Status> status;
   std::vector<Status> device_status;
-  std::vector<std::vector<float>> loss, lse, target_is_argmax, entropy;
+  std::vector<std::vector<float>> loss, target_is_argmax, entropy;
+  std::vector<std::vector<double>> lse;  // kept in float64, as vpce.torch keeps it
   std::vector<double> grad;  // [N, V]
 };
 
@@ -61,7 +62,7 @@ DeviceRun run_on_device(Problem& problem, const std::vector<VocabShard>& shards,
     if (tweak_targets) tweak_targets(r, targets);
     DeviceBuffer y(targets.data(), targets.size() * sizeof(int64_t));
     DeviceBuffer loss(nullptr, (reduced ? 1 : n) * sizeof(float) + 4);
-    DeviceBuffer lse(nullptr, n * sizeof(float) + 4);
+    DeviceBuffer lse(nullptr, n * sizeof(double) + 8);
     DeviceBuffer argmax(nullptr, n * sizeof(float) + 4);
     DeviceBuffer entropy(nullptr, n * sizeof(float) + 4);
     const VocabShard& shard = shards[static_cast<std::size_t>(r)];
@@ -72,7 +73,7 @@ DeviceRun run_on_device(Problem& problem, const std::vector<VocabShard>& shards,
                                             problem.dtype, n, cols, problem.ld, gpu);
     const TensorView yv = TensorView::contiguous(y.p, kInt64, {n}, gpu);
     const TensorView lv = TensorView::contiguous(loss.p, kFloat32, {reduced ? 1 : n}, gpu);
-    const TensorView ev = TensorView::contiguous(lse.p, kFloat32, {n}, gpu);
+    const TensorView ev = TensorView::contiguous(lse.p, kFloat64, {n}, gpu);
     const TensorView wv = TensorView::contiguous(weights.p, kFloat32, {n}, gpu);
     const TensorView av = TensorView::contiguous(argmax.p, kFloat32, {n}, gpu);
     const TensorView hv = TensorView::contiguous(entropy.p, kFloat32, {n}, gpu);
@@ -100,7 +101,7 @@ DeviceRun run_on_device(Problem& problem, const std::vector<VocabShard>& shards,
     run.device_status[static_cast<std::size_t>(r)] = workspace.device_status();
     cudaStreamSynchronize(stream);
     run.loss[static_cast<std::size_t>(r)] = loss.read<float>(reduced ? 1 : static_cast<std::size_t>(n));
-    run.lse[static_cast<std::size_t>(r)] = lse.read<float>(static_cast<std::size_t>(n));
+    run.lse[static_cast<std::size_t>(r)] = lse.read<double>(static_cast<std::size_t>(n));
     run.target_is_argmax[static_cast<std::size_t>(r)] = argmax.read<float>(static_cast<std::size_t>(n));
     run.entropy[static_cast<std::size_t>(r)] = entropy.read<float>(static_cast<std::size_t>(n));
     holder.reset();
@@ -217,6 +218,22 @@ TEST(Cuda, LongRowsAndAdversarialValues) {
   }
   if (p.targets[1] % 3 == 0) p.targets[1] += 1;
   expect_matches_oracle(p, shards_from_sizes(even_splits(262144, 2)), RunOptions{}, 1e-5);
+}
+
+// Logits offset by 1e4 and -1e5: with the lse kept in float64 the gradient keeps fp32's
+// accuracy (GradientConstants' factor e^(fl32(lse) - lse)), as on the CPU.
+TEST(Cuda, AFloat64LseKeepsTheGradientAtFp32sAccuracyWhateverTheLogitsOffset) {
+  REQUIRE_GPU();
+  for (double offset : {1e4, -1e5}) {
+    SCOPED_TRACE("offset " + std::to_string(offset));
+    Problem p = random_problem(8, 1201, kFloat32, 61);
+    for (int64_t i = 0; i < p.tokens; ++i) {
+      for (int64_t v = 0; v < p.vocab; ++v) p.set(i, v, static_cast<float>(p.at(i, v) + offset));
+    }
+    RunOptions o;
+    o.loss.label_smoothing = 0.1f;
+    expect_matches_oracle(p, shards_from_sizes({600, 1, 600}), o, 1e-6);
+  }
 }
 
 TEST(Cuda, TargetOutOfRangeIsAnAsynchronousErrorOnEveryRank) {

@@ -192,6 +192,7 @@ std::string compare(double got, double want, double tolerance) {
 }
 
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(a)) == 0 || (std::isnan(a) && std::isnan(b)); }
+bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof(a)) == 0 || (std::isnan(a) && std::isnan(b)); }
 
 }  // namespace
 

@@ -88,7 +88,7 @@ class Fault : public testing::Test {
     dir_ = fs::temp_directory_path() / ("vpce_fault_test_" + std::to_string(::getpid()) + "_" +
                                         testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
-    // 12 tokens, V 37: loss.npy and lse.npy are 176 bytes, grad_logits.npy 1904.
+    // 12 tokens, V 37: loss.npy is 176 bytes, lse.npy (float64) 224, grad_logits.npy 1904.
     ASSERT_EQ(run_vpce("", "gen --tokens 12 --vocab 37 --out " + (dir_ / "in").string()).status, 0);
   }
   void TearDown() override { fs::remove_all(dir_); }

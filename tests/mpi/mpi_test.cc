@@ -53,8 +53,9 @@ bool same_on_every_rank(MPI_Comm comm, const std::string& text) {
   return true;
 }
 
-bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+template <class T>
+bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
 // Runs `problem` on the ranks of `group` through MPI and on as many in-process ranks, and
@@ -239,7 +240,7 @@ TEST(Mpi, OneCollectivePerForwardNoneInBackward) {
     RankOutputs& out = mine.per_rank[static_cast<std::size_t>(r)];
     const TensorView x = p.shard_view(shard);
     const TensorView y = TensorView::contiguous(p.targets.data(), kInt64, {tokens});
-    const TensorView lse = TensorView::contiguous(out.lse.data(), kFloat32, {tokens});
+    const TensorView lse = TensorView::contiguous(out.lse.data(), kFloat64, {tokens});
     reset_mpi_call_counts();
     ASSERT_TRUE(forward(*comm, x, y, shard, o.loss, TensorView::contiguous(out.loss.data(), kFloat32, {tokens}), lse)
                     .ok());

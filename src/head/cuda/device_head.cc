@@ -827,7 +827,7 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
       {&out.lse, true}, {&out.target_is_argmax, true}, {&out.entropy, true}, {&out.loss, !reduced}};
   for (const auto& [v, wanted] : vectors) {
     if (!wanted || v->base == nullptr) continue;
-    if (Status s = poison(v->base, kFloat32, v->n, 1, v->stride, error, stream); !s.ok()) return s;
+    if (Status s = poison(v->base, v->dtype, v->n, 1, v->stride, error, stream); !s.ok()) return s;
   }
   for (const GradientArgs* m : {&g->hidden, &g->weight, &g->bias}) {
     if (!m->present()) continue;
@@ -960,7 +960,7 @@ Status device_linear_cross_entropy_backward(const HeadInputs& inputs, const Tens
     if (Status s = head_cuda::check_output_device(view, name, d); !s.ok()) return s;
   }
   TokenVector lse_in, upstream;
-  if (Status s = as_float_tokens(lse, "lse", a.tokens(), &lse_in); !s.ok()) return s;
+  if (Status s = as_lse_tokens(lse, "lse", a.tokens(), &lse_in); !s.ok()) return s;
   if (Status s = check_loss_output(grad_loss, "grad_loss", a.tokens(), options.reduction, &upstream); !s.ok()) return s;
   std::vector<NamedRegion> regions = input_regions(a);
   regions.push_back(region_of("lse", lse_in));

@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     tile_gradient_kernel(float* z, int64_t ld, int64_t cols, int64_t valid, int64_t col0, Bias bias,
                          const void* targets, bool wide_targets, int64_t target_stride, const float* weights,
-                         int64_t weight_stride, const float* lse, int64_t lse_stride, const float* grad_loss,
+                         int64_t weight_stride, LseTokens lse, const float* grad_loss,
                          int64_t grad_loss_stride, const double* shared_upstream, int64_t vocab_begin,
                          LossParams params, Transform t, __nv_bfloat16* hi, __nv_bfloat16* lo) {
   const int64_t r = blockIdx.x;
@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(kThreads)
   const double upstream =
       shared_upstream != nullptr ? *shared_upstream : static_cast<double>(grad_loss[r * grad_loss_stride]);
   const float weight = weights != nullptr ? weights[r * weight_stride] : 1.0f;
-  const GradientConstants k = gradient_constants(y, upstream, weight, lse[r * lse_stride], params);
+  const GradientConstants k = gradient_constants(y, upstream, weight, lse.get(r), params);
   const float target_term = target_weight(params);
   const int64_t target_column = y - vocab_begin - col0;
   const bool identity = t.scale == 1.0f && t.cap <= 0.0f;
@@ -255,7 +255,11 @@ __global__ void poison_kernel(T* base, int64_t rows, int64_t cols, int64_t ld, c
   const int64_t total = rows * cols;
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < total;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    base[(k / cols) * ld + k % cols] = from_float<T>(NAN);
+    if constexpr (std::is_same_v<T, double>) {
+      base[(k / cols) * ld + k % cols] = NAN;
+    } else {
+      base[(k / cols) * ld + k % cols] = from_float<T>(NAN);
+    }
   }
 }
 
@@ -310,7 +314,7 @@ Status tile_gradient(float* z, int64_t ld, int64_t rows, const TileColumns& colu
   tile_gradient_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
       z, ld, columns.cols, columns.valid, columns.col0, bias_of(columns), targets.base, targets.dtype == kInt64,
       targets.stride, reinterpret_cast<const float*>(weights.base), weights.stride,
-      reinterpret_cast<const float*>(lse.base), lse.stride, reinterpret_cast<const float*>(grad_loss.base),
+      lse_tokens(lse), reinterpret_cast<const float*>(grad_loss.base),
       grad_loss.stride, shared, vocab_begin, params, transform_of(params), static_cast<__nv_bfloat16*>(hi),
       static_cast<__nv_bfloat16*>(lo));
   return launched("head: tile gradient");
@@ -362,6 +366,11 @@ Status widen(const void* in, DataType dtype, int64_t rows, int64_t cols, int64_t
 Status poison(void* base, DataType dtype, int64_t rows, int64_t cols, int64_t ld, const cuda::DeviceError* error,
               cudaStream_t stream) {
   if (base == nullptr || rows == 0 || cols == 0) return {};
+  if (dtype == kFloat64) {  // an lse kept in fp64
+    poison_kernel<double><<<strided_grid(rows * cols), kThreads, 0, stream>>>(static_cast<double*>(base), rows, cols,
+                                                                             ld, error);
+    return launched("head: poisoning the outputs");
+  }
   with_type(dtype, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     poison_kernel<T><<<strided_grid(rows * cols), kThreads, 0, stream>>>(static_cast<T*>(base), rows, cols, ld, error);
