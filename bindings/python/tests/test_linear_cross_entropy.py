@@ -176,6 +176,23 @@ def test_fp32_matches_the_float64_reference(mode, reduction, name, label_smoothi
 
 
 @pytest.mark.parametrize("mode,reduction", [("recompute", "none"), ("chunked", "mean")])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_logits_near_1e4_keep_the_gradients_fp32_accuracy(mode, reduction, label_smoothing):
+    """A bias of 1e4 under products of a few units, every value a multiple of 1/4 so that the
+    fp32 logits are the reference's exactly: the lse kept in float64 keeps the gradients
+    within 1e-5 (a float32 lse's rounding, 2^-10 at 1e4, put 6e-4 into them)."""
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randint(-2, 3, (9, 16), generator=generator).float()
+    weight = torch.randint(-2, 3, (120, 16), generator=generator).float() * 0.25
+    bias = 1e4 + torch.randint(0, 3, (120,), generator=generator).float()
+    target = torch.randint(0, 120, (9,), generator=generator)
+    grad_loss = upstream(tuple(target.shape) if reduction == "none" else ())
+    got = run(hidden, weight, bias, target, label_smoothing, grad_loss, mode=mode, reduction=reduction)
+    want = reference(hidden, weight, bias, target, grad_loss, label_smoothing, reduction=reduction)
+    check_fp32(got, want)
+
+
+@pytest.mark.parametrize("mode,reduction", [("recompute", "none"), ("chunked", "mean")])
 def test_small_tiles_and_chunks(mode, reduction):
     # 21 tokens in tiles of 4 x 16 (a partial tile at each end) and chunks of 8 tokens.
     hidden, weight, bias, target = problem(shape=(21,), vocab=75)

@@ -34,11 +34,12 @@ def problem():
     return logits, target
 
 
-def test_one_call(problem):
+@pytest.mark.parametrize("lse_dtype", [np.float64, np.float32])
+def test_one_call(problem, lse_dtype):
     logits, target = problem
     n, vocab = logits.shape
     loss = np.zeros(n, np.float32)
-    lse = np.zeros(n, np.float32)
+    lse = np.zeros(n, lse_dtype)
     vpce.forward(logits, target, 0, vocab, vocab, vpce.LossOptions(), loss, lse)
     want_loss, want_lse, want_grad = reference(logits, target)
     assert relative_error(loss, want_loss) < 1e-6
@@ -66,6 +67,27 @@ def test_staged_two_shards_gathered_by_hand(problem):
     grad = np.zeros((n, 32), np.float32)
     vpce.backward(logits[:, 32:], target, lse, np.ones(n, np.float32), 32, 64, vocab, options, grad)
     assert relative_error(grad, want_grad[:, 32:]) < 1e-6
+
+
+def test_a_float64_lse_keeps_the_gradient_exact_at_logits_of_1e4(problem):
+    """The staged loss into a float64 lse, then the backward: the gradient within 1e-6 at an
+    offset of 1e4, where a float32 lse's rounding (2^-10) costs it about 1e-4."""
+    logits, target = problem
+    logits = (logits.astype(np.float64) + 1e4).astype(np.float32)
+    n, vocab = logits.shape
+    options = vpce.LossOptions()
+    stats = np.zeros((n, vpce.STATS_WIDTH), np.float32)
+    vpce.calculate_local_stats(logits, target, 0, vocab, vocab, options, stats)
+    _, _, want_grad = reference(logits, target)
+    errors = {}
+    for dtype in (np.float64, np.float32):
+        loss, lse = np.zeros(n, np.float32), np.zeros(n, dtype)
+        vpce.calculate_loss(stats, target, vocab, options, loss, lse)
+        grad = np.zeros_like(logits)
+        vpce.backward(logits, target, lse, np.ones(n, np.float32), 0, vocab, vocab, options, grad)
+        errors[dtype] = relative_error(grad, want_grad)
+    assert errors[np.float64] < 1e-6
+    assert errors[np.float32] > 1e-5
 
 
 def test_staged_smoothing_of_large_close_together_logits_takes_the_shards():

@@ -8,7 +8,7 @@ reduce-scatter of their gradient), the torch.autograd.Function path and the cust
 forward and backward functions.
 
 Two modes:
-  - "recompute" (the default): the forward keeps the lse (4 bytes per token) and the
+  - "recompute" (the default): the forward keeps the lse (float64, 8 bytes per token) and the
     inputs; the backward recomputes the logit tiles for the gradients. Collectives: the
     loss's one all-gather in the forward; the hidden gradient's all-reduce (or, with
     sequence parallelism, the hidden states' all-gather again and the gradient's
@@ -337,7 +337,7 @@ def _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, seque
         shard = args.shard(w.shape[0], rank, size)
         loss_shape, lse_shape = _output_shapes(target, args)
         loss = torch.empty(loss_shape, dtype=torch.float32, device=h.device)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=h.device)
+        lse = torch.empty(lse_shape, dtype=torch.float64, device=h.device)  # exact at any |lse|
         _vpce.linear_cross_entropy_forward(total, w, _present(b), y, *shard, args.loss, args.head, loss, lse,
                                            rank=rank, size=size, all_gather=collective)
     except Exception as error:
@@ -417,7 +417,7 @@ def _head_chunked(hidden, weight, bias, target, label_smoothing, tp_group, seque
         shard = args.shard(w.shape[0], rank, size)
         device = h.device
         loss = torch.empty((), dtype=torch.float32, device=device)
-        lse = torch.empty(tuple(target.shape), dtype=torch.float32, device=device)
+        lse = torch.empty(tuple(target.shape), dtype=torch.float64, device=device)
         grad_hidden = torch.empty(total.shape, dtype=torch.float32, device=device) if need_hidden else None
         grad_weight = torch.empty(w.shape, dtype=torch.float32, device=device) if need_weight else None
         grad_bias = (torch.empty(b.shape, dtype=torch.float32, device=device)
@@ -545,7 +545,7 @@ if _CUSTOM_OPS:
 
     @_op_head_forward.register_fake
     def _(hidden, weight, bias, target, label_smoothing, group_key, sequence_parallel, options, need_hidden):
-        return _fake_loss(hidden, target, options), hidden.new_empty(tuple(target.shape), dtype=torch.float32)
+        return _fake_loss(hidden, target, options), hidden.new_empty(tuple(target.shape), dtype=torch.float64)
 
     @torch.library.custom_op("vpce::linear_cross_entropy_backward", mutates_args=())
     def _op_head_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, lse: Tensor,

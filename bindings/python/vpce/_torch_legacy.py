@@ -32,8 +32,8 @@ def _legacy_loss(x, y, lse, loss, alpha):
     an ignored token, as vpce's own loss."""
     k = x.shape[-1]
     s = alpha * k / (k - 1)
-    mean_log_probs = x.float().mean(dim=-1).reshape(lse.shape) - lse
-    smoothed = (1.0 - s) * loss - s * mean_log_probs
+    mean_log_probs = x.float().mean(dim=-1).reshape(lse.shape).double() - lse.double()
+    smoothed = ((1.0 - s) * loss.double() - s * mean_log_probs).to(loss.dtype)
     return smoothed.masked_fill(y.reshape(loss.shape) == _LEGACY_IGNORE_INDEX, 0.0)
 
 

@@ -143,7 +143,7 @@ if _CUSTOM_OPS:
     @_op_forward.register_fake
     def _(logits, target, label_smoothing, group_key, inplace, legacy, options):
         loss_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        return (logits.new_empty(target.shape, dtype=loss_dtype), logits.new_empty(target.shape, dtype=torch.float32))
+        return (logits.new_empty(target.shape, dtype=loss_dtype), logits.new_empty(target.shape, dtype=torch.float64))
 
     @torch.library.custom_op("vpce::cross_entropy_backward", mutates_args=())
     def _op_backward(logits: Tensor, target: Tensor, lse: Tensor, grad_loss: Tensor, label_smoothing: float,

@@ -8,7 +8,7 @@ Same signature, shapes and return value as
 each of the R ranks of ``tp_group`` (rank r holds columns ``[r V/R, (r+1) V/R)``), targets
 ``[s, b]`` of global class ids, the per-token loss ``[s, b]`` in float32 returned on every
 rank. The forward makes one all-gather on ``tp_group`` instead of Megatron's three
-all-reduces; the backward makes none, and only the per-token lse (4 bytes per token) is
+all-reduces; the backward makes none, and only the per-token lse (float64, 8 bytes per token) is
 kept between them, not a softmax of the logits' size. Label smoothing is exact across ranks
 (Megatron's uses the shard's size and mean, so its loss differs between ranks);
 ``megatron_legacy_label_smoothing=True`` reproduces Megatron's values for anyone who needs
