@@ -7,7 +7,7 @@
 #include "vpce/vpce.h"
 
 extern "C" int vpce_bench_forward_backward(const void* logits, int dtype, int64_t tokens, int64_t vocab,
-                                           const int64_t* targets, const float* grad_loss, float* loss, float* lse,
+                                           const int64_t* targets, const float* grad_loss, float* loss, double* lse,
                                            void* grad, int in_place, int threads, char* error, int error_size) {
   const vpce::DataType type = dtype == 0 ? vpce::kFloat32 : dtype == 1 ? vpce::kBFloat16 : vpce::kFloat16;
   static std::unique_ptr<vpce::ThreadGroup> group = [] {
@@ -22,7 +22,7 @@ extern "C" int vpce_bench_forward_backward(const void* logits, int dtype, int64_
   const auto x = vpce::TensorView::contiguous(logits, type, {tokens, vocab});
   const auto y = vpce::TensorView::contiguous(targets, vpce::kInt64, {tokens});
   const auto l = vpce::TensorView::contiguous(loss, vpce::kFloat32, {tokens});
-  const auto e = vpce::TensorView::contiguous(lse, vpce::kFloat32, {tokens});
+  const auto e = vpce::TensorView::contiguous(lse, vpce::kFloat64, {tokens});
   vpce::Status s = vpce::forward(group->communicator(0), x, y, shard, options, l, e, {}, &workspace);
   if (s.ok()) {
     const auto g = vpce::TensorView::contiguous(grad_loss, vpce::kFloat32, {tokens});

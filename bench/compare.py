@@ -145,7 +145,7 @@ def run_vpce(logits, targets, shim, threads, in_place, buffer=None):
     x = buffer if in_place else logits
     code = 0 if x.dtype == torch.float32 else 1
     loss = torch.empty(tokens, dtype=torch.float32)
-    lse = torch.empty(tokens, dtype=torch.float32)
+    lse = torch.empty(tokens, dtype=torch.float64)
     ones = torch.ones(tokens, dtype=torch.float32)
     grad = None if in_place else (buffer if buffer is not None else torch.empty(tokens, vocab, dtype=torch.float32))
     error = ctypes.create_string_buffer(512)

@@ -147,14 +147,15 @@ int main(int argc, char** argv) {
   for (const Row& row : rows) {
     const int64_t n = row.tokens, h = row.hidden, v = row.vocab;
     __nv_bfloat16 *hidden = nullptr, *weight = nullptr, *grad_hidden = nullptr, *logits = nullptr;
-    float *grad_weight = nullptr, *loss = nullptr, *lse = nullptr, *upstream = nullptr;
+    float *grad_weight = nullptr, *loss = nullptr, *upstream = nullptr;
+    double* lse = nullptr;
     int64_t* targets = nullptr;
     CHECK_CUDA(cudaMalloc(&hidden, n * h * 2));
     CHECK_CUDA(cudaMalloc(&weight, v * h * 2));
     CHECK_CUDA(cudaMalloc(&grad_hidden, n * h * 2));
     CHECK_CUDA(cudaMalloc(&grad_weight, v * h * 4));
     CHECK_CUDA(cudaMalloc(&loss, n * 4));
-    CHECK_CUDA(cudaMalloc(&lse, n * 4));
+    CHECK_CUDA(cudaMalloc(&lse, n * sizeof(double)));
     CHECK_CUDA(cudaMalloc(&upstream, n * 4));
     CHECK_CUDA(cudaMalloc(&targets, n * 8));
     CHECK_CUDA(cudaMemset(grad_weight, 0, v * h * 4));
@@ -173,7 +174,7 @@ int main(int argc, char** argv) {
     const auto yv = vpce::TensorView::contiguous(targets, vpce::kInt64, {n}, gpu);
     const auto lv = vpce::TensorView::contiguous(loss, vpce::kFloat32, {n}, gpu);
     const auto lm = vpce::TensorView::contiguous(loss, vpce::kFloat32, {1}, gpu);
-    const auto ev = vpce::TensorView::contiguous(lse, vpce::kFloat32, {n}, gpu);
+    const auto ev = vpce::TensorView::contiguous(lse, vpce::kFloat64, {n}, gpu);
     const auto gv = vpce::TensorView::contiguous(upstream, vpce::kFloat32, {n}, gpu);
     const auto ghv = vpce::TensorView::contiguous(grad_hidden, vpce::kBFloat16, {n, h}, gpu);
     const auto gwv = vpce::TensorView::contiguous(grad_weight, vpce::kFloat32, {v, h}, gpu);

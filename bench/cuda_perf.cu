@@ -131,11 +131,12 @@ int main(int argc, char** argv) {
     if (bytes > free_limit) continue;
     void* logits = nullptr;
     int64_t* targets = nullptr;
-    float *loss = nullptr, *lse = nullptr, *upstream = nullptr;
+    float *loss = nullptr, *upstream = nullptr;
+    double* lse = nullptr;
     CHECK_CUDA(cudaMalloc(&logits, bytes));
     CHECK_CUDA(cudaMalloc(&targets, row.tokens * sizeof(int64_t)));
     CHECK_CUDA(cudaMalloc(&loss, row.tokens * sizeof(float)));
-    CHECK_CUDA(cudaMalloc(&lse, row.tokens * sizeof(float)));
+    CHECK_CUDA(cudaMalloc(&lse, row.tokens * sizeof(double)));
     CHECK_CUDA(cudaMalloc(&upstream, row.tokens * sizeof(float)));
     std::vector<float> ones(static_cast<std::size_t>(row.tokens), 1.0f);
     CHECK_CUDA(cudaMemcpy(upstream, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice));
@@ -173,7 +174,7 @@ int main(int argc, char** argv) {
     const auto x = vpce::TensorView::contiguous(logits, dtype, {row.tokens, row.vocab}, gpu);
     const auto y = vpce::TensorView::contiguous(targets, vpce::kInt64, {row.tokens}, gpu);
     const auto l = vpce::TensorView::contiguous(loss, vpce::kFloat32, {row.tokens}, gpu);
-    const auto e = vpce::TensorView::contiguous(lse, vpce::kFloat32, {row.tokens}, gpu);
+    const auto e = vpce::TensorView::contiguous(lse, vpce::kFloat64, {row.tokens}, gpu);
     const auto g = vpce::TensorView::contiguous(upstream, vpce::kFloat32, {row.tokens}, gpu);
     const vpce::VocabShard shard{0, row.vocab, row.vocab};
     vpce::LossOptions options;

@@ -146,7 +146,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const TensorView targets = fuzz_view(in, arena, vpce::kInt64, {tokens}, false);
   const TensorView weights = fuzz_view(in, arena, vpce::kFloat32, {tokens}, false);
   const TensorView loss = fuzz_view(in, arena, vpce::kFloat32, {reduced ? 1 : tokens}, true);
-  const TensorView lse = fuzz_view(in, arena, vpce::kFloat32, {tokens}, true);
+  const TensorView lse = fuzz_view(in, arena, in.ConsumeBool() ? vpce::kFloat64 : vpce::kFloat32, {tokens}, true);
   const TensorView entropy = fuzz_view(in, arena, vpce::kFloat32, {tokens}, true);
   const bool in_place = in.ConsumeBool();
   const TensorView grad = in_place ? logits : fuzz_view(in, arena, vpce::kFloat32, {tokens, cols}, true);

@@ -125,8 +125,8 @@ Status as_stats_matrix(const TensorView& t, const char* name, int64_t rows, int6
 
 // A float32 tensor of n elements, one per token.
 Status as_float_tokens(const TensorView& t, const char* name, int64_t n, TokenVector* out);
-// The lse, one per token: float32, or float64 (which keeps the gradient exact at any |lse|:
-// GradientConstants).
+// The lse, one per token: float32, or float64 (which keeps the gradient at fp32's accuracy up
+// to |lse| of about 1e9: GradientConstants).
 Status as_lse_tokens(const TensorView& t, const char* name, int64_t n, TokenVector* out);
 inline LseTokens lse_tokens(const TokenVector& v) { return {v.base, v.stride, v.dtype == kFloat64}; }
 

@@ -138,8 +138,8 @@ class Workspace {
 // Forward. logits: [..., Vr] fp32/bf16/fp16, the last dimension contiguous, the leading
 // dimensions collapsing to one row stride >= Vr. targets: int32/int64, one per token, in
 // [0, Vv) or equal to ignore_index. lse: one per token, to keep for the backward: float64
-// (recommended: the backward's gradient is then within fp32's rounding at any size of the
-// logits), or float32 (4 bytes fewer per token, but its rounding costs the gradient 2^-24 |lse|
+// (recommended: the backward's gradient then keeps fp32's accuracy for logits up to about
+// 1e9, beyond which 2^-53 |lse| relative), or float32 (4 bytes fewer per token, but its rounding costs the gradient 2^-24 |lse|
 // relative: 6e-4 at logits of 1e4). loss: float32, one per token for Reduction::kNone, one element otherwise. Collective over
 // `comm`: exactly one all_gather, which also carries each rank's arguments, so every rank
 // checks that the group agrees (tokens, V, a partition of [0, V), dtype, options, targets,

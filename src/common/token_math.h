@@ -202,8 +202,9 @@ VPCE_HD inline TokenLoss token_loss(const float* st, int64_t target, double weig
 // The kernels take exp(z_v - lse) as exp(z_v - lse32) e^(lse32 - lse), lse32 the lse rounded
 // to fp32: the fp32 subtraction (or AVX-512's fused multiply-subtract) is exact for the terms
 // that count, and the factor, |lse32 - lse| <= min(ulp(lse) / 2, log Vv), rides in the
-// coefficient. So an lse kept in fp64 gives p to fp32's rounding at any |lse|; one kept in
-// fp32 has lost 2^-24 |lse| already (the factor is then 1).
+// coefficient. So an lse kept in fp64 gives p to fp32's rounding up to |lse| of about 1e9
+// (the double's own 2^-53 |lse| beyond); one kept in fp32 has lost 2^-24 |lse| already (the
+// factor is then 1).
 struct GradientConstants {
   float upstream;     // g_i w_i (0 for an ignored token)
   float lse;          // lse32

@@ -40,8 +40,8 @@ Status out_of_memory(const char* call) {
   return {Code::kSystemError, std::string(call) + ": could not allocate the tiles' buffers"};
 }
 
-// The forward's outputs (loss, lse, extras: float32 on the CPU), overlapping neither each
-// other nor the inputs.
+// The forward's outputs (loss and extras float32, lse float64 or float32), overlapping
+// neither each other nor the inputs.
 Status check_forward_outputs(const HeadArgs& a, const LossOptions& options, const TensorView& loss,
                              const TensorView& lse, const ForwardExtras& extras, detail::LossOutputs* out) {
   return detail::check_forward_outputs(a.tokens(), Device{}, options, loss, lse, extras, detail::input_regions(a), out);
