@@ -368,6 +368,38 @@ def test_legacy_smoothing_ignores_ignored_tokens():
     assert relative_error(grad[~ignored], want_grad[~ignored]) < 1e-6
 
 
+@pytest.mark.parametrize("offset", [1e3, 1e4, 1e6])
+def test_legacy_smoothing_keeps_its_accuracy_at_large_logits(offset):
+    """The shard's mean log-probability in fp64 (an fp32 mean minus the lse cancelled: 8e-6
+    of the loss at 1e4, 6e-4 at 1e6, where Megatron's own fp32 keeps 7e-8)."""
+    logits, target, grad_loss = problem(shape=(300,), vocab=1000)
+    logits = (logits.double() + offset).float()
+    loss, grad = run(logits, target, grad_loss, 0.1, megatron_legacy_label_smoothing=True)
+    want_loss, want_grad = megatron_legacy(logits, target, 0, 1000, grad_loss, 0.1)
+    assert relative_error(loss, want_loss) < 1e-6
+    assert relative_error(grad, want_grad) < 1e-6
+
+
+def test_float64_beyond_float32s_range_is_refused():
+    """float64 is computed in float32; a finite value beyond its range would become inf and
+    every result NaN, so it is refused by name (the loss, and each of the head's operands)."""
+    logits = torch.tensor([[1e39, 0.0, -1.0], [5e38, 5e38, 0.0]], dtype=torch.float64)
+    target = torch.tensor([0, 2])
+    with pytest.raises(ValueError, match=r"vocab_parallel_logits: expected float64 values within float32's range "
+                                         r".*got one of magnitude 1e\+39"):
+        vt.vocab_parallel_cross_entropy(logits, target)
+    hidden, weight = torch.ones(2, 4, dtype=torch.float64), torch.ones(3, 4, dtype=torch.float64)
+    for name in ("hidden", "weight", "bias"):
+        args = {"hidden": hidden, "weight": weight, "bias": torch.zeros(3, dtype=torch.float64)}
+        args[name] = args[name].clone()
+        args[name].view(-1)[1] = 4e38
+        with pytest.raises(ValueError, match=fr"{name}: expected float64 values within float32's range"):
+            vt.linear_cross_entropy(args["hidden"], args["weight"], target, bias=args["bias"])
+    # infinities themselves are not refused: they stay what they are (the loss NaN or inf)
+    assert torch.isnan(vt.vocab_parallel_cross_entropy(torch.tensor([[float("inf"), 0.0]], dtype=torch.float64),
+                                                       torch.tensor([1]))).all()
+
+
 @pytest.mark.parametrize("logits, error, fragment", [
     (torch.tensor(1.0), ValueError, r"vocab_parallel_logits\.dim\(\): expected 1 to 8 dimensions.*got 0"),
     (torch.zeros([1] * 9 + [4]), ValueError, r"vocab_parallel_logits\.dim\(\): expected 1 to 8 dimensions.*got 10"),

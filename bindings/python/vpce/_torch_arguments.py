@@ -84,13 +84,25 @@ def _check_inplace(logits):
                          f"operation, as Megatron's are), got {what} that requires grad")
 
 
-def _as_rows(logits):
+def _as_float32(tensor, name):
+    """A float64 tensor rounded to float32 (vpce's math is fp32 for every dtype); ValueError
+    naming it where a finite value lies beyond float32's range, which would become inf and
+    make the results NaN."""
+    rounded = tensor.float()
+    if torch.isinf(rounded).any() and (torch.isinf(rounded) & torch.isfinite(tensor)).any():
+        largest = tensor[torch.isfinite(tensor)].abs().max().item()
+        raise ValueError(f"{name}: expected float64 values within float32's range (vpce computes in float32: "
+                         f"|x| <= 3.4028235e38), got one of magnitude {largest:.6g}")
+    return rounded
+
+
+def _as_rows(logits, name="vocab_parallel_logits"):
     """The logits as vpce reads them: a contiguous last dimension and leading dimensions that
     collapse to one row stride of at least the row's width (Megatron's [s, b, V/R],
     contiguous or a column slice of wider rows), read in place; anything else (float64,
     transposed, expanded, overlapping rows) is copied, as PyTorch's own ops would."""
-    if logits.dtype == torch.float64:  # vpce's math is fp32 for every dtype
-        logits = logits.float()
+    if logits.dtype == torch.float64:
+        logits = _as_float32(logits, name)
     width = logits.shape[-1]
     if logits.stride(-1) != 1 and width > 1:
         return logits.contiguous()

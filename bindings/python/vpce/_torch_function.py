@@ -131,7 +131,8 @@ def _loss(collective, rank, size, logits, target, label_smoothing, inplace, lega
     local = x.shape[-1]
     shard = (rank * local, (rank + 1) * local, size * local)
     loss = torch.empty(target.shape, dtype=torch.float32, device=x.device)
-    lse = torch.empty(target.shape, dtype=torch.float64, device=x.device)  # exact at any |lse|
+    # float64: the backward's gradient keeps fp32's accuracy up to |lse| ~ 1e9
+    lse = torch.empty(target.shape, dtype=torch.float64, device=x.device)
     if collective is not None:
         collective.agree("megatron_legacy_label_smoothing", legacy)
         collective.legacy_smoothing = alpha

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from . import _vpce
-from ._torch_arguments import (_OPTION_NAMES, _TARGET_DTYPES, _WIDENED_TARGET_DTYPES, _as_rows, _as_targets,
-                               _first_derivative_only, _options, _real)
+from ._torch_arguments import (_OPTION_NAMES, _TARGET_DTYPES, _WIDENED_TARGET_DTYPES, _as_float32, _as_rows,
+                               _as_targets, _first_derivative_only, _options, _real)
 from ._torch_collective import _BLOCK_HEADER, _Blocks, _Collective
 from ._torch_compile import _CUSTOM_OPS, _compiling
 from ._torch_groups import _group
@@ -146,13 +146,13 @@ def _check_operands(hidden, weight, bias, target, sequence_parallel, size):
                          f"{tuple(target.shape)}")
 
 
-def _operand(tensor):
+def _operand(tensor, name):
     """A tensor as the C++ head reads it (float64 computed in float32, rows of one stride)."""
     if tensor is None:
         return None
     if tensor.dim() == 1:
-        return tensor.float() if tensor.dtype == torch.float64 else tensor
-    return _as_rows(tensor)
+        return _as_float32(tensor, name) if tensor.dtype == torch.float64 else tensor
+    return _as_rows(tensor, name)
 
 
 def _present(bias):
@@ -331,13 +331,14 @@ def _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, seque
         if need_weight:
             _main_grad(weight, args)
         y = _as_targets(target, hidden)
-        h = _operand(hidden)
+        h = _operand(hidden, "hidden")
         total = gather.gather(h) if gather is not None else h
-        w, b = _operand(weight), _operand(bias)
+        w, b = _operand(weight, "weight"), _operand(bias, "bias")
         shard = args.shard(w.shape[0], rank, size)
         loss_shape, lse_shape = _output_shapes(target, args)
         loss = torch.empty(loss_shape, dtype=torch.float32, device=h.device)
-        lse = torch.empty(lse_shape, dtype=torch.float64, device=h.device)  # exact at any |lse|
+        # float64: the backward's gradient keeps fp32's accuracy up to |lse| ~ 1e9
+        lse = torch.empty(lse_shape, dtype=torch.float64, device=h.device)
         _vpce.linear_cross_entropy_forward(total, w, _present(b), y, *shard, args.loss, args.head, loss, lse,
                                            rank=rank, size=size, all_gather=collective)
     except Exception as error:
@@ -357,9 +358,9 @@ def _head_backward(hidden, weight, bias, target, lse, grad_loss, label_smoothing
     group, rank, size = _group(tp_group)
     args = _Arguments(label_smoothing, options)
     y = _as_targets(target, hidden)
-    h = _operand(hidden)
+    h = _operand(hidden, "hidden")
     total = _all_gather_hidden(h, group, size) if size > 1 and sequence_parallel else h
-    w, b = _operand(weight), _operand(bias)
+    w, b = _operand(weight, "weight"), _operand(bias, "bias")
     shard = args.shard(w.shape[0], rank, size)
     need_hidden, need_weight, need_bias = needs
     need_bias = need_bias and bias is not None
@@ -411,9 +412,9 @@ def _head_chunked(hidden, weight, bias, target, label_smoothing, tp_group, seque
         if need_weight:  # before the gathers, so that a bad one fails every rank alike
             _main_grad(weight, args)
         y = _as_targets(target, hidden)
-        h = _operand(hidden)
+        h = _operand(hidden, "hidden")
         total = gather.gather(h) if gather is not None else h
-        w, b = _operand(weight), _operand(bias)
+        w, b = _operand(weight, "weight"), _operand(bias, "bias")
         shard = args.shard(w.shape[0], rank, size)
         device = h.device
         loss = torch.empty((), dtype=torch.float32, device=device)

@@ -26,13 +26,27 @@ def _legacy_smoothing(label_smoothing, options, logits):
     return alpha
 
 
+_ROWS_PER_BLOCK = 256
+
+
+def _row_means(x):
+    """Each row's mean in fp64 (an fp32 mean of large logits cancels against the lse: 8e-6
+    of the loss at logits of 1e4), a block of rows at a time, so that the fp64 copy stays
+    small."""
+    rows = x.reshape(-1, x.shape[-1])
+    means = torch.empty(rows.shape[0], dtype=torch.float64, device=x.device)
+    for begin in range(0, rows.shape[0], _ROWS_PER_BLOCK):
+        means[begin:begin + _ROWS_PER_BLOCK] = rows[begin:begin + _ROWS_PER_BLOCK].double().mean(dim=-1)
+    return means.reshape(x.shape[:-1])
+
+
 def _legacy_loss(x, y, lse, loss, alpha):
     """Megatron's loss with label smoothing: the shard's size K and the shard's mean
     log-probability, (1 - s) loss - s mean_v(z_v - lse) with s = alpha K / (K - 1); 0 for
     an ignored token, as vpce's own loss."""
     k = x.shape[-1]
     s = alpha * k / (k - 1)
-    mean_log_probs = x.float().mean(dim=-1).reshape(lse.shape).double() - lse.double()
+    mean_log_probs = _row_means(x).reshape(lse.shape) - lse.double()
     smoothed = ((1.0 - s) * loss.double() - s * mean_log_probs).to(loss.dtype)
     return smoothed.masked_fill(y.reshape(loss.shape) == _LEGACY_IGNORE_INDEX, 0.0)
 
