@@ -146,14 +146,16 @@ void BM_Gradient(benchmark::State& state) {
   std::vector<std::byte> logits = random_row(storage_type(state.range(2)), tokens * vocab);
   std::vector<float> separate(dtype == kFloat32 ? static_cast<size_t>(tokens * vocab) : 0);
   std::vector<int64_t> targets(static_cast<size_t>(tokens), 0);
-  std::vector<float> lse(static_cast<size_t>(tokens), 12.0f), ones(static_cast<size_t>(tokens), 1.0f);
+  // A float64 lse (vpce.torch's) that is not an fp32 value: each row takes its factor e^(fl32(lse) - lse).
+  std::vector<double> lse(static_cast<size_t>(tokens), 12.345678901234567);
+  std::vector<float> ones(static_cast<size_t>(tokens), 1.0f);
   LossOptions options;
   options.num_threads = 1;
   const TensorView x = TensorView::contiguous(logits.data(), dtype, {tokens, vocab});
   const TensorView grad = dtype == kFloat32 ? TensorView::contiguous(separate.data(), kFloat32, {tokens, vocab}) : x;
   for (auto _ : state) {
     const Status s = backward(x, TensorView::contiguous(targets.data(), kInt64, {tokens}),
-                              TensorView::contiguous(lse.data(), kFloat32, {tokens}),
+                              TensorView::contiguous(lse.data(), kFloat64, {tokens}),
                               TensorView::contiguous(ones.data(), kFloat32, {tokens}), VocabShard{0, vocab, vocab},
                               options, grad);
     if (!s.ok()) state.SkipWithError(s.message().c_str());
