@@ -138,8 +138,9 @@ Status run_rank(Communicator& comm, Problem& problem, const VocabShard& shard, c
       for (std::size_t i = 0; i < from.size(); ++i) to[i] = static_cast<double>(from[i]);
     }
   } widen_at_return{lse32, mine->lse};
-  const TensorView lse = options.lse_dtype == kFloat32 ? TensorView::contiguous(lse32.data(), kFloat32, {n})
-                                                       : TensorView::contiguous(mine->lse.data(), options.lse_dtype, {n});
+  const TensorView lse = options.lse_dtype == kFloat32
+                             ? TensorView::contiguous(lse32.data(), kFloat32, {n})
+                             : TensorView::contiguous(mine->lse.data(), options.lse_dtype, {n});
   const TensorView argmax = TensorView::contiguous(mine->target_is_argmax.data(), kFloat32, {n});
   const TensorView entropy = TensorView::contiguous(mine->entropy.data(), kFloat32, {n});
   ForwardExtras extras;

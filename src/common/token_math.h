@@ -157,7 +157,7 @@ VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ran
 // One token's results from its merged statistics `st`.
 struct TokenLoss {
   double weighted_loss = 0.0;  // weight x loss; 0 when the token is not counted
-  double lse = 0.0;            // max + log(sum): as exact as the sum, whatever |max| (LseTokens)
+  double lse = 0.0;            // max + log(sum) in fp64 (its rounding 2^-53 |lse|; LseTokens)
   float entropy = 0.0f;           // with the extras
   float target_is_argmax = 0.0f;  // with the extras; 0 when not counted
 };

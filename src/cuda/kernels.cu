@@ -252,7 +252,8 @@ __global__ void __launch_bounds__(kThreads) gradient_kernel(const TIn* logits, i
                                                             int64_t cols, int64_t valid, const void* targets,
                                                             bool wide_targets, int64_t target_stride,
                                                             const float* weights, int64_t weight_stride,
-                                                            LseTokens lse, const float* grad_loss, int64_t grad_loss_stride,
+                                                            LseTokens lse, const float* grad_loss,
+                                                            int64_t grad_loss_stride,
                                                             const double* shared_upstream, int64_t vocab_begin,
                                                             LossParams params, Transform t) {
   const int64_t i = blockIdx.x;
