@@ -240,13 +240,14 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
         &merged);
     if (collectives != nullptr) ++*collectives;
     if (!group.ok()) return group;
+    const detail::LseTokens lse_out = detail::lse_tokens(out.lse);
     for (int64_t r = 0; r < rows; ++r) {
       float* dst = stats_all.row<float>(row + r);
       std::memcpy(dst, merged.row<float>(r), static_cast<std::size_t>(width) * sizeof(float));
       const int64_t t = row + r;
       const double w = a.weights.base != nullptr ? static_cast<double>(a.weights.at<float>(t)) : 1.0;
-      detail::lse_tokens(out.lse).set(
-          t, detail::token_loss(dst, detail::target_at(a.targets, t), w, ctx.params, width == kStatsWidthWithExtras).lse);
+      lse_out.set(t, detail::token_loss(dst, detail::target_at(a.targets, t), w, ctx.params,
+                                        width == kStatsWidthWithExtras).lse);
     }
     detail::chunk_gradients(a, *ops, ctx, row, rows, logits, out.lse, upstream, g, row == 0, sums);
     row += rows;

@@ -89,7 +89,8 @@ def _as_float32(tensor, name):
     naming it where a finite value lies beyond float32's range, which would become inf and
     make the results NaN."""
     rounded = tensor.float()
-    if torch.isinf(rounded).any() and (torch.isinf(rounded) & torch.isfinite(tensor)).any():
+    overflowed = torch.isinf(rounded)
+    if overflowed.any() and (overflowed & torch.isfinite(tensor)).any():
         largest = tensor[torch.isfinite(tensor)].abs().max().item()
         raise ValueError(f"{name}: expected float64 values within float32's range (vpce computes in float32: "
                          f"|x| <= 3.4028235e38), got one of magnitude {largest:.6g}")
