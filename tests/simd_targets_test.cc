@@ -2,12 +2,16 @@
 // (AVX-512, AVX2, SSE4, SSSE3, scalar on x86; AVX-512 also without AVX512-BF16's
 // instructions on a CPU that has them), forced one at a time, against the fp64
 // oracle: all dtypes, in place and not, every transform, extras, rows longer than a block
-// (so blocks are folded), and a single long row (so blocks are split across threads).
+// (so blocks are folded), and a single long row (so blocks are split across threads); and the
+// gradients' stores, which round fp32 to fp16 and bf16, against the exact scalar conversions.
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
 
+#include <bit>
+#include <cmath>
 #include <string>
 
+#include "cpu/dtype.h"
 #include "cpu/simd_rows.h"
 #include "support.h"
 
@@ -79,6 +83,64 @@ TEST(SimdTargets, EveryTargetMatchesTheOracle) {
     EXPECT_NE(std::find(ran.begin(), ran.end(), "AVX3 without AVX512-BF16"), ran.end()) << list;
   }
 #endif
+}
+
+// Every finite value of the 16-bit type T from 0 up, the midpoints between neighbours (ties,
+// which round to even), the fp32 values on either side of each midpoint, and their negatives;
+// then zeros, infinities, NaN, and values beyond both ends of T's range.
+template <class T>
+std::vector<float> rounding_cases() {
+  std::vector<float> x;
+  const auto largest = static_cast<uint16_t>(std::is_same_v<T, detail::Float16> ? 0x7BFF : 0x7F7F);
+  for (uint32_t bits = 0; bits <= largest; ++bits) {
+    const float lo = detail::to_float(T{static_cast<uint16_t>(bits)});
+    const float hi = detail::to_float(T{static_cast<uint16_t>(bits + 1)});
+    const float mid = std::isinf(hi) ? lo + (lo - detail::to_float(T{static_cast<uint16_t>(bits - 1)})) / 2 : (lo + hi) / 2;
+    for (float v : {lo, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, HUGE_VALF)}) {
+      x.push_back(v);
+      x.push_back(-v);
+    }
+  }
+  for (float v : {0.0f, HUGE_VALF, std::nanf(""), 1e38f, 1e-38f, 1e-45f, 7e4f}) {
+    x.push_back(v);
+    x.push_back(-v);
+  }
+  x.push_back(1.0f);  // an odd count: the last vector is a partial one
+  return x;
+}
+
+// fp16 on every target (the exact conversion; AVX-512 converts into memory, AVX2 through a
+// register, the others in scalar code); bf16 too, where AVX512-BF16's instructions flush fp32
+// subnormals to zero (their only difference from the scalar rounding, which is not checked
+// for them there).
+TEST(SimdTargets, GradientStoresRoundLikeTheScalarConversions) {
+  const std::vector<float> half_cases = rounding_cases<detail::Float16>();
+  const std::vector<float> bf16_cases = rounding_cases<detail::BFloat16>();
+  for (const SimdVariant& variant : simd_variants()) {
+    use_simd_variant(variant);
+    const bool flushes = variant.name == "AVX3" && detail::cpu_has_avx512_bf16();
+    auto check = [&](const std::vector<float>& x, auto zero, detail::StorageType type) {
+      using T = decltype(zero);
+      std::vector<T> got(x.size());
+      detail::store_lanes(x.data(), type, got.data(), static_cast<int64_t>(x.size()));
+      int64_t wrong = 0;
+      for (size_t i = 0; i < x.size(); ++i) {
+        if (std::isnan(x[i])) {
+          wrong += !std::isnan(detail::to_float(got[i]));
+        } else if (!(flushes && std::fabs(x[i]) < 0x1p-126f && x[i] != 0.0f)) {
+          const uint16_t want = detail::from_float<T>(x[i]).bits;
+          if (got[i].bits != want && wrong++ < 5) {
+            ADD_FAILURE() << variant.name << ": " << x[i] << " (0x" << std::hex << std::bit_cast<uint32_t>(x[i])
+                          << ") stored as 0x" << got[i].bits << ", want 0x" << want;
+          }
+        }
+      }
+      EXPECT_EQ(wrong, 0) << variant.name << ", " << (type == detail::StorageType::kFloat16 ? "fp16" : "bf16");
+    };
+    check(half_cases, detail::Float16{}, detail::StorageType::kFloat16);
+    check(bf16_cases, detail::BFloat16{}, detail::StorageType::kBFloat16);
+  }
+  use_best_simd_variant();
 }
 
 // A long row with few tokens is split over threads by blocks: the same bits as one thread.

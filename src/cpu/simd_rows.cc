@@ -158,9 +158,18 @@ HWY_INLINE void StoreFull(DF /* d */, VF v, BFloat16* p) {
 }
 
 // fp32 -> fp16, rounding to nearest even: F16C where the target has it (AVX2, AVX-512),
-// else the exact scalar conversion (Highway's emulation truncates).
+// else the exact scalar conversion (Highway's emulation truncates). On AVX-512, VCVTPS2PH
+// writes memory itself: on Intel's AVX-512 cores that takes one slot of the 512-bit ports
+// where converting into a register and storing it takes two (bench/port_probe.cc; the
+// compiler does not fuse the two), and LLVM's Zen 4 model gives both forms the same cost.
+// Immediate 8: to nearest even, exceptions suppressed, as Highway's DemoteTo.
 HWY_INLINE void StoreFull(DF d, VF v, Float16* p) {
-#if HWY_TARGET <= HWY_AVX2
+#if HWY_TARGET == HWY_AVX3
+  // The output as 16 uint16_t, which alias neither the loop's floats nor its flags (a char
+  // array would make the compiler reload them after every store).
+  (void)d;
+  asm("vcvtps2ph $8, %1, %0" : "=m"(*reinterpret_cast<uint16_t(*)[16]>(p)) : "v"(v.raw));
+#elif HWY_TARGET <= HWY_AVX2
   const hn::Rebind<hwy::float16_t, DF> dh;
   hn::StoreU(hn::DemoteTo(dh, v), dh, reinterpret_cast<hwy::float16_t*>(p));
 #else
@@ -337,24 +346,24 @@ HWY_INLINE LaneShift MakeLaneShift(DF d, float s) {
 #endif
 }
 
-// k e^(z - s) up to the factor shift.correction (k from the polynomial), with
-// kSubtractFirst = shift.subtract_first known at compile time (for a loop that tests it
-// once, not at every vector).
+// k e^(z - s) up to the factor shift.correction (k from the polynomial), from the shift's
+// value (LaneShift::value), with kSubtractFirst = shift.subtract_first known at compile time
+// (for a loop that tests it once, not at every vector).
 template <bool kSubtractFirst, ExpPrecision kPrecision>
-HWY_INLINE VF ExpShiftedAs(DF d, VF z, const LaneShift& shift, const ShiftedPolynomial<kPrecision>& poly) {
+HWY_INLINE VF ExpShiftedAs(DF d, VF z, VF shift_value, const ShiftedPolynomial<kPrecision>& poly) {
 #if HWY_TARGET == HWY_AVX3
-  if constexpr (kSubtractFirst) return Exp2(hn::Mul(hn::Sub(z, shift.value), hn::Set(d, kLog2e)), poly);
-  return Exp2(hn::MulSub(z, hn::Set(d, kLog2e), shift.value), poly);
+  if constexpr (kSubtractFirst) return Exp2(hn::Mul(hn::Sub(z, shift_value), hn::Set(d, kLog2e)), poly);
+  return Exp2(hn::MulSub(z, hn::Set(d, kLog2e), shift_value), poly);
 #else
-  return Exponential(d, hn::Sub(z, shift.value), poly);
+  return Exponential(d, hn::Sub(z, shift_value), poly);
 #endif
 }
 
 // k e^(z - s) up to the factor shift.correction (k from the polynomial).
 template <ExpPrecision kPrecision>
 HWY_INLINE VF ExpShifted(DF d, VF z, const LaneShift& shift, const ShiftedPolynomial<kPrecision>& poly) {
-  return HWY_UNLIKELY(shift.subtract_first) ? ExpShiftedAs<true>(d, z, shift, poly)
-                                            : ExpShiftedAs<false>(d, z, shift, poly);
+  return HWY_UNLIKELY(shift.subtract_first) ? ExpShiftedAs<true>(d, z, shift.value, poly)
+                                            : ExpShiftedAs<false>(d, z, shift.value, poly);
 }
 
 // e^(z - s) up to the factor shift.correction.
@@ -610,8 +619,8 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
         VF x0, x1;
         LoadTwo(d, row + at, x0, x1);
         const VF z0 = Transform<kKind>(d, x0, t), z1 = Transform<kKind>(d, x1, t);
-        sums[into] = hn::Add(sums[into], ExpShiftedAs<kSubtractFirst>(d, z0, shift, poly));
-        sums[into + 1] = hn::Add(sums[into + 1], ExpShiftedAs<kSubtractFirst>(d, z1, shift, poly));
+        sums[into] = hn::Add(sums[into], ExpShiftedAs<kSubtractFirst>(d, z0, shift.value, poly));
+        sums[into + 1] = hn::Add(sums[into + 1], ExpShiftedAs<kSubtractFirst>(d, z1, shift.value, poly));
         if (with_sum_logits) {
           sums_z[into / 2] =
               hn::Add(sums_z[into / 2], hn::Add(hn::MulSub(z0, scale, reference), hn::MulSub(z1, scale, reference)));
@@ -628,11 +637,11 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
       VF& sum_z = sums_z[0];
       if (v < full_end) {  // one vector left
         const VF z = Transform<kKind>(d, LoadFull(d, row + v), t);
-        sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst>(d, z, shift, poly));
+        sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst>(d, z, shift.value, poly));
         sum_z = hn::Add(sum_z, hn::MulSub(z, scale, reference));
       }
       if (has_tail) {
-        sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst>(d, z_tail, shift, poly));
+        sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst>(d, z_tail, shift.value, poly));
         sum_z = hn::Add(sum_z, hn::IfThenElseZero(hn::FirstN(d, tail), hn::MulSub(z_tail, scale, reference)));
       }
     };
@@ -797,6 +806,10 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
     coefficient = binade.coefficient;
   }
 #endif
+  // The shift's value and kind as locals, so that they stay in registers across the loops'
+  // stores (after the fp16 store's asm the compiler would read a struct's fields again).
+  const VF shift_value = shift.value;
+  const bool subtract_first = shift.subtract_first;
   const VF scaled_coefficient = hn::Set(d, static_cast<float>(coefficient));
   const VF scaled_uniform = hn::Set(d, c.upstream * c.uniform);
   // A bf16 or fp16 gradient is rounded to 8 or 11 bits: an exp of degree 3 or 4 is enough.
@@ -813,10 +826,10 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
 #if HWY_TARGET == HWY_AVX3
       g = ExpShiftedBf16(d, z, binade, poly);
 #endif
-    } else if constexpr (kFolded) {
-      g = ExpShifted(d, z, shift, poly);
     } else {
-      g = hn::MulSub(ExpShifted(d, z, shift, poly), scaled_coefficient, scaled_uniform);
+      g = HWY_UNLIKELY(subtract_first) ? ExpShiftedAs<true>(d, z, shift_value, poly)
+                                       : ExpShiftedAs<false>(d, z, shift_value, poly);
+      if constexpr (!kFolded) g = hn::MulSub(g, scaled_coefficient, scaled_uniform);
     }
     if constexpr (kKind != kIdentity) g = hn::Mul(g, slope);
     return g;
@@ -1054,6 +1067,33 @@ void ExpShiftedImpl(const float* x, float s, float* y, int64_t n) {
   }
 }
 
+// x: [n] fp32 -> out: [n] of `type`, through the kernels' stores of a gradient (full vectors
+// as the gradient loops write them, the last partial one as theirs).
+void StoreLanesImpl(const float* x, int32_t type, void* out, int64_t n) {
+  const DF d;
+  const auto lanes = static_cast<int64_t>(hn::Lanes(d));
+  auto store = [&](auto* typed) {
+    int64_t v = 0;
+    for (; v + lanes <= n; v += lanes) {
+#if HWY_TARGET == HWY_AVX3
+      if constexpr (std::is_same_v<std::remove_pointer_t<decltype(typed)>, BFloat16>) {
+        if (HasAvx512Bf16()) {
+          StoreGradient<true>(d, hn::LoadU(d, x + v), typed + v);
+          continue;
+        }
+      }
+#endif
+      StoreGradient<false>(d, hn::LoadU(d, x + v), typed + v);
+    }
+    if (v < n) StorePartial(d, LoadPartial(d, x + v, static_cast<size_t>(n - v)), typed + v, static_cast<size_t>(n - v));
+  };
+  switch (static_cast<StorageType>(type)) {
+    case StorageType::kFloat32: return store(static_cast<float*>(out));
+    case StorageType::kBFloat16: return store(static_cast<BFloat16*>(out));
+    case StorageType::kFloat16: return store(static_cast<Float16*>(out));
+  }
+}
+
 void StreamCopyImpl(void* destination, const void* source, int64_t bytes) {
   const hn::ScalableTag<uint8_t> d8;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d8));
@@ -1098,6 +1138,7 @@ HWY_EXPORT(TransformOneImpl);
 HWY_EXPORT(SlopeOneImpl);
 HWY_EXPORT(ExpShiftedOneImpl);
 HWY_EXPORT(ExpShiftedImpl);
+HWY_EXPORT(StoreLanesImpl);
 HWY_EXPORT(StreamCopyImpl);
 HWY_EXPORT(RowMaxImpl);
 HWY_EXPORT(ExpRowInPlaceImpl);
@@ -1158,6 +1199,9 @@ float slope_one(float x, const TransformParams& t) { return HWY_DYNAMIC_DISPATCH
 float exp_shifted_one(float x, float s) { return HWY_DYNAMIC_DISPATCH(ExpShiftedOneImpl)(x, s); }
 void exp_shifted_lanes(const float* x, float s, float* y, int64_t n) {
   HWY_DYNAMIC_DISPATCH(ExpShiftedImpl)(x, s, y, n);
+}
+void store_lanes(const float* x, StorageType type, void* out, int64_t n) {
+  HWY_DYNAMIC_DISPATCH(StoreLanesImpl)(x, static_cast<int32_t>(type), out, n);
 }
 void stream_copy(void* destination, const void* source, int64_t bytes) {
   HWY_DYNAMIC_DISPATCH(StreamCopyImpl)(destination, source, bytes);

@@ -54,6 +54,9 @@ float exp_shifted_one(float x, float s);
 // y[v] = e^(x[v] - s) for v in [0, n) (y may be x): the vectorised exp alone, for tests and
 // (with s = 0, as the blocks compute it) for `vpce perf`'s bound.
 void exp_shifted_lanes(const float* x, float s, float* y, int64_t n);
+// x: [n] fp32 -> out: [n] of `type`, rounded as the kernels store a gradient (bf16 with
+// AVX512-BF16's instructions where they are used), for tests.
+void store_lanes(const float* x, StorageType type, void* out, int64_t n);
 // destination[0, bytes) = source[0, bytes) with non-temporal stores (the lines go to memory,
 // not to the caches, and are not read first), for `vpce perf`.
 void stream_copy(void* destination, const void* source, int64_t bytes);
