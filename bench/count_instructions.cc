@@ -5,9 +5,10 @@
 // machine that docs/performance.md uses: it retires instructions at one rate, so a row's
 // predicted %bound is 2 E / K, with E the exp's instructions per element (the bound counts
 // two exponentials per logit) and K the forward's plus the backward's per logit. A second
-// prediction weighs each conversion between fp32 and a 16-bit float (VCVTPH2PS, VCVTPS2PH,
-// VCVTNE(2)PS2BF16) as two: two micro-operations on Intel's AVX-512 cores, and the fp16
-// rows' in-cache measurements in docs/performance.md land on that reading, not on the plain one.
+// prediction (wpred) weighs each instruction by the slots of the 512-bit FMA ports it takes on
+// Intel's AVX-512 cores, as bench/port_probe.cc measured them (docs/performance.md, entry 31):
+// 1 for every vector operation but VCVTPH2PS (2, from memory too), VCVTPS2PH into a register
+// (2; into memory 1), VCVTNEPS2BF16 (3), VCVTNE2PS2BF16 (3.5) and VPERMW (2).
 // On a CPU with AVX512-BF16, a row bf16' counts bf16 once more with those instructions turned
 // off (vpce::detail::set_bf16_instructions_allowed), as AVX-512 CPUs without them run it.
 //
@@ -44,6 +45,7 @@ enum Kind { kVectorOp, kVectorMemory, kVectorMove, kOther };
 struct Encoding {
   bool vex_or_evex = false;
   int map = 0, pp = 0;  // opcode map (1 0F, 2 0F38, 3 0F3A); implied prefix (1 66, 2 F3, 3 F2)
+  bool w = false;       // VEX.W or EVEX.W
   unsigned char opcode = 0;
   bool memory = false;  // a memory operand (ModRM.mod != 3)
 };
@@ -56,9 +58,9 @@ Encoding decode(const unsigned char* b) {
   if (b[i] == 0xc5) {
     e.map = 1, e.pp = b[i + 1] & 0x03, opcode_at = i + 2;
   } else if (b[i] == 0xc4) {
-    e.map = b[i + 1] & 0x1f, e.pp = b[i + 2] & 0x03, opcode_at = i + 3;
+    e.map = b[i + 1] & 0x1f, e.pp = b[i + 2] & 0x03, e.w = (b[i + 2] & 0x80) != 0, opcode_at = i + 3;
   } else if (b[i] == 0x62) {
-    e.map = b[i + 1] & 0x07, e.pp = b[i + 2] & 0x03, opcode_at = i + 4;
+    e.map = b[i + 1] & 0x07, e.pp = b[i + 2] & 0x03, e.w = (b[i + 2] & 0x80) != 0, opcode_at = i + 4;
   } else {
     return e;
   }
@@ -78,15 +80,19 @@ Kind classify(const Encoding& e) {
   return kVectorOp;
 }
 
-// Whether an instruction is one of the conversions the weighted prediction counts twice.
-bool is_conversion(const Encoding& e) {
-  return e.vex_or_evex && ((e.map == 2 && e.opcode == 0x13 && e.pp == 1) ||  // VCVTPH2PS (66)
-                           (e.map == 3 && e.opcode == 0x1d && e.pp == 1) ||  // VCVTPS2PH (66)
-                           (e.map == 2 && e.opcode == 0x72 && e.pp >= 2));   // VCVTNEPS2BF16 (F3), VCVTNE2PS2BF16 (F2)
+// The slots of the 512-bit FMA ports a vector operation takes on Intel's AVX-512 cores, as
+// bench/port_probe.cc measured them (the weighted prediction's weights).
+double intel_slots(const Encoding& e) {
+  if (e.map == 2 && e.opcode == 0x13 && e.pp == 1) return 2.0;               // VCVTPH2PS (66)
+  if (e.map == 3 && e.opcode == 0x1d && e.pp == 1) return e.memory ? 1.0 : 2.0;  // VCVTPS2PH (66)
+  if (e.map == 2 && e.opcode == 0x72 && e.pp == 2) return 3.0;               // VCVTNEPS2BF16 (F3)
+  if (e.map == 2 && e.opcode == 0x72 && e.pp == 3) return 3.5;               // VCVTNE2PS2BF16 (F2)
+  if (e.map == 2 && e.opcode == 0x8d && e.pp == 1 && e.w) return 2.0;        // VPERMW (66, W1)
+  return 1.0;
 }
 
 struct Counts {
-  double all = 0, vector_ops = 0, memory = 0, moves = 0, weighted = 0;  // weighted: conversions as two
+  double all = 0, vector_ops = 0, memory = 0, moves = 0, weighted = 0;  // weighted: in Intel's port slots
   Counts operator-(const Counts& o) const {
     return {all - o.all, vector_ops - o.vector_ops, memory - o.memory, moves - o.moves, weighted - o.weighted};
   }
@@ -127,7 +133,7 @@ Counts steps(const std::function<void()>& work, const char* trace_path = nullptr
     switch (classify(encoding)) {
       case kVectorOp:
         c.vector_ops += 1;
-        c.weighted += is_conversion(encoding) ? 2 : 1;
+        c.weighted += intel_slots(encoding);
         break;
       case kVectorMemory: c.memory += 1; break;
       case kVectorMove: c.moves += 1; break;
@@ -175,7 +181,7 @@ int run(const char* only) {
   std::printf("# per logit (forward = block_stats, backward = block_gradient, 16384 columns) and per element of the "
               "bound's exp (E): all instructions retired / vector operations (VEX or EVEX, not loads, stores or register "
               "moves); predicted %%bound on an exp-bound machine = 2 E / (forward + backward), from vector operations "
-              "(pred), and from them with each fp32 <-> 16-bit float conversion counted twice (wpred)\n");
+              "(pred), and from them weighted by the slots of Intel's 512-bit ports each takes (wpred; bench/port_probe.cc)\n");
   std::printf("# %-6s %5s %13s %13s %13s %13s %8s %8s %8s %8s\n", "target", "dtype", "E", "forward", "bwd to fp32",
               "bwd in place", "pred out", "pred in", "wpred out", "wpred in");
   auto show = [](const Counts& c) {
