@@ -838,13 +838,15 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
   int64_t v = 0;
   // An fp32 gradient in its own buffer is written with non-temporal stores, which skip
   // reading each line before writing it; they need aligned addresses, so the first
-  // elements up to an aligned one are stored normally. (In place, the lines are in cache.)
-  const bool stream = std::is_same_v<G, float> && static_cast<const void*>(grad) != static_cast<const void*>(row);
+  // elements up to an aligned one are stored normally (one partial vector at most). (In
+  // place, the lines are in cache; a gradient not aligned to its 4 bytes, which the public
+  // entries refuse, never reaches an aligned address and takes the ordinary stores.)
+  const bool stream = std::is_same_v<G, float> && static_cast<const void*>(grad) != static_cast<const void*>(row) &&
+                      reinterpret_cast<uintptr_t>(grad) % sizeof(float) == 0;
   if (stream) {
     const auto misalignment = reinterpret_cast<uintptr_t>(grad) % (lanes * sizeof(float));
     int64_t peel = misalignment == 0 ? 0 : (static_cast<int64_t>(lanes * sizeof(float) - misalignment) / 4);
     peel = std::min(peel, cols);
-    if (reinterpret_cast<uintptr_t>(grad) % sizeof(float) != 0) peel = cols;  // never aligned: no streaming
     if (peel > 0) StorePartial(d, element(LoadPartial(d, row, static_cast<size_t>(peel))), grad, static_cast<size_t>(peel));
     v = peel;
     for (; v + lanes <= cols; v += lanes) {
