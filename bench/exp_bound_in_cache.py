@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""bench/exp_bound_in_cache.py: what an exp-bound machine would show for each dtype's row,
+measured on this one in cache (issue 18). One core runs the kernels' passes over a block that
+stays in cache, where the arithmetic rather than the memory limits, and the bound's exp
+alone; a row's %bound on an exp-bound machine is then
+
+    2 / exp / (1 / statistics + 1 / gradient)
+
+with each term in logits (or exponentials) per second: the bound counts two exponentials per
+logit, at the exp's throughput. In place (the gradient over the logits, in their dtype):
+fp32, bf16 (AVX512-BF16's rounding where the CPU has it), bf16' (its software rounding, as
+AVX-512 CPUs without AVX512-BF16 run it; the same code elsewhere) and fp16. The out-of-place
+rows have no in-cache figure: their fp32 gradient is streamed to memory.
+
+Each run is one vpce_kernels_bench process, pinned to one core, every benchmark repeated in
+random interleaving; the table has a line per run, the medians of its repetitions, so that
+runs taken minutes apart can be read side by side (the machine is shared; docs/performance.md).
+
+  python3 bench/exp_bound_in_cache.py [--bench build/bench/vpce_kernels_bench] [--runs 3]
+      [--core 1] [--repetitions 6]
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import time
+
+EXP = "BM_Exp/0"
+ROWS = [  # (row, statistics, in-place gradient)
+    ("fp32", "BM_BlockStats/0/0", "BM_BlockGradient/0/0"),
+    ("bf16", "BM_BlockStats/1/0", "BM_BlockGradient/1/1"),
+    ("bf16'", "BM_BlockStats/1/0", "BM_BlockGradientWithoutBf16Instructions/1/1"),
+    ("fp16", "BM_BlockStats/2/0", "BM_BlockGradient/2/2"),
+]
+
+
+def one_run(bench, core, repetitions):
+    """Median items per second (G/s) of each benchmark in one pinned process."""
+    names = sorted({EXP} | {n for _, s, g in ROWS for n in (s, g)})
+    pattern = "^(" + "|".join(n + "$" for n in names) + ")"
+    out = subprocess.run(
+        ["taskset", "-c", str(core), bench, "--benchmark_filter=" + pattern,
+         f"--benchmark_repetitions={repetitions}", "--benchmark_enable_random_interleaving=true",
+         "--benchmark_min_time=0.2", "--benchmark_format=json"],
+        check=True, capture_output=True, text=True).stdout
+    rates = {}
+    for b in json.loads(out)["benchmarks"]:
+        if b.get("run_type") == "iteration":
+            rates.setdefault(b["run_name"], []).append(b["items_per_second"] / 1e9)
+    missing = [n for n in names if n not in rates]
+    if missing:
+        raise SystemExit(f"exp_bound_in_cache: {bench} ran none of {missing}")
+    return {n: statistics.median(v) for n, v in rates.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bench", default="build/bench/vpce_kernels_bench")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--core", type=int, default=1)
+    parser.add_argument("--repetitions", type=int, default=6)
+    args = parser.parse_args()
+    print("# G logits/s (Exp: G exponentials/s), medians of each run's repetitions; %: the row's "
+          "bound on an exp-bound machine, 2 / Exp / (1 / Stats + 1 / Grad), in place")
+    header = f"{'time':>8} {'Exp':>6}" + "".join(f" {'Stats/' + r:>11} {'Grad/' + r:>11}" for r, _, _ in ROWS)
+    print(header + "".join(f" {r + ' %':>8}" for r, _, _ in ROWS))
+    for _ in range(args.runs):
+        m = one_run(args.bench, args.core, args.repetitions)
+        line = f"{time.strftime('%H:%M:%S', time.gmtime()):>8} {m[EXP]:6.2f}"
+        line += "".join(f" {m[s]:11.2f} {m[g]:11.2f}" for _, s, g in ROWS)
+        line += "".join(f" {200.0 / m[EXP] / (1.0 / m[s] + 1.0 / m[g]):7.1f}%" for _, s, g in ROWS)
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
