@@ -1,6 +1,7 @@
 // bench/kernels_bench.cc: Google Benchmark microbenchmarks of vpce's kernels: the SIMD
 // exp alone (and Highway's, for comparison), one block's statistics and one block's
-// gradient (in cache; bf16 also with AVX512-BF16's instructions turned off), and whole-row
+// gradient (in cache; bf16 also with AVX512-BF16's instructions turned off; a separate fp32
+// gradient also with ordinary stores, to keep it in cache), and whole-row
 // local statistics and gradient over [tokens, V] (from memory). Reported as items (logits)
 // per second.
 #include <benchmark/benchmark.h>
@@ -115,6 +116,16 @@ void BM_BlockGradientWithoutBf16Instructions(benchmark::State& state) {
   set_bf16_instructions_allowed(true);
 }
 BENCHMARK(BM_BlockGradientWithoutBf16Instructions)->Args({1, 1})->Args({1, 0});
+
+// A bf16 or fp16 row's gradient into a separate fp32 buffer with ordinary stores instead of
+// the non-temporal ones the kernels use, so that it stays in cache (L2) and the arithmetic
+// limits, as on an exp-bound machine (bench/exp_bound_in_cache.py's out-of-place rows).
+void BM_BlockGradientInCache(benchmark::State& state) {
+  set_streaming_stores_allowed(false);
+  BM_BlockGradient(state);
+  set_streaming_stores_allowed(true);
+}
+BENCHMARK(BM_BlockGradientInCache)->Args({1, 0})->Args({2, 0});
 
 // Whole problems from memory, one thread. Args: tokens, V, dtype (0 fp32, 1 bf16).
 DataType data_type(int64_t arg) { return arg == 0 ? kFloat32 : kBFloat16; }

@@ -842,7 +842,7 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
   // place, the lines are in cache; a gradient not aligned to its 4 bytes, which the public
   // entries refuse, never reaches an aligned address and takes the ordinary stores.)
   const bool stream = std::is_same_v<G, float> && static_cast<const void*>(grad) != static_cast<const void*>(row) &&
-                      reinterpret_cast<uintptr_t>(grad) % sizeof(float) == 0;
+                      reinterpret_cast<uintptr_t>(grad) % sizeof(float) == 0 && streaming_stores_allowed();
   if (stream) {
     const auto misalignment = reinterpret_cast<uintptr_t>(grad) % (lanes * sizeof(float));
     int64_t peel = misalignment == 0 ? 0 : (static_cast<int64_t>(lanes * sizeof(float) - misalignment) / 4);
@@ -1121,10 +1121,13 @@ namespace vpce::detail {
 
 namespace {
 std::atomic<bool> g_bf16_instructions_allowed{true};
+std::atomic<bool> g_streaming_stores_allowed{true};
 }  // namespace
 
 void set_bf16_instructions_allowed(bool allowed) { g_bf16_instructions_allowed.store(allowed); }
 bool bf16_instructions_allowed() { return g_bf16_instructions_allowed.load(std::memory_order_relaxed); }
+void set_streaming_stores_allowed(bool allowed) { g_streaming_stores_allowed.store(allowed); }
+bool streaming_stores_allowed() { return g_streaming_stores_allowed.load(std::memory_order_relaxed); }
 bool cpu_has_avx512_bf16() {
 #if defined(__x86_64__) || defined(__i386__)
   static const bool has = __builtin_cpu_supports("avx512bf16");

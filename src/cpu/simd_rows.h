@@ -74,6 +74,11 @@ const char* simd_target_name();
 // that such a CPU also runs the software rounding that CPUs without them take.
 void set_bf16_instructions_allowed(bool allowed);
 bool bf16_instructions_allowed();
+// Whether an fp32 gradient in its own buffer is written with non-temporal stores (true by
+// default: the lines go to memory without being read first). bench/kernels_bench.cc turns it
+// off to time the out-of-place gradient in cache, where the arithmetic limits.
+void set_streaming_stores_allowed(bool allowed);
+bool streaming_stores_allowed();
 // Whether this CPU has AVX512-BF16.
 bool cpu_has_avx512_bf16();
 
