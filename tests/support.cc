@@ -119,6 +119,11 @@ RunResult empty_result(int ranks, int64_t n, bool reduced) {
   return result;
 }
 
+Status Loopback::all_gather(const void* send, void* recv, std::size_t bytes) {
+  if (bytes > 0) std::memcpy(recv, send, bytes);
+  return {};
+}
+
 Status run_rank(Communicator& comm, Problem& problem, const VocabShard& shard, const RunOptions& options,
                 RankOutputs* mine, std::byte* grad) {
   const int64_t n = problem.tokens;

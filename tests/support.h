@@ -79,6 +79,15 @@ std::vector<std::byte> grad_buffer(const Problem& problem, const RunOptions& opt
 std::vector<double> gathered_grad(const Problem& problem, const RunOptions& options,
                                   const std::vector<std::byte>& grad);
 
+// A group of one rank on the calling thread: all_gather copies `send` into `recv`.
+class Loopback final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  Status all_gather(const void* send, void* recv, std::size_t bytes) override;
+  const char* name() const override { return "loopback"; }
+};
+
 // The oracle's options for vpce's.
 reference::Options reference_options(const LossOptions& options);
 

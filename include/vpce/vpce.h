@@ -2,6 +2,7 @@
 #pragma once
 
 #include "vpce/communicator.h"  // IWYU pragma: export
+#include "vpce/head.h"          // IWYU pragma: export
 #include "vpce/loss.h"          // IWYU pragma: export
 #include "vpce/rows.h"          // IWYU pragma: export
 #include "vpce/status.h"        // IWYU pragma: export

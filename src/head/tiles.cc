@@ -22,14 +22,6 @@ constexpr int64_t kWeightPieceRows = 512;
 // tokens at a time (at least one token block): its memory does not grow with N.
 constexpr int64_t kGradientBufferBytes = int64_t{8} << 20;
 
-int thread_index() {
-#if defined(_OPENMP)
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
-
 int64_t blocks_of(int64_t n, int64_t block) { return (n + block - 1) / block; }
 
 // m [rows, cols] of any dtype -> out [rows, cols] fp32, row stride cols.
@@ -136,13 +128,13 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
   std::vector<float> staging;
   std::vector<std::vector<float>> hidden_staging(static_cast<std::size_t>(threads));  // per thread
   // Tile (i, j at column v0): its GEMM from fp32 hidden and weight rows, its rows folded.
-  auto tile_stats = [&](int64_t i, int64_t v0, int64_t cols, const float* hidden, int64_t ldh, const float* w,
-                        int64_t ldw) {
+  auto tile_stats = [&](int64_t i, int worker, int64_t v0, int64_t cols, const float* hidden, int64_t ldh,
+                        const float* w, int64_t ldw) {
     const int64_t r0 = i * nb, n = std::min(nb, rows - r0);
     // Always into the [Nb, Vb] buffer, as the recompute mode's backward makes its tiles: the
     // GEMM's kernel (hence the last bits) may depend on the output's row stride, and the
     // chunked mode's loss is the recompute forward's bit for bit.
-    float* tile = tile_buffers + thread_index() * nb * vb;
+    float* tile = tile_buffers + worker * nb * vb;
     const int64_t ld = vb;
     ops.logits_tile(row_begin + r0, n, v0, cols, hidden, ldh, w, ldw, tile, ld);
     add_bias(tile, ld, n, cols, ops.bias() != nullptr ? ops.bias() + v0 : nullptr);
@@ -162,24 +154,24 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
       }
     }
   };
-  auto hidden_of = [&](int64_t i, int64_t* ldh) -> const float* {
+  auto hidden_of = [&](int64_t i, int worker, int64_t* ldh) -> const float* {
     if (ops.bf16_tiles()) return nullptr;  // the tiles read the bf16 rows themselves
     const int64_t r0 = i * nb;
-    return ops.hidden_rows(row_begin + r0, std::min(nb, rows - r0),
-                           hidden_staging[static_cast<std::size_t>(thread_index())], 1, ldh);
+    return ops.hidden_rows(row_begin + r0, std::min(nb, rows - r0), hidden_staging[static_cast<std::size_t>(worker)],
+                           1, ldh);
   };
   if (ops.bf16_tiles() || ops.weight_in_fp32()) {
     // Nothing to convert: each thread takes whole token blocks and sweeps the vocabulary
     // blocks in order, with no barrier between them (the same tiles, the same fold order).
-    parallel_rows(token_blocks, threads, [&](int64_t i) {
+    parallel_rows_on_workers(token_blocks, threads, [&](int64_t i, int worker) {
       int64_t ldh = 0;
-      const float* hidden = hidden_of(i, &ldh);
+      const float* hidden = hidden_of(i, worker, &ldh);
       for (int64_t v0 = 0; v0 < vr; v0 += vb) {
         const int64_t cols = valid_columns(ctx.vocab_begin + v0, std::min(vb, vr - v0), ctx.params);
         if (cols == 0) break;  // padding (the last rows): no part in the loss
         int64_t ldw = 0;
         const float* w = ops.bf16_tiles() ? nullptr : ops.weight_rows(v0, cols, staging, 1, &ldw);
-        tile_stats(i, v0, cols, hidden, ldh, w, ldw);
+        tile_stats(i, worker, v0, cols, hidden, ldh, w, ldw);
       }
     });
   } else {
@@ -189,10 +181,10 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
       if (cols == 0) continue;  // padding: no part in the loss
       int64_t ldw = 0;
       const float* w = ops.weight_rows(v0, cols, staging, threads, &ldw);
-      parallel_rows(token_blocks, threads, [&](int64_t i) {
+      parallel_rows_on_workers(token_blocks, threads, [&](int64_t i, int worker) {
         int64_t ldh = 0;
-        const float* hidden = hidden_of(i, &ldh);
-        tile_stats(i, v0, cols, hidden, ldh, w, ldw);
+        const float* hidden = hidden_of(i, worker, &ldh);
+        tile_stats(i, worker, v0, cols, hidden, ldh, w, ldw);
       });
     }
   }
@@ -441,7 +433,7 @@ void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
   std::vector<float> hidden_out(grads.hidden.present() && !hidden_direct
                                      ? static_cast<std::size_t>(std::min<int>(threads, token_blocks) * nb * h)
                                      : 0);
-  parallel_rows(token_blocks, std::min<int64_t>(threads, token_blocks), [&](int64_t i) {
+  parallel_rows_on_workers(token_blocks, std::min<int64_t>(threads, token_blocks), [&](int64_t i, int worker) {
     const int64_t r0 = i * nb, n = std::min(nb, rows - r0);
     const int64_t token = row_begin + r0;
     float* x = logits + r0 * vr;
@@ -462,7 +454,7 @@ void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
       hidden_gradient(args, g, n, 0, cols, w, ldw, grads.hidden.accumulate ? 1.0f : 0.0f,
                       grads.hidden.matrix.row<float>(token), grads.hidden.matrix.row_stride);
     } else {
-      float* out = hidden_out.data() + thread_index() * nb * h;
+      float* out = hidden_out.data() + worker * nb * h;
       hidden_gradient(args, g, n, 0, cols, w, ldw, 0.0f, out, h);
       for (int64_t r = 0; r < n; ++r) {
         for (int64_t c = 0; c < h; ++c) store(grads.hidden.matrix, grads.hidden.accumulate, token + r, c, out[r * h + c]);

@@ -1,5 +1,5 @@
 # Installs the vpce build at BUILD_DIR into a fresh prefix under WORK_DIR, then configures,
-# builds and runs tests/consumer against it with find_package(vpce); with EXAMPLE_DIR (the
+# builds and runs tests/consumer's programs against it with find_package(vpce); with EXAMPLE_DIR (the
 # MPI backend was built), also builds that example on its own against the installed
 # vpce::mpi. Fails on any error.
 function(run_step)
@@ -16,6 +16,7 @@ run_step(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${WORK_DIR}/prefix)
 run_step(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/build ${prefix})
 run_step(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run_step(${WORK_DIR}/build/consumer)
+run_step(${WORK_DIR}/build/consumer_openmp)
 if(EXAMPLE_DIR)
   run_step(${CMAKE_COMMAND} -S ${EXAMPLE_DIR} -B ${WORK_DIR}/example ${prefix})
   run_step(${CMAKE_COMMAND} --build ${WORK_DIR}/example)

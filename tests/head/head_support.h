@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "reference/reference.h"
@@ -59,5 +60,48 @@ struct HeadOracle {
 // before the gradients' sums, as HeadOptions::bf16_logit_gradients asks.
 HeadOracle head_oracle(const HeadProblem& p, const LossOptions& options, float grad_scalar,
                        bool bf16_logit_gradients = false);
+
+enum class Mode { kRecompute, kChunked };
+
+// One run of the head on R in-process ranks: its mode, options and how it writes the gradients.
+struct HeadRun {
+  Mode mode = Mode::kRecompute;
+  LossOptions loss;
+  HeadOptions head;
+  int ranks = 1;
+  std::vector<int64_t> sizes;  // vocabulary rows per rank; empty: even
+  bool accumulate = false;     // add into fp32 gradients prefilled with `prefill`
+  float prefill = 0.0f;
+  float grad_scalar = 1.0f;
+  bool reduce_hidden = false;  // all_reduce_hidden_gradient instead of summing in the test
+  bool want_bias = true;
+  DataType grad_dtype = kFloat32;  // written-over gradients
+  std::vector<Workspace>* workspaces = nullptr;  // one per rank, kept across runs; null: none
+  DataType lse_dtype = kFloat64;                 // the lse kept for the backward (or kFloat32)
+  // ranks == 1 only: the call runs on the calling thread through a Loopback communicator
+  // (as a program calling vpce from its own threads, e.g. inside an OpenMP team, does),
+  // rather than on a ThreadGroup's thread.
+  bool on_calling_thread = false;
+};
+
+// What run_head gives back: every rank's status, rank 0's outputs, the gathered gradients.
+struct HeadResult {
+  std::vector<Status> status;
+  std::vector<float> loss;               // rank 0's
+  std::vector<double> lse;               // rank 0's, widened
+  std::vector<std::vector<float>> loss_of_rank;
+  std::vector<double> grad_hidden;       // the sum of the ranks' parts (or the reduced one)
+  std::vector<double> grad_weight, grad_bias;
+  std::vector<std::vector<float>> hidden_parts;  // per rank, as written (fp32 widened)
+  int64_t collectives = -1;
+};
+
+// Runs the forward and backward (or the chunked call) on run.ranks in-process ranks.
+HeadResult run_head(HeadProblem& p, const HeadRun& run);
+void expect_ok(const HeadResult& r);
+// Loss within 1e-6 and the gradients within 1e-5 of the oracle (relative to their largest),
+// the same loss bits on every rank.
+void expect_matches(const HeadProblem& p, const HeadRun& run, const HeadResult& r, double loss_tol = 1e-6,
+                    double grad_tol = 1e-5);
 
 }  // namespace vpce::test
