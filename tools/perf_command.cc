@@ -161,9 +161,10 @@ std::string limit_label(const Timing& t) {
 
 std::string dtype_label(DataType d) { return d == kFloat32 ? "fp32" : d == kBFloat16 ? "bf16" : "fp16"; }
 
-// Fast, reproducible pseudo-normal logits (sum of uniforms), in parallel.
-void fill_logits(std::byte* data, DataType dtype, int64_t count) {
-#pragma omp parallel for schedule(static)
+// Fast, reproducible pseudo-normal logits (sum of uniforms), on `threads` threads (never
+// OpenMP's default team: OMP_NUM_THREADS may ask for more threads than can start).
+void fill_logits(std::byte* data, DataType dtype, int64_t count, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < count; ++i) {
     uint64_t h = static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ULL;
     float sum = 0.0f;
@@ -389,7 +390,7 @@ Status sweep(const PerfConfig& config) {
         std::unique_ptr<std::byte[]> logits(new std::byte[count * static_cast<std::size_t>(dtype.bytes())]);
         std::unique_ptr<std::byte[]> pristine(new std::byte[count * static_cast<std::size_t>(dtype.bytes())]);
         std::unique_ptr<std::byte[]> grad(new std::byte[count * 4]);
-        fill_logits(pristine.get(), dtype, static_cast<int64_t>(count));
+        fill_logits(pristine.get(), dtype, static_cast<int64_t>(count), hardware);
         std::memcpy(logits.get(), pristine.get(), count * static_cast<std::size_t>(dtype.bytes()));
         std::memset(grad.get(), 0, count * 4);  // touch the pages before timing
         std::vector<int64_t> targets(static_cast<std::size_t>(row.tokens));

@@ -200,7 +200,7 @@ void unfused_gemms(RankData& d, const Shape& s, int threads) {
 }
 
 // #wrong of the counted call against the fp64 oracle.
-int64_t count_wrong(const Problem& p) {
+int64_t count_wrong(const Problem& p, int threads) {
   const Shape& s = p.shape;
   const int64_t h = s.hidden, v = s.vocab;
   const double tol = s.dtype == kFloat32 ? 1e-5 : 1e-2;
@@ -220,7 +220,7 @@ int64_t count_wrong(const Problem& p) {
     targets.push_back(p.targets[static_cast<std::size_t>(i)]);
     for (int64_t c = 0; c < h; ++c) hid[static_cast<std::size_t>(k * h + c)] = detail::widen(p.hidden.data() + (i * h + c) * s.dtype.bytes(), s.dtype);
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t x = 0; x < m * v; ++x) {
     const int64_t k = x / v, c = x % v;
     double sum = bias[static_cast<std::size_t>(c)];
@@ -231,7 +231,7 @@ int64_t count_wrong(const Problem& p) {
   o.reduction = reference::Reduction::kSum;
   const reference::Result r = reference::cross_entropy(logits, m, v, targets, {}, {1.0}, o);
   std::vector<double> gh(static_cast<std::size_t>(m * h), 0.0), gw(static_cast<std::size_t>(v * h), 0.0), gb(static_cast<std::size_t>(v), 0.0);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t c = 0; c < v; ++c) {
     for (int64_t k = 0; k < m; ++k) {
       const double dx = r.grad[static_cast<std::size_t>(k * v + c)];
@@ -393,7 +393,7 @@ Status sweep_head(const PerfConfig& config) {
               for (const Status& e : st) {
                 if (!e.ok()) return e;
               }
-              wrong = count_wrong(p);
+              wrong = count_wrong(p, hardware);
             }
             const double t = times[times.size() / 2];
             const double logits_bytes = static_cast<double>(tokens) * (static_cast<double>(vocab) / config.ranks) * 4.0;

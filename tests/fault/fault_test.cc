@@ -27,9 +27,10 @@ struct Result {
   double seconds;
 };
 
-// vpce ARGS under the limits LIMITS (vpce_fault_exec options); stdout is discarded.
-Result run_vpce(const std::string& limits, const std::string& args) {
-  const std::string command = std::string(VPCE_FAULT_EXEC_PATH) + " " + limits + " --alarm 120 -- " + VPCE_CLI_PATH +
+// vpce ARGS under the limits LIMITS (vpce_fault_exec options), with the environment
+// variables ENV ("NAME=value ..."); stdout is discarded.
+Result run_vpce(const std::string& limits, const std::string& args, const std::string& env = "") {
+  const std::string command = env + " " + VPCE_FAULT_EXEC_PATH + " " + limits + " --alarm 120 -- " + VPCE_CLI_PATH +
                               " " + args + " 2>&1 >/dev/null";
   const auto start = std::chrono::steady_clock::now();
   std::FILE* pipe = popen(command.c_str(), "r");
@@ -164,6 +165,21 @@ TEST_F(Fault, RankThreadsThatCannotStartFailAtOnce) {
   expect_one_error_line(r, "--tp: expected 1024 rank threads, could start only ");
   EXPECT_LT(r.seconds, 60.0);
   EXPECT_FALSE(fs::exists(dir_ / "out"));
+}
+
+// OMP_NUM_THREADS=1024 where 1024 threads cannot start (8 MiB stacks in 2.5 GiB of address
+// space beyond the libraries): every command runs on the threads it chose (--threads, or
+// the cores), never on OpenMP's default team, whose failure to start ends the program in
+// libgomp ("Thread creation failed", exit 1).
+TEST_F(Fault, AnOpenMpDefaultOfMoreThreadsThanCanStartIsNeverTaken) {
+  const std::string limit = address_space_plus(int64_t{5} << 29);
+  for (const std::string& args : {std::string("perf -b 64 -e 64 -V 1000 -n 1 -w 0"),
+                                  std::string("perf -b 64 -e 64 -V 1000 -n 1 -w 0 --threads 1"),
+                                  std::string("perf --head -b 64 -e 64 -V 1000 -H 64 -n 1 -w 0"), run_args(dir_ / "out")}) {
+    const Result r = run_vpce(limit, args, "OMP_NUM_THREADS=1024");
+    EXPECT_EQ(r.status, 0) << args << ": " << r.err;
+    EXPECT_EQ(r.err, "") << args;
+  }
 }
 #endif
 
