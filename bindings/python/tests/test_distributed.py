@@ -354,22 +354,44 @@ def test_payload_that_outgrows_the_blocks_costs_one_more_gather_once():
 
 
 def default_group_worker(rank, size, init_file):
-    # torch.distributed initialised, no Megatron, no group passed: tp_group=None means the
-    # default group (torch's convention), so the loss is the size-rank loss, not a one-rank
-    # loss of the local shard (which would be wrong, or an error for a target outside it).
+    # torch.distributed initialised with several ranks, no Megatron, no group passed: tensor
+    # or data parallelism? (replicas with the whole vocabulary would get the loss + log R per
+    # token). Every function raises a ValueError naming tp_group, with no collective, as
+    # Megatron raises when its group is not initialised. The default group passed explicitly
+    # is the size-rank loss; a group of one per rank is data parallelism, the whole loss.
     init_group(rank, size, init_file)
+    singles = [dist.new_group([r]) for r in range(size)]  # every rank makes every group
     logits, target, grad_loss = global_problem(seed=23)
     local = logits.shape[-1] // size
     begin, end = rank * local, (rank + 1) * local
     assert ((target < begin) | (target >= end)).any()  # targets on the other ranks too
     want_loss, want_grad = loss_and_grad(logits, target, grad_loss)
-    calls = [
+    generator = torch.Generator().manual_seed(37)
+    hidden = torch.randn(*target.shape, 8, generator=generator)
+    weight = torch.randn(local, 8, generator=generator)
+    ambiguous = [
         lambda x: vt.vocab_parallel_cross_entropy(x, target),
         lambda x: vt.vocab_parallel_cross_entropy(x, target, 0.0, None),
         lambda x: vt.unfused_cross_entropy(x, target),
         lambda x: vt._VocabParallelCrossEntropy.apply(x, target),
-        lambda x: vt._VocabParallelCrossEntropy.apply(x, target, 0.0, None),
-        lambda x: vt.fused_vocab_parallel_cross_entropy(x, target, dist.group.WORLD),
+        lambda x: vt.fused_vocab_parallel_cross_entropy(x, target, None),
+        lambda x: vt.linear_cross_entropy(hidden, weight, target),
+        lambda x: vt.linear_cross_entropy(hidden, weight, target, reduction="sum", mode="chunked"),
+    ]
+    for number, call in enumerate(ambiguous):
+        leaf = logits[..., begin:end].clone().requires_grad_()
+        with CollectiveCounter() as counted:
+            with pytest.raises(ValueError, match=r"tp_group: expected a process group, got None with "
+                                                 r"torch.distributed's default group of 2 ranks") as raised:
+                call(leaf)
+        assert counted.calls == [], (number, counted.calls)
+        assert "torch.distributed.group.WORLD" in str(raised.value) and "group of one" in str(raised.value)
+    world = dist.group.WORLD
+    calls = [
+        lambda x: vt.vocab_parallel_cross_entropy(x, target, 0.0, world),
+        lambda x: vt.unfused_cross_entropy(x, target, tp_group=world),
+        lambda x: vt._VocabParallelCrossEntropy.apply(x, target, 0.0, world),
+        lambda x: vt.fused_vocab_parallel_cross_entropy(x, target, world),
     ]
     for number, call in enumerate(calls):
         leaf = logits[..., begin:end].clone().requires_grad_()
@@ -379,11 +401,17 @@ def default_group_worker(rank, size, init_file):
         loss.backward(grad_loss)
         assert relative_error(loss.detach(), want_loss) < 1e-6, number
         assert relative_error(leaf.grad, want_grad[..., begin:end]) < 1e-6, number
+    # Data parallelism: each replica the whole vocabulary, a group of one: the whole loss.
+    replica = logits.clone().requires_grad_()
+    loss = vt.vocab_parallel_cross_entropy(replica, target, tp_group=singles[rank])
+    loss.backward(grad_loss)
+    assert relative_error(loss.detach(), want_loss) < 1e-6
+    assert relative_error(replica.grad, want_grad) < 1e-6
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("size", [2])
-def test_tp_group_none_means_the_default_group_without_megatron(size):
+def test_tp_group_none_with_a_default_group_of_several_ranks_is_refused_without_megatron(size):
     spawn(default_group_worker, size)
 
 

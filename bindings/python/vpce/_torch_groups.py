@@ -1,7 +1,8 @@
 """What tp_group means in vpce.torch: an explicit group's rank and size, and for
 tp_group=None, Megatron's tensor-parallel group (through Megatron's parallel_state, when
-Megatron has been imported and initialised), else torch.distributed's default group, else
-one rank."""
+Megatron has been imported and initialised), else one rank when torch.distributed is not
+initialised or its default group has one rank; None with a default group of several ranks
+and no Megatron is refused (tensor or data parallelism? vpce cannot tell)."""
 from __future__ import annotations
 
 import sys
@@ -56,12 +57,19 @@ def _patchable_get_tensor_model_parallel_group():
 
 def _default_group():
     """What tp_group=None means: Megatron's tensor-parallel group when Megatron is
-    initialised, else torch.distributed's default group when it is initialised (torch's
-    convention for group=None), else None (one rank)."""
+    initialised, else None (one rank) when torch.distributed is not initialised or its
+    default group has one rank. With a default group of several ranks and no Megatron, None
+    is ambiguous (replicas of data parallelism, each with the whole vocabulary, would get
+    the loss plus log R per token): ValueError, raised by each rank alone, with no
+    collective, as Megatron raises when its group is not initialised."""
     if _megatron_initialised():
         return _patchable_get_tensor_model_parallel_group()
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(f"tp_group: expected a process group, got None with torch.distributed's default group of "
+                         f"{dist.get_world_size()} ranks and no Megatron tensor-parallel group (ambiguous): pass "
+                         "torch.distributed.group.WORLD for tensor parallelism over every rank, or a group of one "
+                         "rank (e.g. torch.distributed.new_group([rank]) on each rank) where each rank holds the "
+                         "whole vocabulary (data parallelism)")
     return None
 
 
