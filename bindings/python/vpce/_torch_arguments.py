@@ -116,6 +116,30 @@ def _as_rows(logits, name="vocab_parallel_logits"):
     return logits
 
 
+_LSE_DTYPES = (torch.float64, torch.float32)
+_GRADIENT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _check_op_tensors(op, reference_name, reference, tensors, real):
+    """The tensors of a custom op as its implementations take them: each of (name, tensor or
+    None, dtypes) on the device of `reference` (named reference_name), a CPU or CUDA device
+    for the real implementation (`real`; the fake one also takes meta tensors), and of one
+    of `dtypes`; else ValueError or TypeError naming the op and the argument, as PyTorch's
+    own ops refuse a tensor on another device (a meta tensor among CPU ones would otherwise
+    give uninitialised memory)."""
+    if real and reference.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{op}: {reference_name}.device: expected cpu or cuda, got {reference.device}")
+    for name, tensor, dtypes in tensors:
+        if tensor is None:
+            continue
+        if tensor.device != reference.device:
+            raise ValueError(f"{op}: {name}.device: expected {reference.device} (the device of {reference_name}), "
+                             f"got {tensor.device}")
+        if tensor.dtype not in dtypes:
+            expected = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise TypeError(f"{op}: {name}.dtype: expected one of {expected}, got {tensor.dtype}")
+
+
 def _first_derivative_only(name):
     """Raises in a backward run with create_graph=True (grad mode on there), whose gradients
     would carry no second derivative: a gradient penalty would silently lose its own."""

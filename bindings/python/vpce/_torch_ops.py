@@ -10,8 +10,8 @@ from typing import Tuple
 
 import torch
 
-from ._torch_arguments import (_LOGITS_DTYPES, _TARGET_DTYPES, _WIDENED_TARGET_DTYPES, _as_rows, _as_targets,
-                               _first_derivative_only)
+from ._torch_arguments import (_GRADIENT_DTYPES, _LOGITS_DTYPES, _LSE_DTYPES, _TARGET_DTYPES, _WIDENED_TARGET_DTYPES,
+                               _as_rows, _as_targets, _check_op_tensors, _first_derivative_only)
 from ._torch_compile import _CUSTOM_OPS, _compiling, _constant
 from ._torch_function import _function_forward, _gradient
 from ._torch_groups import _group
@@ -130,6 +130,17 @@ def _op_backward_impl(logits, target, lse, grad_loss, label_smoothing, group_key
     return grad
 
 
+def _check_op_forward(logits, target, real=True):
+    _check_op_tensors("vpce::cross_entropy_forward", "logits", logits,
+                      (("logits", logits, _LOGITS_DTYPES), ("target", target, _TARGET_DTYPES + _WIDENED_TARGET_DTYPES)), real)
+
+
+def _check_op_backward(logits, target, lse, grad_loss, real=True):
+    _check_op_tensors("vpce::cross_entropy_backward", "logits", logits,
+                      (("logits", logits, _LOGITS_DTYPES), ("target", target, _TARGET_DTYPES + _WIDENED_TARGET_DTYPES),
+                       ("lse", lse, _LSE_DTYPES), ("grad_loss", grad_loss, _GRADIENT_DTYPES)), real)
+
+
 if _CUSTOM_OPS:
     from torch import Tensor  # noqa: E402
 
@@ -137,11 +148,13 @@ if _CUSTOM_OPS:
     def _op_forward(logits: Tensor, target: Tensor, label_smoothing: float, group_key: int, inplace: bool,
                     legacy: bool, options: str) -> Tuple[Tensor, Tensor]:
         """vpce's forward: (per-token loss, lse); the one all-gather on the keyed group."""
+        _check_op_forward(logits, target)
         loss, lse = _op_forward_impl(logits, target, label_smoothing, group_key, inplace, legacy, options)
         return loss, lse
 
     @_op_forward.register_fake
     def _(logits, target, label_smoothing, group_key, inplace, legacy, options):
+        _check_op_forward(logits, target, real=False)
         loss_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         return (logits.new_empty(target.shape, dtype=loss_dtype), logits.new_empty(target.shape, dtype=torch.float64))
 
@@ -150,10 +163,12 @@ if _CUSTOM_OPS:
                      group_key: int, legacy: bool, options: str) -> Tensor:
         """vpce's backward: the gradient of the loss for the logits, a new contiguous tensor
         in their dtype; no collective."""
+        _check_op_backward(logits, target, lse, grad_loss)
         return _op_backward_impl(logits, target, lse, grad_loss, label_smoothing, group_key, legacy, options)
 
     @_op_backward.register_fake
     def _(logits, target, lse, grad_loss, label_smoothing, group_key, legacy, options):
+        _check_op_backward(logits, target, lse, grad_loss, real=False)
         return logits.new_empty(logits.shape)
 
     def _setup_context(ctx, inputs, output):
