@@ -684,14 +684,15 @@ def check_the_dlpack_collectives(group, rank, size):
     # vpce._vpce's all_reduce_hidden_gradient through a Python all_gather on the group:
     # every rank's part summed in rank order, the same bits everywhere; the chunked forward
     # returns its number of all-gathers, one per chunk.
-    from vpce._torch_collective import _Collective
+    from vpce._torch_collective import _Collective, _GroupCall
 
     generator = torch.Generator().manual_seed(100 + rank)
     part = torch.randn(6, 5, generator=generator)
     parts = [torch.empty_like(part) for _ in range(size)]
     dist.all_gather(parts, part, group=group)
     g = part.clone()
-    vpce._vpce.all_reduce_hidden_gradient(g, rank=rank, size=size, all_gather=_Collective(group, rank, size))
+    with _GroupCall(group) as call:
+        vpce._vpce.all_reduce_hidden_gradient(g, rank=rank, size=size, all_gather=_Collective(call, rank, size))
     want = parts[0].clone()
     for other in parts[1:]:
         want += other
@@ -703,9 +704,10 @@ def check_the_dlpack_collectives(group, rank, size):
     head.token_block, head.chunk_tokens = 2, 4
     loss, lse = torch.empty(()), torch.empty(10)
     grad = torch.empty(8, weight.shape[1])
-    gathers = vpce._vpce.linear_cross_entropy_forward_backward(
-        hidden, weight[rank * 8:(rank + 1) * 8], None, target, rank * 8, (rank + 1) * 8, 8 * size, options, head, 1.0,
-        loss, lse, grad_weight=grad, rank=rank, size=size, all_gather=_Collective(group, rank, size))
+    with _GroupCall(group) as call:
+        gathers = vpce._vpce.linear_cross_entropy_forward_backward(
+            hidden, weight[rank * 8:(rank + 1) * 8], None, target, rank * 8, (rank + 1) * 8, 8 * size, options, head,
+            1.0, loss, lse, grad_weight=grad, rank=rank, size=size, all_gather=_Collective(call, rank, size))
     assert gathers == 3  # 10 tokens in chunks of 4
     want = reference(hidden, weight, None, target, None, reduction="sum")
     assert relative_error(loss, want[0]) < 1e-6 and relative_error(grad, want[2][rank * 8:(rank + 1) * 8]) < 1e-5

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from . import _vpce
 from ._torch_arguments import (_as_rows, _as_targets, _check_inplace, _check_logits, _first_derivative_only,
                                _options)
-from ._torch_collective import _Collective
+from ._torch_collective import _calling, _Collective
 from ._torch_groups import _group
 from ._torch_legacy import _legacy_grad, _legacy_loss, _legacy_smoothing
 
@@ -35,15 +35,16 @@ def _function_forward(ctx, logits, target, label_smoothing, tp_group, inplace_ba
             and dist.get_backend(group) == "nccl"):
         raise ValueError("tp_group: expected a process group that can gather CPU tensors (gloo), got NCCL "
                          "with CPU logits")
-    collective = _Collective(group, rank, size) if size > 1 else None
-    try:
-        return _forward(ctx, collective, rank, size, logits, target, label_smoothing, inplace_backward,
-                        legacy_smoothing, options)
-    except Exception as error:
-        agreed = error if collective is None else collective.agreed(error)
-        if agreed is error:
-            raise
-        raise agreed from error
+    with _calling(group, size) as call:
+        collective = _Collective(call, rank, size) if call is not None else None
+        try:
+            return _forward(ctx, collective, rank, size, logits, target, label_smoothing, inplace_backward,
+                            legacy_smoothing, options)
+        except Exception as error:
+            agreed = error if collective is None else collective.agreed(error)
+            if agreed is error:
+                raise
+            raise agreed from error
 
 
 def _function_backward(ctx, grad_loss):

@@ -21,15 +21,14 @@ Two modes:
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.distributed as dist
 
 from . import _vpce
-from ._torch_arguments import (_OPTION_NAMES, _TARGET_DTYPES, _WIDENED_TARGET_DTYPES, _as_float32, _as_rows,
-                               _as_targets, _first_derivative_only, _options, _real)
-from ._torch_collective import _BLOCK_HEADER, _Blocks, _Collective
+from ._torch_arguments import (_GRADIENT_DTYPES, _LSE_DTYPES, _OPTION_NAMES, _TARGET_DTYPES, _WIDENED_TARGET_DTYPES,
+                               _as_float32, _as_rows, _as_targets, _check_op_tensors, _first_derivative_only, _options,
+                               _real)
+from ._torch_collective import _BLOCK_HEADER, _HIDDEN_GRADIENT, _HIDDEN_STATES, _calling, _Collective
 from ._torch_compile import _CUSTOM_OPS, _compiling
 from ._torch_groups import _group
 from ._torch_ops import _decode_options, _encode_options, _group_key, _keyed_group
@@ -182,14 +181,12 @@ def _agreed(error, collectives):
 
 # ---- the sequence-parallel gather of the hidden states ----------------------------------
 
-_HIDDEN_BLOCKS = weakref.WeakKeyDictionary()
-
-
 class _HiddenGather(_Collective):
-    """The sequence-parallel all-gather of the hidden states along dim 0, in the blocks of
-    the loss's gather (a header, so that a rank that failed before it still joins it with
-    its error and every rank raises that error), but of its own agreed size: the hidden
-    states' blocks and the loss's statistics' blocks do not resize each other."""
+    """The sequence-parallel all-gather of the hidden states along dim 0, in blocks as the
+    loss's gather (a header, so that a rank that failed before it still joins it with its
+    error, and ranks in different gathers learn it, and every rank raises that error)."""
+
+    kind = _HIDDEN_STATES
 
     def gather(self, hidden):
         """Every rank's hidden [s_r, ...] concatenated along dim 0 (rank 0's first)."""
@@ -207,21 +204,20 @@ class _HiddenGather(_Collective):
         gathered = gathered.view(local.dtype) if local.numel() else torch.empty(0, dtype=local.dtype)
         return gathered.view(self.size * local.shape[0], *local.shape[1:])
 
-    def _gather(self, flags, payload):
-        # _Collective._gather with this gather's own blocks.
-        self.joined = True
-        blocks = _HIDDEN_BLOCKS.get(self.group)
-        if blocks is None:
-            blocks = _HIDDEN_BLOCKS[self.group] = _Blocks()
-        capacity = blocks.capacity
-        gathered = self._exchange(blocks, flags, payload)
-        headers = [_BLOCK_HEADER.unpack(bytes(gathered[r, :_BLOCK_HEADER.size].tolist())) for r in range(self.size)]
-        self.error = self._group_error(headers, gathered)
-        sizes = [header[2] for header in headers]
-        blocks.fit(max(sizes))
-        if self.error is None and len(set(sizes)) == 1 and _BLOCK_HEADER.size + sizes[0] > capacity:
-            gathered = self._exchange(blocks, flags, payload)
-        return sizes, gathered
+
+def _forward_collectives(call, rank, size, sequence_parallel, need_hidden):
+    """(the hidden states' gather or None, the loss's gather), both None on one rank, each
+    agreeing on sequence_parallel (which decides whether the first is made) and on whether
+    the backward will reduce hidden's gradient (which decides its collective)."""
+    if call is None:
+        return None, None
+    gather = _HiddenGather(call, rank, size) if sequence_parallel else None
+    collective = _Collective(call, rank, size)
+    for c in (gather, collective):
+        if c is not None:
+            c.agree("sequence_parallel", sequence_parallel is True)
+            c.agree(_HIDDEN_GRADIENT, need_hidden)
+    return gather, collective
 
 
 def _all_gather_hidden(hidden, group, size):
@@ -306,12 +302,6 @@ def _output_shapes(target, args):
     return (tuple(target.shape) if args.reduction == "none" else ()), tuple(target.shape)
 
 
-# What the ranks agree on in the forward's gather besides vpce's header: whether hidden's
-# gradient is wanted, since only then does a backward all-reduce (or reduce-scatter) it, and
-# ranks that differ would leave one of them waiting in that collective.
-_HIDDEN_GRADIENT = "whether hidden's gradient is wanted (hidden.requires_grad under grad mode)"
-
-
 def _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel, options,
                   need_hidden, need_weight=False):
     """The recompute forward: (loss, lse, shard), every collective's errors agreed across
@@ -320,32 +310,30 @@ def _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, seque
     adds into, is checked here, where a bad one fails every rank alike (in the backward one
     rank's error would leave the others in the hidden gradient's all-reduce)."""
     group, rank, size = _group(tp_group)
-    gather = _HiddenGather(group, rank, size) if size > 1 and sequence_parallel else None
-    collective = _Collective(group, rank, size) if size > 1 else None
-    if collective is not None:
-        collective.agree(_HIDDEN_GRADIENT, need_hidden)
-    try:
-        _check_group(group, size, hidden)
-        _check_operands(hidden, weight, bias, target, sequence_parallel, size)
-        args = _Arguments(label_smoothing, options)
-        if need_weight:
-            _main_grad(weight, args)
-        y = _as_targets(target, hidden)
-        h = _operand(hidden, "hidden")
-        total = gather.gather(h) if gather is not None else h
-        w, b = _operand(weight, "weight"), _operand(bias, "bias")
-        shard = args.shard(w.shape[0], rank, size)
-        loss_shape, lse_shape = _output_shapes(target, args)
-        loss = torch.empty(loss_shape, dtype=torch.float32, device=h.device)
-        # float64: the backward's gradient keeps fp32's accuracy up to |lse| ~ 1e9
-        lse = torch.empty(lse_shape, dtype=torch.float64, device=h.device)
-        _vpce.linear_cross_entropy_forward(total, w, _present(b), y, *shard, args.loss, args.head, loss, lse,
-                                           rank=rank, size=size, all_gather=collective)
-    except Exception as error:
-        agreed = _agreed(error, (gather, collective))
-        if agreed is error:
-            raise
-        raise agreed from error
+    with _calling(group, size) as call:
+        gather, collective = _forward_collectives(call, rank, size, sequence_parallel, need_hidden)
+        try:
+            _check_group(group, size, hidden)
+            _check_operands(hidden, weight, bias, target, sequence_parallel, size)
+            args = _Arguments(label_smoothing, options)
+            if need_weight:
+                _main_grad(weight, args)
+            y = _as_targets(target, hidden)
+            h = _operand(hidden, "hidden")
+            total = gather.gather(h) if gather is not None else h
+            w, b = _operand(weight, "weight"), _operand(bias, "bias")
+            shard = args.shard(w.shape[0], rank, size)
+            loss_shape, lse_shape = _output_shapes(target, args)
+            loss = torch.empty(loss_shape, dtype=torch.float32, device=h.device)
+            # float64: the backward's gradient keeps fp32's accuracy up to |lse| ~ 1e9
+            lse = torch.empty(lse_shape, dtype=torch.float64, device=h.device)
+            _vpce.linear_cross_entropy_forward(total, w, _present(b), y, *shard, args.loss, args.head, loss, lse,
+                                               rank=rank, size=size, all_gather=collective)
+        except Exception as error:
+            agreed = _agreed(error, (gather, collective))
+            if agreed is error:
+                raise
+            raise agreed from error
     if hidden.dtype == torch.float64:
         loss = loss.double()
     return loss, lse, shard
@@ -356,43 +344,44 @@ def _head_backward(hidden, weight, bias, target, lse, grad_loss, label_smoothing
     """The recompute backward: (grad_hidden, grad_weight, grad_bias), each None where
     needs[i] is false; the weight's None too when it went into weight.main_grad."""
     group, rank, size = _group(tp_group)
-    args = _Arguments(label_smoothing, options)
-    y = _as_targets(target, hidden)
-    h = _operand(hidden, "hidden")
-    total = _all_gather_hidden(h, group, size) if size > 1 and sequence_parallel else h
-    w, b = _operand(weight, "weight"), _operand(bias, "bias")
-    shard = args.shard(w.shape[0], rank, size)
-    need_hidden, need_weight, need_bias = needs
-    need_bias = need_bias and bias is not None
-    # The hidden part is summed over the group in fp32; on one rank it is written in the
-    # operand's dtype directly.
-    grad_hidden = None
-    if need_hidden:
-        dtype = torch.float32 if size > 1 else total.dtype
-        grad_hidden = torch.empty(total.shape, dtype=dtype, device=total.device)
-    main_grad = _main_grad(weight, args) if need_weight else None
-    add_weight = main_grad is not None and main_grad.dtype == torch.float32 and main_grad.is_contiguous()
-    grad_weight = None
-    if need_weight:
-        grad_weight = main_grad if add_weight else torch.empty(w.shape, dtype=torch.float32 if main_grad is not None
-                                                                else w.dtype, device=w.device)
-    grad_bias = torch.empty(b.shape, dtype=b.dtype, device=b.device) if need_bias else None
-    g = grad_loss.to(torch.float32).contiguous()
-    _vpce.linear_cross_entropy_backward(total, w, _present(b), y, lse, g, *shard, args.loss, args.head, grad_hidden,
-                                        grad_weight, None if _present(b) is None else grad_bias,
-                                        accumulate_weight=add_weight)
-    if grad_hidden is not None:
-        grad_hidden = _reduce_hidden_gradient(grad_hidden, group, rank, size, sequence_parallel)
-        grad_hidden = grad_hidden.to(hidden.dtype).view(hidden.shape)
-    if main_grad is not None:
-        if not add_weight:  # an fp16/bf16 (or strided) main_grad: added by torch
-            main_grad.add_(grad_weight.to(main_grad.dtype))
-        grad_weight = _returned_weight_gradient(weight, main_grad, hidden.dtype)
-    elif grad_weight is not None:
-        grad_weight = grad_weight.to(weight.dtype)
-    if grad_bias is not None:
-        grad_bias = grad_bias.to(bias.dtype)
-    return grad_hidden, grad_weight, grad_bias
+    with _calling(group, size):  # one call at a time on the group in this process
+        args = _Arguments(label_smoothing, options)
+        y = _as_targets(target, hidden)
+        h = _operand(hidden, "hidden")
+        total = _all_gather_hidden(h, group, size) if size > 1 and sequence_parallel else h
+        w, b = _operand(weight, "weight"), _operand(bias, "bias")
+        shard = args.shard(w.shape[0], rank, size)
+        need_hidden, need_weight, need_bias = needs
+        need_bias = need_bias and bias is not None
+        # The hidden part is summed over the group in fp32; on one rank it is written in the
+        # operand's dtype directly.
+        grad_hidden = None
+        if need_hidden:
+            dtype = torch.float32 if size > 1 else total.dtype
+            grad_hidden = torch.empty(total.shape, dtype=dtype, device=total.device)
+        main_grad = _main_grad(weight, args) if need_weight else None
+        add_weight = main_grad is not None and main_grad.dtype == torch.float32 and main_grad.is_contiguous()
+        grad_weight = None
+        if need_weight:
+            grad_weight = main_grad if add_weight else torch.empty(w.shape, dtype=torch.float32 if main_grad is not None
+                                                                    else w.dtype, device=w.device)
+        grad_bias = torch.empty(b.shape, dtype=b.dtype, device=b.device) if need_bias else None
+        g = grad_loss.to(torch.float32).contiguous()
+        _vpce.linear_cross_entropy_backward(total, w, _present(b), y, lse, g, *shard, args.loss, args.head, grad_hidden,
+                                            grad_weight, None if _present(b) is None else grad_bias,
+                                            accumulate_weight=add_weight)
+        if grad_hidden is not None:
+            grad_hidden = _reduce_hidden_gradient(grad_hidden, group, rank, size, sequence_parallel)
+            grad_hidden = grad_hidden.to(hidden.dtype).view(hidden.shape)
+        if main_grad is not None:
+            if not add_weight:  # an fp16/bf16 (or strided) main_grad: added by torch
+                main_grad.add_(grad_weight.to(main_grad.dtype))
+            grad_weight = _returned_weight_gradient(weight, main_grad, hidden.dtype)
+        elif grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias
 
 
 def _head_chunked(hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel, options, needs):
@@ -400,45 +389,43 @@ def _head_chunked(hidden, weight, bias, target, label_smoothing, tp_group, seque
     gradient of 1, the gradients float32 (None where not needed), the hidden one already
     summed over the group (or reduce-scattered); every collective made here."""
     group, rank, size = _group(tp_group)
-    gather = _HiddenGather(group, rank, size) if size > 1 and sequence_parallel else None
-    collective = _Collective(group, rank, size) if size > 1 else None
-    if collective is not None:
-        collective.agree(_HIDDEN_GRADIENT, needs[0])
-    try:
-        _check_group(group, size, hidden)
-        _check_operands(hidden, weight, bias, target, sequence_parallel, size)
-        args = _Arguments(label_smoothing, options)
-        need_hidden, need_weight, need_bias = needs
-        if need_weight:  # before the gathers, so that a bad one fails every rank alike
-            _main_grad(weight, args)
-        y = _as_targets(target, hidden)
-        h = _operand(hidden, "hidden")
-        total = gather.gather(h) if gather is not None else h
-        w, b = _operand(weight, "weight"), _operand(bias, "bias")
-        shard = args.shard(w.shape[0], rank, size)
-        device = h.device
-        loss = torch.empty((), dtype=torch.float32, device=device)
-        lse = torch.empty(tuple(target.shape), dtype=torch.float64, device=device)
-        grad_hidden = torch.empty(total.shape, dtype=torch.float32, device=device) if need_hidden else None
-        grad_weight = torch.empty(w.shape, dtype=torch.float32, device=device) if need_weight else None
-        grad_bias = (torch.empty(b.shape, dtype=torch.float32, device=device)
-                     if need_bias and bias is not None else None)
-        if grad_bias is not None:
-            grad_bias.zero_()  # stays zero for an empty slice, which the head is given as no bias
-        _vpce.linear_cross_entropy_forward_backward(total, w, _present(b), y, *shard, args.loss, args.head, 1.0, loss,
-                                                    lse, grad_hidden, grad_weight,
-                                                    None if _present(b) is None else grad_bias, rank=rank, size=size,
-                                                    all_gather=collective)
-    except Exception as error:
-        agreed = _agreed(error, (gather, collective))
-        if agreed is error:
-            raise
-        raise agreed from error
-    if grad_hidden is not None:
-        grad_hidden = _reduce_hidden_gradient(grad_hidden, group, rank, size, sequence_parallel).view(hidden.shape)
-    if hidden.dtype == torch.float64:
-        loss = loss.double()
-    return loss, grad_hidden, grad_weight, grad_bias
+    with _calling(group, size) as call:
+        gather, collective = _forward_collectives(call, rank, size, sequence_parallel, needs[0])
+        try:
+            _check_group(group, size, hidden)
+            _check_operands(hidden, weight, bias, target, sequence_parallel, size)
+            args = _Arguments(label_smoothing, options)
+            need_hidden, need_weight, need_bias = needs
+            if need_weight:  # before the gathers, so that a bad one fails every rank alike
+                _main_grad(weight, args)
+            y = _as_targets(target, hidden)
+            h = _operand(hidden, "hidden")
+            total = gather.gather(h) if gather is not None else h
+            w, b = _operand(weight, "weight"), _operand(bias, "bias")
+            shard = args.shard(w.shape[0], rank, size)
+            device = h.device
+            loss = torch.empty((), dtype=torch.float32, device=device)
+            lse = torch.empty(tuple(target.shape), dtype=torch.float64, device=device)
+            grad_hidden = torch.empty(total.shape, dtype=torch.float32, device=device) if need_hidden else None
+            grad_weight = torch.empty(w.shape, dtype=torch.float32, device=device) if need_weight else None
+            grad_bias = (torch.empty(b.shape, dtype=torch.float32, device=device)
+                         if need_bias and bias is not None else None)
+            if grad_bias is not None:
+                grad_bias.zero_()  # stays zero for an empty slice, which the head is given as no bias
+            _vpce.linear_cross_entropy_forward_backward(total, w, _present(b), y, *shard, args.loss, args.head, 1.0, loss,
+                                                        lse, grad_hidden, grad_weight,
+                                                        None if _present(b) is None else grad_bias, rank=rank, size=size,
+                                                        all_gather=collective)
+        except Exception as error:
+            agreed = _agreed(error, (gather, collective))
+            if agreed is error:
+                raise
+            raise agreed from error
+        if grad_hidden is not None:
+            grad_hidden = _reduce_hidden_gradient(grad_hidden, group, rank, size, sequence_parallel).view(hidden.shape)
+        if hidden.dtype == torch.float64:
+            loss = loss.double()
+        return loss, grad_hidden, grad_weight, grad_bias
 
 
 def _scaled(gradient, grad_loss, dtype):
@@ -522,6 +509,13 @@ def _nothing(like):
     return like.new_empty(0)
 
 
+def _check_head_op(op, hidden, weight, bias, target, lse=None, grad_loss=None, real=True):
+    _check_op_tensors(f"vpce::{op}", "hidden", hidden,
+                      (("hidden", hidden, _OPERAND_DTYPES), ("weight", weight, (hidden.dtype,)),
+                       ("bias", bias, (hidden.dtype,)), ("target", target, _TARGET_DTYPES + _WIDENED_TARGET_DTYPES),
+                       ("lse", lse, _LSE_DTYPES), ("grad_loss", grad_loss, _GRADIENT_DTYPES)), real)
+
+
 if _CUSTOM_OPS:
     from typing import Optional, Tuple  # noqa: E402
 
@@ -534,6 +528,7 @@ if _CUSTOM_OPS:
         """The head's recompute forward: (loss, lse); the loss's one all-gather (and the
         sequence-parallel one of the hidden states) on the keyed group, which also agrees on
         need_hidden (whether the backward reduces hidden's gradient)."""
+        _check_head_op("linear_cross_entropy_forward", hidden, weight, bias, target)
         loss, lse, _ = _head_forward(hidden, weight, bias, target, label_smoothing, _keyed_group(group_key),
                                      sequence_parallel, _decode_options(options), need_hidden)
         return loss, lse
@@ -546,6 +541,7 @@ if _CUSTOM_OPS:
 
     @_op_head_forward.register_fake
     def _(hidden, weight, bias, target, label_smoothing, group_key, sequence_parallel, options, need_hidden):
+        _check_head_op("linear_cross_entropy_forward", hidden, weight, bias, target, real=False)
         return _fake_loss(hidden, target, options), hidden.new_empty(tuple(target.shape), dtype=torch.float64)
 
     @torch.library.custom_op("vpce::linear_cross_entropy_backward", mutates_args=())
@@ -556,6 +552,7 @@ if _CUSTOM_OPS:
         """The head's recompute backward: (grad_hidden, grad_weight, grad_bias), each in its
         input's dtype (an empty tensor where not needed); the hidden gradient's all-reduce
         (or all-gather and reduce-scatter) on the keyed group."""
+        _check_head_op("linear_cross_entropy_backward", hidden, weight, bias, target, lse, grad_loss)
         grads = _head_backward(hidden, weight, bias, target, lse, grad_loss, label_smoothing,
                                _keyed_group(group_key), sequence_parallel, _decode_options(options),
                                (need_hidden, need_weight, need_bias))
@@ -564,6 +561,7 @@ if _CUSTOM_OPS:
     @_op_head_backward.register_fake
     def _(hidden, weight, bias, target, lse, grad_loss, label_smoothing, group_key, sequence_parallel, options,
           need_hidden, need_weight, need_bias):
+        _check_head_op("linear_cross_entropy_backward", hidden, weight, bias, target, lse, grad_loss, real=False)
         return (hidden.new_empty(hidden.shape) if need_hidden else _nothing(hidden),
                 weight.new_empty(weight.shape) if need_weight else _nothing(hidden),
                 bias.new_empty(bias.shape) if need_bias and bias is not None else _nothing(hidden))
@@ -594,6 +592,7 @@ if _CUSTOM_OPS:
         """The head's chunked forward: (loss, grad_hidden, grad_weight, grad_bias), the
         gradients float32 for an upstream gradient of 1 (empty where not needed); every
         collective on the keyed group."""
+        _check_head_op("linear_cross_entropy_chunked", hidden, weight, bias, target)
         loss, *grads = _head_chunked(hidden, weight, bias, target, label_smoothing, _keyed_group(group_key),
                                      sequence_parallel, _decode_options(options),
                                      (need_hidden, need_weight, need_bias))
@@ -602,6 +601,7 @@ if _CUSTOM_OPS:
     @_op_head_chunked.register_fake
     def _(hidden, weight, bias, target, label_smoothing, group_key, sequence_parallel, options, need_hidden,
           need_weight, need_bias):
+        _check_head_op("linear_cross_entropy_chunked", hidden, weight, bias, target, real=False)
         f32 = torch.float32
         return (_fake_loss(hidden, target, options),
                 hidden.new_empty(hidden.shape, dtype=f32) if need_hidden else _nothing(hidden).float(),
