@@ -14,8 +14,8 @@ kept between them, not a softmax of the logits' size. Label smoothing is exact a
 ``megatron_legacy_label_smoothing=True`` reproduces Megatron's values for anyone who needs
 parity with a past run.
 
-The all-gather carries one block per rank of a size the group agrees on (4096 bytes at
-first): a 24-byte block header, then vpce's payload (a 384-byte header and 16 bytes per
+The all-gather carries one block per rank of a size every rank computes alike (4096 bytes
+at first): a 36-byte block header, then vpce's payload (a 384-byte header and 16 bytes per
 token). A payload that outgrows the blocks costs one more gather, once, and every rank
 grows them alike, since every rank sees every size. So ranks that disagree on the number of
 tokens all get vpce's "ranks disagree" error, and a rank that fails before the gather (a
@@ -84,8 +84,10 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
         F.cross_entropy's (which also takes 1).
     tp_group: the tensor-parallel process group, used as given (any object with .rank()
         and .size() when its size is 1); None means Megatron's tensor-parallel group when
-        Megatron is initialised, else torch.distributed's default group when it is
-        initialised, else a single rank.
+        Megatron is initialised, else a single rank when torch.distributed is not
+        initialised or has one rank; None with a default group of several ranks and no
+        Megatron raises ValueError (pass the group: WORLD for tensor parallelism, a group
+        of one for data parallelism).
     inplace_backward: write the gradient over the logits (as Megatron does) instead of a
         new tensor; only when nothing else needs the logits afterwards: autograd's version
         counter is bumped, so a backward that still needs them (a second one, or another
