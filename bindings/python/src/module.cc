@@ -21,19 +21,17 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
 #include <type_traits>
 
+#include "mapped_buffers.h"
 #include "vpce/head.h"
 #include "vpce/version.h"
 #include "vpce/vpce.h"
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 namespace nb = nanobind;
 
@@ -442,26 +440,22 @@ NB_MODULE(_vpce, m) {
              std::pair{"softcap", &Loss::softcap}, std::pair{"valid_vocab_size", &Loss::valid_vocab_size},
              std::pair{"reduction", &Loss::reduction}, std::pair{"num_threads", &Loss::num_threads});
 
-  // A hint for a new CPU buffer, before anything is written to it: back the 2 MiB-aligned
-  // part of [address, address + bytes) with transparent huge pages, so that first touching
-  // it costs one page fault per 2 MiB instead of one per 4 KiB. Linux only; returns whether
-  // the kernel took the hint (it declines where THP is disabled).
+  // A CPU buffer for a new gradient: a uint8 array of `bytes` on 2 MiB boundaries, a mapping
+  // of its own advised onto huge pages, reused for the next buffer of its size once the
+  // array (and every tensor over it) is freed (bindings/python/src/mapped_buffers.cc).
   m.def(
-      "advise_huge_pages",
-      [](std::uintptr_t address, std::size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-        constexpr std::uintptr_t kHuge = std::uintptr_t{2} << 20;
-        const std::uintptr_t begin = (address + kHuge - 1) & ~(kHuge - 1);
-        const std::uintptr_t end = (address + bytes) & ~(kHuge - 1);
-        if (end <= begin) return false;
-        return madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE) == 0;
-#else
-        (void)address;
-        (void)bytes;
-        return false;
-#endif
+      "gradient_buffer",
+      [](std::size_t bytes) {
+        if (bytes == 0) throw nb::value_error("bytes: expected a size > 0, got 0");
+        void* data = vpce::python::acquire_mapped_buffer(bytes);
+        if (data == nullptr) throw std::bad_alloc();
+        nb::capsule owner(data, [](void* p) noexcept { vpce::python::release_mapped_buffer(p); });
+        return nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>(data, {bytes}, owner);
       },
-      nb::arg("address"), nb::arg("bytes"));
+      nb::arg("bytes"));
+  m.def("kept_gradient_buffers",
+        [] { return std::make_tuple(vpce::python::kept_mapped_buffers(), vpce::python::kept_mapped_bytes()); },
+        "(count, bytes) of the freed gradient buffers kept for reuse.");
 
   // Row kernels for Megatron's static helpers (vpce/rows.h): CPU arrays [..., K] whose leading
   // dimensions collapse to one row stride, the last dimension contiguous.

@@ -1,5 +1,7 @@
 """vpce's Python package on one rank: vpce.torch against PyTorch's float64 F.cross_entropy,
 gradcheck, bf16, in place, the loss options and errors."""
+import os
+
 import pytest
 import torch
 
@@ -112,12 +114,57 @@ def test_large_new_gradient_on_huge_pages_matches_reference():
     assert relative_error(grad, want_grad) < 1e-6
 
 
-def test_advise_huge_pages_is_only_a_hint():
-    buffer = torch.empty(4 << 20, dtype=torch.uint8)
-    assert vpce._vpce.advise_huge_pages(buffer.data_ptr(), 4096) is False  # no whole 2 MiB page inside
-    assert isinstance(vpce._vpce.advise_huge_pages(buffer.data_ptr(), buffer.numel()), bool)
-    buffer.fill_(7)  # still ordinary, writable memory
-    assert int(buffer.sum()) == 7 * buffer.numel()
+def mappings():
+    """(start, end, name) of this process's memory mappings (Linux's /proc/self/maps)."""
+    out = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            out.append((start, end, fields[5] if len(fields) > 5 else ""))
+    return out
+
+
+def mapping_of(address):
+    return next(((s, e, n) for s, e, n in mappings() if s <= address < e), None)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc/self/maps")
+def test_new_gradients_are_mappings_of_their_own_reused_once_freed_and_bounded():
+    # A training loop's out-of-place gradient, once per step: a mapping of its own on 2 MiB
+    # boundaries, never in glibc's heap (where a new 6 MiB buffer per step left resident holes
+    # and huge-page advice once glibc's mmap threshold had risen after the first free); a
+    # freed one is the next one of its size (resident pages, no faults); one alive is never
+    # handed out twice; at most 64 MiB kept; one of 32 MiB or more unmapped when freed.
+    logits = torch.zeros(256, 4096)  # 4 MiB
+    first = None
+    for step in range(4):
+        grad = vt._new_gradient(logits)
+        address = grad.data_ptr()
+        first = address if first is None else first
+        assert address % (2 << 20) == 0 and address == first, step
+        region = mapping_of(address)
+        assert region is not None and region[2] != "[heap]", (step, region)
+        grad.fill_(float(step))
+        assert float(grad.sum()) == step * grad.numel()
+        del grad
+    alive = [vt._new_gradient(logits) for _ in range(20)]
+    starts = sorted(g.data_ptr() for g in alive)
+    assert all(b - a >= 4 << 20 for a, b in zip(starts, starts[1:])), "two live gradients overlap"
+    for number, g in enumerate(alive):
+        g.fill_(float(number))
+    assert [float(g[0, 0]) for g in alive] == [float(n) for n in range(20)]
+    del alive, g
+    kept, kept_bytes = vpce._vpce.kept_gradient_buffers()
+    assert 0 < kept_bytes <= 64 << 20 and kept == 10, (kept, kept_bytes)  # 6 MiB mapped for each
+    still_mapped = [a for a in starts if mapping_of(a) is not None]
+    assert len(still_mapped) == 10, len(still_mapped)
+    large = vt._new_gradient(torch.zeros(8192, 1024))  # 32 MiB
+    address = large.data_ptr()
+    del large
+    assert mapping_of(address) is None
+    with pytest.raises(ValueError, match="bytes: expected a size > 0, got 0"):
+        vpce._vpce.gradient_buffer(0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -6,6 +6,7 @@ Megatron's _VocabParallelCrossEntropy."""
 from __future__ import annotations
 
 import torch
+import torch.utils.dlpack
 import torch.distributed as dist
 
 from . import _vpce
@@ -148,17 +149,13 @@ _HUGE_PAGE = 2 << 20  # bytes
 
 
 def _new_gradient(x):
-    """A new contiguous tensor like x for the gradient. A CPU one of 2 MiB or more is placed
-    on 2 MiB boundaries and advised onto transparent huge pages before the kernel first
-    writes it: PyTorch's CPU allocator hands out fresh pages on every call, and faulting
-    them in 4 KiB at a time costs far more than the backward itself (docs/performance.md).
-    The tensor is a view of a slightly larger uint8 buffer (at most 4 MiB more address
-    space, never touched)."""
+    """A new contiguous tensor like x for the gradient. A CPU one of 2 MiB or more is a
+    mapping of its own on 2 MiB boundaries, advised onto transparent huge pages before the
+    kernel first writes it, and reused for the next gradient of its size once freed
+    (_vpce.gradient_buffer: not glibc's heap, whose holes a gradient per step kept resident,
+    and no page faults every step)."""
     nbytes = x.numel() * x.element_size()
     if x.device.type != "cpu" or nbytes < _HUGE_PAGE:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rounded = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
-    buffer = torch.empty(rounded + _HUGE_PAGE, dtype=torch.uint8)
-    offset = -buffer.data_ptr() % _HUGE_PAGE
-    _vpce.advise_huge_pages(buffer.data_ptr() + offset, rounded)
-    return buffer[offset:offset + nbytes].view(x.dtype).view(x.shape)
+    buffer = torch.utils.dlpack.from_dlpack(_vpce.gradient_buffer(nbytes))
+    return buffer.view(x.dtype).view(x.shape)
