@@ -81,7 +81,7 @@ void BM_BlockGradient(benchmark::State& state) {
   const auto apart = static_cast<size_t>(reinterpret_cast<uintptr_t>(grad.data()) - reinterpret_cast<uintptr_t>(row.data()));
   std::byte* separate = grad.data() + (2048 + 4096 - apart % 4096) % 4096;
   void* target = in == out ? static_cast<void*>(row.data()) : static_cast<void*>(separate);
-  const GradientConstants c{1.0f, 12.0f, 1.0f, 0.0f};
+  const GradientConstants c = make_gradient_constants(1.0, 12.0, 1.0, 0.0);
   for (auto _ : state) {
     block_gradient(row.data(), in, target, out, kBlockColumns, TransformParams{}, c);
     benchmark::DoNotOptimize(target);
@@ -98,7 +98,7 @@ void BM_BlockGradientSoftCapped(benchmark::State& state) {
   TransformParams t;
   t.cap = 30.0f;
   t.inverse_cap = 1.0f / 30.0f;
-  const GradientConstants c{1.0f, 12.0f, 1.0f, 0.0f};
+  const GradientConstants c = make_gradient_constants(1.0, 12.0, 1.0, 0.0);
   for (auto _ : state) {
     block_gradient(row.data(), StorageType::kFloat32, grad.data(), StorageType::kFloat32, kBlockColumns, t, c);
     benchmark::DoNotOptimize(grad.data());

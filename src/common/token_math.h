@@ -199,29 +199,40 @@ VPCE_HD inline TokenLoss token_loss(const float* st, int64_t target, double weig
 
 // The constants of one token's gradient:
 //   grad_v = upstream (exp(z_v - lse) coefficient - uniform [- target_weight at the target]) dz/dx_v
-// The kernels take exp(z_v - lse) as exp(z_v - lse32) e^(lse32 - lse), lse32 the lse rounded
-// to fp32: the fp32 subtraction (or AVX-512's fused multiply-subtract) is exact for the terms
-// that count, and the factor, |lse32 - lse| <= min(ulp(lse) / 2, log Vv), rides in the
-// coefficient. So an lse kept in fp64 gives p to fp32's rounding up to |lse| of about 1e9
-// (the double's own 2^-53 |lse| beyond); one kept in fp32 has lost 2^-24 |lse| already (the
-// factor is then 1).
+// The device kernels take exp(z_v - lse) as exp(z_v - lse32) e^(lse32 - lse), lse32 the lse
+// rounded to fp32: the fp32 subtraction is exact for the terms that count, and the factor,
+// |lse32 - lse| <= min(ulp(lse) / 2, log Vv), rides in the coefficient. So an lse kept in
+// fp64 gives p to fp32's rounding up to |lse| of about 1e9 (the double's own 2^-53 |lse|
+// beyond); one kept in fp32 has lost 2^-24 |lse| already (the factor is then 1). The CPU's
+// kernels shift each block by its own max m instead, exp(z_v - m) e^(m - lse), from the fp64
+// members (the argument's rounding is then 2^-24 |z_v - m|, no larger than in Megatron's
+// exp(z - max), where |z_v - lse32| exceeds it by up to log Vv).
 struct GradientConstants {
   float upstream;     // g_i w_i (0 for an ignored token)
   float lse;          // lse32
   float coefficient;  // (1 + 2 zl lse) e^(lse32 - lse)
   float uniform;      // s / Vv
+  double exact_upstream;     // g_i w_i
+  double exact_lse;          // the lse as the forward kept it
+  double z_loss_factor;      // 1 + 2 zl lse
+  double exact_uniform;      // s / Vv
 };
+
+// The constants from their fp64 values: upstream g_i w_i, the lse, 1 + 2 zl lse, s / Vv.
+VPCE_HD inline GradientConstants make_gradient_constants(double upstream, double lse, double z_loss_factor,
+                                                         double uniform) {
+  const auto lse32 = static_cast<float>(lse);
+  const double residual = static_cast<double>(lse32) - lse;
+  // (An lse of +-inf or NaN leaves a NaN residual: no factor.)
+  const double factor = residual == 0.0 || !(residual - residual == 0.0) ? 1.0 : exp(residual);
+  return GradientConstants{static_cast<float>(upstream), lse32, static_cast<float>(z_loss_factor * factor),
+                           static_cast<float>(uniform), upstream, lse, z_loss_factor, uniform};
+}
 
 VPCE_HD inline GradientConstants gradient_constants(int64_t target, double upstream, float weight, double token_lse,
                                                     const LossParams& p) {
-  const auto lse32 = static_cast<float>(token_lse);
-  const double residual = static_cast<double>(lse32) - token_lse;
-  // (An lse of +-inf or NaN leaves a NaN residual: no factor.)
-  const double factor = residual == 0.0 || !(residual - residual == 0.0) ? 1.0 : exp(residual);
-  return GradientConstants{
-      p.ignored(target) ? 0.0f : static_cast<float>(upstream * static_cast<double>(weight)), lse32,
-      static_cast<float>((1.0 + 2.0 * p.z_loss * token_lse) * factor),
-      static_cast<float>(p.smoothing / static_cast<double>(p.valid_vocab))};
+  return make_gradient_constants(p.ignored(target) ? 0.0 : upstream * static_cast<double>(weight), token_lse,
+                                 1.0 + 2.0 * p.z_loss * token_lse, p.smoothing / static_cast<double>(p.valid_vocab));
 }
 
 // A token's lse as the forward stored it, float32 or float64 (host and device).

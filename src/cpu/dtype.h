@@ -5,6 +5,7 @@
 
 #include <bit>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 
 #include "vpce/tensor.h"
@@ -127,6 +128,22 @@ inline void narrow(float value, void* p, DataType dtype) {
     const Float16 h = from_float<Float16>(value);
     std::memcpy(p, &h, sizeof(h));
   }
+}
+
+// Stores an fp64 `value` at `p`, rounded once to float32, bfloat16 or float16 (to nearest
+// even): for the narrower two, first to float32 rounded to odd (toward zero, the last bit set
+// where that was inexact), which keeps the information that makes the second rounding the
+// correct one (float32 has more than two bits beyond bfloat16's and float16's).
+inline void narrow(double value, void* p, DataType dtype) {
+  auto f = static_cast<float>(value);
+  if (dtype != kFloat32 && static_cast<double>(f) != value && std::isfinite(f)) {
+    if (std::fabs(static_cast<double>(f)) > std::fabs(value)) f = std::nextafter(f, 0.0f);
+    uint32_t bits = 0;
+    std::memcpy(&bits, &f, sizeof(bits));
+    bits |= 1u;
+    std::memcpy(&f, &bits, sizeof(bits));
+  }
+  narrow(f, p, dtype);
 }
 
 }  // namespace vpce::detail

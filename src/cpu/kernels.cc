@@ -198,7 +198,7 @@ void gradient_rows_kernel(const RowMatrix& logits, const TokenVector& targets, c
                           const TokenVector& lse, const Upstream& upstream, int64_t vocab_begin,
                           const LossParams& params, int num_threads, const RowMatrix& grad) {
   const int64_t valid = valid_columns(vocab_begin, logits.cols, params);
-  const float target_term = target_weight(params);
+  const double target_term = 1.0 - params.smoothing;
   const int64_t blocks = block_count(valid);
   const StorageType in = storage_of(logits.dtype), out = storage_of(grad.dtype);
   const TransformParams transform = logit_transform(params);
@@ -208,11 +208,12 @@ void gradient_rows_kernel(const RowMatrix& logits, const TokenVector& targets, c
     const double g = present(upstream.per_token) ? static_cast<double>(upstream.per_token.at<float>(i)) : upstream.shared;
     return gradient_constants(target_at(targets, i), g, weight_at(weights, i), token_lse.get(i), params);
   };
-  // The target's gradient, from its logit read before the row is overwritten (in place).
+  // The target's gradient, from its logit read before the row is overwritten (in place), in
+  // fp64 and rounded once: p - 1 cancels where p is about 1.
   auto target_gradient = [&](float x, const GradientConstants& c) {
-    const float z = transform_one(x, transform);
-    float g = c.upstream * ((exp_shifted_one(z, c.lse) * c.coefficient - c.uniform) - target_term);
-    if (!transform.identity()) g *= slope_one(x, transform);
+    const auto z = static_cast<double>(transform_one(x, transform));
+    double g = c.exact_upstream * ((std::exp(z - c.exact_lse) * c.z_loss_factor - c.exact_uniform) - target_term);
+    if (!transform.identity()) g *= static_cast<double>(slope_one(x, transform));
     return g;
   };
   auto zero = [&](int64_t i, int64_t begin, int64_t end) {

@@ -197,77 +197,71 @@ HWY_INLINE void StorePartial(DF d, VF v, G* p, size_t count) {
 // exactly and VSCALEFPS takes floor(t) itself, so no Cody-Waite steps remain: 9 vector
 // instructions where the way below takes 13. The factor 2^(c - s L) that the rounding of c
 // leaves (exact in fp64, within 2^(+-ulp(c) / 2)) is folded into a per-row constant. The
-// rounding of t replaces that of z - s, of the same size; (z - s)(log2(e) - L) in the
-// exponent adds 1.3e-8 |z - s| relative.
+// rounding of t, 2^-24 |t| relative to the result, grows with |z - s|; the backward takes s
+// = the block's max (docs/design.md); (z - s)(log2(e) - L) in the exponent adds 1.3e-8
+// |z - s| relative.
 //
-// Other targets: exp(z - s) with a Cody-Waite reduction (Exponential). Without VREDUCEPS
-// and VSCALEFPS, base 2 needs a floor, a conversion and a NaN fix-up and is slower there.
+// Other targets: e^z with a Cody-Waite reduction (Exponential) whose argument is z itself, not
+// z - s: n = round(z log2(e)), r = z - n ln2 exactly (ln2 in two parts), e^r by a polynomial,
+// and s only in the exponent: e^(z - s) = e^r 2^(n + E) 2^phi with -s log2(e) = E + phi, E an
+// integer, 2^phi in the per-row constant. So the result's error does not grow with |z - s|
+// (the fp32 rounding of z - s alone would cost 2^-24 |z - s| relative: 3 ulps of an fp32
+// gradient on average where the logits are close together). Without VREDUCEPS and VSCALEFPS,
+// base 2 needs a floor, a conversion and a NaN fix-up and is slower there.
 constexpr double kLog2eExact = 1.4426950408889634;  // log2(e) in fp64
 constexpr auto kLog2e = static_cast<float>(kLog2eExact);  // L
 
 // How exact an exponential must be, which sets its polynomial's degree:
-//   kFull: everything kept in fp32 (fp32 gradients, the bound's exp, the tests' exp).
+//   kFull: everything kept or rounded to a result (the gradients of every dtype, the
+//     bound's exp, the tests' exp).
 //   kSums: the forward's sums over bf16 or fp16 logits, where the arithmetic rather than the
 //     memory limits: on AVX-512 a polynomial of degree 5 (1.6 x 2^-24 relative against 0.22;
 //     a sum's terms are positive, so its relative error is at most its terms'; the loss keeps
 //     its 1e-6, docs/design.md); elsewhere kFull.
-//   kFp16, kBf16: a gradient rounded to fp16 or bf16 anyway, degree 4 or 3: relative error
-//     below 2e-5 and 1.4e-4 all told, against the 2^-12 and 2^-9 that half of their spacing
-//     is at least, so the rounded gradient is the correctly rounded value or its neighbour
-//     (docs/design.md, "Exponentials for half-precision gradients"; tests/exp_test.cc).
-enum class ExpPrecision { kFull, kSums, kFp16, kBf16 };
+enum class ExpPrecision { kFull, kSums };
 
 // The polynomials' coefficients, highest degree first, in one Horner sequence that ends with
 // the constant term(s) 1: minimax fits for the relative error (scripts/fit_exp_polynomial.py).
 //   Exp2 (AVX-512): 2^f = 1 + f Q(f), f in [0, 1): Q of degree 5 (0.22 x 2^-24 once rounded
-//   to fp32), 4 (1.6 x 2^-24), 3 (2.9e-6) or 2 (8.6e-5).
+//   to fp32) or 4 (1.6 x 2^-24).
 //   Exponential (Cody-Waite): e^r = 1 + r (1 + r P(r)), |r| <= ln2 / 2: P of degree 4
-//   (0.07 ulp), 2 (5.4e-6) or 1 (1.2e-4).
+//   (0.07 ulp).
 constexpr float kExp2Full[] = {0x1.c5417ap-13f, 0x1.46d64ap-10f, 0x1.3d0b92p-7f, 0x1.c68912p-5f,
                                0x1.ebfd58p-3f,  0x1.62e42cp-1f,  1.0f};
 constexpr float kExp2Sums[] = {0x1.e97502p-10f, 0x1.277852p-7f, 0x1.c91ce6p-5f, 0x1.ebdb56p-3f, 0x1.62e4bap-1f, 1.0f};
-constexpr float kExp2Fp16[] = {0x1.b7f73ap-7f, 0x1.abf864p-5f, 0x1.ee2452p-3f, 0x1.62d6c6p-1f, 1.0f};
-constexpr float kExp2Bf16[] = {0x1.3baaaep-4f, 0x1.d23784p-3f, 0x1.63e65ap-1f, 1.0f};
 constexpr float kExpFull[] = {0x1.6a2164p-10f, 0x1.123b96p-7f, 0x1.5558fcp-5f, 0x1.55549p-3f, 0x1.fffffcp-2f, 1.0f, 1.0f};
-constexpr float kExpFp16[] = {0x1.522100p-5f, 0x1.571f5cp-3f, 0x1.0006c8p-1f, 1.0f, 1.0f};
-constexpr float kExpBf16[] = {0x1.5540aep-3f, 0x1.020786p-1f, 1.0f, 1.0f};
 
 // The polynomial's coefficients as vectors, each times k: the polynomial then gives k times
 // the exponential, so that a gradient's factor rides in it (one multiplication fewer per
 // vector; each coefficient rounds once to fp32, and the terms being positive, that adds at
-// most 2^-24 relative). kBase2: Exp2's polynomial, else Exponential's.
-template <ExpPrecision kPrecision, bool kBase2>
+// most 2^-24 relative). kBase2: Exp2's polynomial, else Exponential's. kCompensated: the
+// constant term's rounding, k - fl32(k), is added after the last step (one addition per
+// vector): it would make every result of a row err alike, by up to 2^-25 relative (a bias,
+// where the roundings of the others average out), which a gradient of a whole row carries.
+template <ExpPrecision kPrecision, bool kBase2, bool kCompensated = false>
 struct ExpPolynomial {
-  static constexpr ExpPrecision kKind = !kBase2 && kPrecision == ExpPrecision::kSums ? ExpPrecision::kFull : kPrecision;
-  static constexpr const float* Table() {
-    if constexpr (kBase2) {
-      return kKind == ExpPrecision::kFull   ? kExp2Full
-             : kKind == ExpPrecision::kSums ? kExp2Sums
-             : kKind == ExpPrecision::kFp16 ? kExp2Fp16
-                                            : kExp2Bf16;
-    } else {
-      return kKind == ExpPrecision::kFull ? kExpFull : kKind == ExpPrecision::kFp16 ? kExpFp16 : kExpBf16;
-    }
-  }
-  static constexpr int kTerms = kKind == ExpPrecision::kFull ? 7
-                                : kKind == ExpPrecision::kSums ? 6
-                                : kKind == ExpPrecision::kFp16 ? 5
-                                                               : 4;
+  static constexpr bool kSums = kBase2 && kPrecision == ExpPrecision::kSums;
+  static constexpr const float* Table() { return kBase2 ? (kSums ? kExp2Sums : kExp2Full) : kExpFull; }
+  static constexpr int kTerms = kSums ? 6 : 7;
   VF c[kTerms];
+  VF constant_residual;  // k - fl32(k) (kCompensated)
   explicit ExpPolynomial(DF d, double k = 1.0) {
     for (int i = 0; i < kTerms; ++i) c[i] = hn::Set(d, static_cast<float>(k * static_cast<double>(Table()[i])));
+    // (The constant term is 1: it rounds to fl32(k).)
+    constant_residual = hn::Set(d, static_cast<float>(k - static_cast<double>(static_cast<float>(k))));
   }
   HWY_INLINE VF Horner(VF x) const {
     VF q = c[0];
     for (int i = 1; i < kTerms; ++i) q = hn::MulAdd(q, x, c[i]);
+    if constexpr (kCompensated) q = hn::Add(q, constant_residual);
     return q;
   }
 };
 
 // Which polynomial ExpShifted takes on this target.
 constexpr bool kShiftedBase2 = HWY_TARGET == HWY_AVX3;
-template <ExpPrecision kPrecision>
-using ShiftedPolynomial = ExpPolynomial<kPrecision, kShiftedBase2>;
+template <ExpPrecision kPrecision, bool kCompensated = false>
+using ShiftedPolynomial = ExpPolynomial<kPrecision, kShiftedBase2, kCompensated>;
 
 #if HWY_TARGET == HWY_AVX3
 // k 2^t in fp32 lanes (k from the polynomial, 1 unless a gradient's factor rides in it), 0
@@ -275,39 +269,47 @@ using ShiftedPolynomial = ExpPolynomial<kPrecision, kShiftedBase2>;
 // measures e^(x - s) on every target).
 //   t = n + f with n = floor(t) and f in [0, 1) (VREDUCEPS: exact; 0 for +-inf); k 2^f by
 //   Horner; times 2^n by VSCALEFPS (one rounding, into the subnormals too).
-template <ExpPrecision kPrecision>
-HWY_INLINE VF Exp2(VF t, const ExpPolynomial<kPrecision, true>& poly) {
+template <class Poly>
+HWY_INLINE VF Exp2(VF t, const Poly& poly) {
   const VF f{_mm512_reduce_ps(t.raw, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)};
   return VF{_mm512_scalef_ps(poly.Horner(f).raw, t.raw)};  // times 2^floor(t)
 }
 #endif
 
-// k exp(x) in fp32 lanes (k as above), 0 for x below about -103.3, +inf above about 88.72,
-// NaN for NaN.
-//   x = n ln2 + r, n = round(x / ln2) by adding 1.5 * 2^23, |r| <= ln2 / 2 with ln2 in two
-//   parts (n times the first is exact), or in one for kFp16 and kBf16 (n ln2_f is off by at
-//   most 150 x 1.9e-9); k e^r by Horner; then times 2^n by two exponent multiplications (so
-//   that results below 2^-126 round once into the subnormals).
-template <ExpPrecision kPrecision>
-HWY_INLINE VF Exponential(DF d, VF x, const ExpPolynomial<kPrecision, false>& poly) {
-  const VF kRoundingShift = hn::Set(d, 0x1.8p23f);
-  // The constant first: x86's MINPS and MAXPS return their second operand when either is
-  // NaN, so NaN passes through the clamp (and on to the result) without a blend.
-  const VF clamped = hn::Min(hn::Set(d, 89.0f), hn::Max(hn::Set(d, -104.0f), x));
-  const VF shifted = hn::MulAdd(clamped, hn::Set(d, kLog2e), kRoundingShift);
-  const VF n = hn::Sub(shifted, kRoundingShift);
-  VF r;
-  if constexpr (kPrecision == ExpPrecision::kFull || kPrecision == ExpPrecision::kSums) {
-    r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), clamped);  // ln2 to 15 bits
-    r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);    // the rest of ln2
-  } else {
-    r = hn::MulAdd(n, hn::Set(d, -0x1.62e430p-1f), clamped);  // ln2 rounded to fp32
-  }
+// Whether the exponential takes z itself as its argument (ExponentialScaled, with e^-s in its
+// exponent): Cody-Waite's n ln2 is then of any size, so r = z - n ln2 needs a fused
+// multiply-add to stay exact. AVX-512 (Exp2) and the targets without FMA (SSE4, SSSE3,
+// scalar) subtract the shift instead, and the backward shifts by the block's max there.
+constexpr bool kExactArgument = HWY_TARGET != HWY_AVX3 && HWY_NATIVE_FMA;
+
+using DI = hn::RebindToSigned<DF>;
+using VI = hn::Vec<DI>;
+constexpr float kRoundingShift = 0x1.8p23f;  // 1.5 x 2^23: x + it rounds x to an integer
+constexpr int32_t kRoundingShiftBits = 0x4B400000;
+
+// k exp(x) 2^E in fp32 lanes (k as above; E through exponent_bias = the bits of 1.5 x 2^23
+// minus E), for x clamped to [low, high] first (low: e^-150 times E's power of two, which
+// any k up to 2^60 leaves below fp32's smallest subnormal, so that -inf gives 0): 0 below
+// about e^-103.3, +inf above e^88.72, NaN for NaN.
+//   x = n ln2 + r, n = round(x / ln2) by adding 1.5 * 2^23 (|x / ln2| < 2^22), |r| <= ln2 / 2
+//   with ln2 in two parts (n times the first is exact); k e^r by Horner; then times 2^(n + E)
+//   by two exponent multiplications (so that results below 2^-126 round once into the
+//   subnormals). The clamp keeps n + E in [-217, 128].
+template <class Poly>
+HWY_INLINE VF ExponentialScaled(DF d, VF x, VF low, VF high, VI exponent_bias, const Poly& poly) {
+  const VF rounding_shift = hn::Set(d, kRoundingShift);
+  // The bound first: x86's MINPS and MAXPS return their second operand when either is NaN,
+  // so NaN passes through the clamp (and on to the result) without a blend.
+  const VF clamped = hn::Min(high, hn::Max(low, x));
+  const VF shifted = hn::MulAdd(clamped, hn::Set(d, kLog2e), rounding_shift);
+  const VF n = hn::Sub(shifted, rounding_shift);
+  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), clamped);  // ln2 to 15 bits
+  r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);       // the rest of ln2
   const VF exp_r = poly.Horner(r);
-  const hn::RebindToSigned<DF> di;
-  const auto n_int = hn::Sub(hn::BitCast(di, shifted), hn::BitCast(di, kRoundingShift));
-  const auto half = hn::ShiftRight<1>(n_int);
-  const auto bias = hn::Set(di, 127);
+  const DI di;
+  const VI n_int = hn::Sub(hn::BitCast(di, shifted), exponent_bias);  // n + E
+  const VI half = hn::ShiftRight<1>(n_int);
+  const VI bias = hn::Set(di, 127);
   const VF scale_a = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(half, bias)));
   const VF scale_b = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::Sub(n_int, half), bias)));
   const VF result = hn::Mul(hn::Mul(exp_r, scale_a), scale_b);
@@ -318,52 +320,89 @@ HWY_INLINE VF Exponential(DF d, VF x, const ExpPolynomial<kPrecision, false>& po
 #endif
 }
 
+// k exp(x) (k as above).
+template <class Poly>
+HWY_INLINE VF Exponential(DF d, VF x, const Poly& poly) {
+  return ExponentialScaled(d, x, hn::Set(d, -150.0f), hn::Set(d, 89.0f), hn::Set(DI(), kRoundingShiftBits), poly);
+}
+
 HWY_INLINE VF Exponential(DF d, VF x) { return Exponential(d, x, ExpPolynomial<ExpPrecision::kFull, false>(d)); }
+
+// What the lanes need of a shift s, in vectors the loops keep in registers.
+struct ShiftLanes {
+  VF value;  // AVX-512: what the lanes subtract, c (or s, subtract_first); elsewhere s (subtract_first only)
+#if HWY_TARGET != HWY_AVX3
+  VF low, high;       // the clamp of the exponential's argument
+  VI exponent_bias;   // the bits of 1.5 x 2^23 minus E
+#endif
+};
 
 // The shift s of e^(z - s) as the lanes take it.
 struct LaneShift {
-  VF value;               // what the lanes subtract: c (AVX-512) or s
-  double log2_reference;  // the lanes give 2^(z log2(e) - log2_reference): c, or s log2(e)
+  ShiftLanes lanes;
+  double log2_reference;  // the lanes give 2^(z log2(e) - log2_reference): c, s log2(e) or -E
   double correction;      // 2^(log2_reference - s log2(e)): the factor from those to e^(z - s)
-  // AVX-512 where c would miss s log2(e) by more than 8: the lanes take 2^((z - s) log2(e)),
-  // value s.
+  // AVX-512 where c would miss s log2(e) by more than 8, elsewhere without FMA or where |s| is
+  // beyond 2^21: the lanes take e^(z - fl32(s)).
   bool subtract_first = false;
 };
 
-HWY_INLINE LaneShift MakeLaneShift(DF d, float s) {
+HWY_INLINE LaneShift MakeLaneShift(DF d, double s) {
+  const double s_log2 = s * kLog2eExact;
 #if HWY_TARGET == HWY_AVX3
-  const double s_log2 = static_cast<double>(s) * static_cast<double>(kLog2e);  // exact
-  const auto c = static_cast<float>(s_log2);
+  const double s32_log2 = static_cast<double>(static_cast<float>(s)) * static_cast<double>(kLog2e);  // exact
+  const auto c = static_cast<float>(s32_log2);
+  const double residual = static_cast<double>(static_cast<float>(s)) - s;
+  // (e^(fl32(s) - s), 1 for an s of fp32 or one that is not finite)
+  const double s_factor = residual == 0.0 || !(residual - residual == 0.0) ? 1.0 : std::exp(residual);
   // Beyond |s log2(e)| = 2^27 (|s| about 9.3e7), c can miss s log2(e) by half of fp32's
   // spacing there (8 and more: 256 at 2^32), and 2^(z log2(e) - c), 2^(s log2(e) - c) for the
   // max, would leave fp32's range (the loss -inf, NaN or wrong). Where the miss exceeds 8 the
   // lanes subtract s first, exactly for the terms that count (Sterbenz), at one more operation
   // per vector; every other row keeps the one fused multiply-subtract.
-  if (std::fabs(static_cast<double>(c) - s_log2) > 8.0) return {hn::Set(d, s), s_log2, 1.0, true};
-  return {hn::Set(d, c), static_cast<double>(c), std::exp2(static_cast<double>(c) - s_log2)};
+  if (std::fabs(static_cast<double>(c) - s32_log2) > 8.0) {
+    return {{hn::Set(d, static_cast<float>(s))}, s32_log2, s_factor, true};
+  }
+  return {{hn::Set(d, c)}, static_cast<double>(c), std::exp2(static_cast<double>(c) - s32_log2) * s_factor};
 #else
-  return {hn::Set(d, s), static_cast<double>(s) * kLog2eExact, 1.0};
+  const DI di;
+  if (!kExactArgument || !(std::fabs(s) < 0x1p21)) {  // (and NaN, infinities): e^(z - fl32(s))
+    const auto s32 = static_cast<float>(s);
+    const double residual = static_cast<double>(s32) - s;
+    const double factor = residual == 0.0 || !(residual - residual == 0.0) ? 1.0 : std::exp(residual);
+    return {{hn::Set(d, s32), hn::Set(d, -150.0f), hn::Set(d, 89.0f), hn::Set(di, kRoundingShiftBits)},
+            static_cast<double>(s32) * kLog2eExact,
+            factor,
+            true};
+  }
+  const double exponent = std::nearbyint(-s_log2);  // E
+  return {{hn::Zero(d), hn::Set(d, static_cast<float>(s - 150.0)), hn::Set(d, static_cast<float>(s + 89.0)),
+           hn::Set(di, kRoundingShiftBits - static_cast<int32_t>(exponent))},
+          -exponent,
+          std::exp2(-exponent - s_log2)};
 #endif
 }
 
 // k e^(z - s) up to the factor shift.correction (k from the polynomial), from the shift's
-// value (LaneShift::value), with kSubtractFirst = shift.subtract_first known at compile time
-// (for a loop that tests it once, not at every vector).
-template <bool kSubtractFirst, ExpPrecision kPrecision>
-HWY_INLINE VF ExpShiftedAs(DF d, VF z, VF shift_value, const ShiftedPolynomial<kPrecision>& poly) {
+// lanes, with kSubtractFirst = shift.subtract_first known at compile time (for a loop that
+// tests it once, not at every vector).
+template <bool kSubtractFirst, class Poly>
+HWY_INLINE VF ExpShiftedAs(DF d, VF z, const ShiftLanes& shift, const Poly& poly) {
 #if HWY_TARGET == HWY_AVX3
-  if constexpr (kSubtractFirst) return Exp2(hn::Mul(hn::Sub(z, shift_value), hn::Set(d, kLog2e)), poly);
-  return Exp2(hn::MulSub(z, hn::Set(d, kLog2e), shift_value), poly);
+  if constexpr (kSubtractFirst) return Exp2(hn::Mul(hn::Sub(z, shift.value), hn::Set(d, kLog2e)), poly);
+  return Exp2(hn::MulSub(z, hn::Set(d, kLog2e), shift.value), poly);
 #else
-  return Exponential(d, hn::Sub(z, shift_value), poly);
+  if constexpr (kSubtractFirst) return ExponentialScaled(d, hn::Sub(z, shift.value), shift.low, shift.high,
+                                                         shift.exponent_bias, poly);
+  return ExponentialScaled(d, z, shift.low, shift.high, shift.exponent_bias, poly);
 #endif
 }
 
 // k e^(z - s) up to the factor shift.correction (k from the polynomial).
-template <ExpPrecision kPrecision>
-HWY_INLINE VF ExpShifted(DF d, VF z, const LaneShift& shift, const ShiftedPolynomial<kPrecision>& poly) {
-  return HWY_UNLIKELY(shift.subtract_first) ? ExpShiftedAs<true>(d, z, shift.value, poly)
-                                            : ExpShiftedAs<false>(d, z, shift.value, poly);
+template <class Poly>
+HWY_INLINE VF ExpShifted(DF d, VF z, const LaneShift& shift, const Poly& poly) {
+  return HWY_UNLIKELY(shift.subtract_first) ? ExpShiftedAs<true>(d, z, shift.lanes, poly)
+                                            : ExpShiftedAs<false>(d, z, shift.lanes, poly);
 }
 
 // e^(z - s) up to the factor shift.correction.
@@ -375,7 +414,7 @@ HWY_INLINE VF ExpShifted(DF d, VF z, const LaneShift& shift) {
 // A bf16 gradient K e^(z - s) rounded inside the exp, for AVX-512 without AVX512-BF16: the
 // shift c moved by the fraction of log2|K| (then rounded to fp32) makes the polynomial's
 // factor K 2^(c - s log2(e)) = +-2^e (1 + mu), |mu| <= kMaxExcess, so every value of the
-// polynomial, +-2^e (1 + mu) 2^f for f in [0, 1) with its error of 8.6e-5, lies within
+// polynomial, +-2^e (1 + mu) 2^f for f in [0, 1) with its error of 1.3e-8, lies within
 // 2^-9 of the binade [2^e, 2^(e+1)] in relative terms. Adding and subtracting 1.5 x 2^(e+16)
 // rounds it to nearest even on the grid 2^(e-7): bf16's 8 bits inside the binade, and the
 // end 2^e or 2^(e+1) for a value just outside it, which is what bf16 rounds it to as well
@@ -386,7 +425,7 @@ HWY_INLINE VF ExpShifted(DF d, VF z, const LaneShift& shift) {
 // false where the shift's fp32 rounding leaves too large a mu: |c| above 2^16 (logits beyond
 // about +-45000) may.
 struct BinadeShift {
-  static constexpr double kMaxExcess = 1.5e-3;  // + 8.7e-5 from the polynomial < 2^-9
+  static constexpr double kMaxExcess = 1.5e-3;  // + the polynomial's error < 2^-9
   LaneShift shift;
   double coefficient;  // K 2^(c - s log2(e)): +-2^e (1 + mu)
   VF grid;             // +-1.5 x 2^(e+16), the sign of K
@@ -405,14 +444,14 @@ HWY_INLINE BinadeShift MakeBinadeShift(DF d, float s, double k) {
   const double excess = std::fabs(coefficient) / std::exp2(e) - 1.0;
   const bool valid = std::fabs(excess) <= BinadeShift::kMaxExcess;
   const auto grid = static_cast<float>(std::copysign(1.5 * std::exp2(e + 16.0), k));
-  return {{hn::Set(d, c), static_cast<double>(c), correction}, coefficient, hn::Set(d, grid), valid};
+  return {{{hn::Set(d, c)}, static_cast<double>(c), correction}, coefficient, hn::Set(d, grid), valid};
 }
 
 // k e^(z - s) as ExpShifted gives it, rounded to bf16 on the way (k and the shift from a
 // valid BinadeShift).
-template <ExpPrecision kPrecision>
-HWY_INLINE VF ExpShiftedBf16(DF d, VF z, const BinadeShift& binade, const ShiftedPolynomial<kPrecision>& poly) {
-  const VF t = hn::MulSub(z, hn::Set(d, kLog2e), binade.shift.value);
+template <class Poly>
+HWY_INLINE VF ExpShiftedBf16(DF d, VF z, const BinadeShift& binade, const Poly& poly) {
+  const VF t = hn::MulSub(z, hn::Set(d, kLog2e), binade.shift.lanes.value);
   const VF f{_mm512_reduce_ps(t.raw, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)};
   // With the rounding mode in the instructions: to nearest whatever MXCSR says, and never
   // folded away (as fast-math may fold `(p + grid) - grid` written with + and -).
@@ -530,6 +569,9 @@ int64_t RawMax16(const T* p, int64_t groups, float* max) {
 // then fit fp32's range whatever the logits (offsets up to 6.8e38).
 constexpr float kLogitSumScale = 0x1p-32f;
 
+// The forward's lanes of exponentials fold into their fp64 sum every this many vectors.
+constexpr int64_t kFoldVectors = 32;
+
 // row: [cols] of T -> BlockStats, a chunk of 256 vectors (in L1) at a time: the chunk's max,
 // then the sum of e^(z - m) with m the max so far (as 2^(z L - c), see ExpShifted), the
 // earlier chunks' fp64 sum rescaled when m grows (rarely, after the first chunks). Each
@@ -603,6 +645,13 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
       shift = grown;
     }
     VF sums[8] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
+    // sum_exp2 += the accumulators' sum, and they start again from 0.
+    auto fold_sums = [&] {
+      const VF all = hn::Add(hn::Add(hn::Add(sums[0], sums[1]), hn::Add(sums[2], sums[3])),
+                             hn::Add(hn::Add(sums[4], sums[5]), hn::Add(sums[6], sums[7])));
+      sum_exp2 += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, all)));
+      for (VF& sum : sums) sum = hn::Zero(d);
+    };
     VF sums_z[4] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
     // The logits' sum relative to the max (so that it stays small where they are large and
     // close together), scaled by 2^-32 in the lanes (exactly, but for offsets below 2^-94) so
@@ -613,35 +662,42 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
     // The chunk's sums, with the shift's kind fixed for its loops.
     auto sum_chunk = [&](auto subtract_first) {
       constexpr bool kSubtractFirst = decltype(subtract_first)::value;
+      const ShiftLanes lanes_shift = shift.lanes;
       // Two vectors into the accumulators `into` and `into + 1` (and `into / 2` of the logits).
       auto two = [&](int64_t at, int into) {
         hwy::Prefetch(row + at + ahead);  // spread over the exponentials, which leave time
         VF x0, x1;
         LoadTwo(d, row + at, x0, x1);
         const VF z0 = Transform<kKind>(d, x0, t), z1 = Transform<kKind>(d, x1, t);
-        sums[into] = hn::Add(sums[into], ExpShiftedAs<kSubtractFirst>(d, z0, shift.value, poly));
-        sums[into + 1] = hn::Add(sums[into + 1], ExpShiftedAs<kSubtractFirst>(d, z1, shift.value, poly));
+        sums[into] = hn::Add(sums[into], ExpShiftedAs<kSubtractFirst>(d, z0, lanes_shift, poly));
+        sums[into + 1] = hn::Add(sums[into + 1], ExpShiftedAs<kSubtractFirst>(d, z1, lanes_shift, poly));
         if (with_sum_logits) {
           sums_z[into / 2] =
               hn::Add(sums_z[into / 2], hn::Add(hn::MulSub(z0, scale, reference), hn::MulSub(z1, scale, reference)));
         }
       };
-      for (v = begin; v + 8 * lanes <= full_end; v += 8 * lanes) {
-        two(v, 0);
-        two(v + 2 * lanes, 2);
-        two(v + 4 * lanes, 4);
-        two(v + 6 * lanes, 6);
+      // The exponentials' lanes fold into the fp64 sum every kFoldVectors vectors (4 terms a
+      // lane): summed over a whole chunk (32 a lane), their fp32 roundings had cost the lse up
+      // to 3.5 x 2^-24, which the backward's p carries (docs/design.md).
+      for (v = begin; v + kFoldVectors * lanes <= full_end;) {
+        for (const int64_t fold_end = v + kFoldVectors * lanes; v < fold_end; v += 8 * lanes) {
+          two(v, 0);
+          two(v + 2 * lanes, 2);
+          two(v + 4 * lanes, 4);
+          two(v + 6 * lanes, 6);
+        }
+        fold_sums();
       }
       for (; v + 2 * lanes <= full_end; v += 2 * lanes) two(v, 0);
       VF& sum_e = sums[0];
       VF& sum_z = sums_z[0];
       if (v < full_end) {  // one vector left
         const VF z = Transform<kKind>(d, LoadFull(d, row + v), t);
-        sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst>(d, z, shift.value, poly));
+        sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst>(d, z, lanes_shift, poly));
         sum_z = hn::Add(sum_z, hn::MulSub(z, scale, reference));
       }
       if (has_tail) {
-        sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst>(d, z_tail, shift.value, poly));
+        sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst>(d, z_tail, lanes_shift, poly));
         sum_z = hn::Add(sum_z, hn::IfThenElseZero(hn::FirstN(d, tail), hn::MulSub(z_tail, scale, reference)));
       }
     };
@@ -650,9 +706,7 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
     } else {
       sum_chunk(std::false_type{});
     }
-    const VF all = hn::Add(hn::Add(hn::Add(sums[0], sums[1]), hn::Add(sums[2], sums[3])),
-                           hn::Add(hn::Add(sums[4], sums[5]), hn::Add(sums[6], sums[7])));
-    sum_exp2 += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, all)));
+    fold_sums();
     if (with_sum_logits) {
       const VF all_z = hn::Add(hn::Add(sums_z[0], sums_z[1]), hn::Add(sums_z[2], sums_z[3]));
       sum_logits += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, all_z))) / static_cast<double>(kLogitSumScale);
@@ -776,48 +830,69 @@ HWY_INLINE void StoreGradient(DF d, VF v, G* p) {
   StoreFull(d, v, p);
 }
 
-// row: [cols] of T -> grad: [cols] of G.
+// The largest transformed logit of a block: the transform of the logits' max (the logit
+// scale and the soft cap are increasing), -inf for none (every logit -inf, or NaN, which
+// x86's MAXPS drops: such a row's lse is NaN, and so is every gradient of it). bf16 and fp16
+// logits on their 16-bit patterns (RawMax16).
+template <class T, int kKind>
+float BlockMax(const T* row, int64_t cols, const TransformParams& t) {
+  const DF d;
+  const auto lanes = static_cast<int64_t>(hn::Lanes(d));
+  const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+  VF max0 = neg_inf, max1 = neg_inf, max2 = neg_inf, max3 = neg_inf;
+  int64_t v = 0;
+  float raw_max = -std::numeric_limits<float>::infinity();
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (!std::is_same_v<T, float>) v = RawMax16(row, cols / (4 * lanes), &raw_max) * 4 * lanes;
+#endif
+  for (; v + 4 * lanes <= cols; v += 4 * lanes) {
+    VF x0, x1, x2, x3;
+    LoadTwo(d, row + v, x0, x1);
+    LoadTwo(d, row + v + 2 * lanes, x2, x3);
+    max0 = hn::Max(max0, x0);
+    max1 = hn::Max(max1, x1);
+    max2 = hn::Max(max2, x2);
+    max3 = hn::Max(max3, x3);
+  }
+  for (; v + lanes <= cols; v += lanes) max0 = hn::Max(max0, LoadFull(d, row + v));
+  if (v < cols) {
+    const auto tail = static_cast<size_t>(cols - v);
+    max1 = hn::Max(max1, hn::IfThenElse(hn::FirstN(d, tail), LoadPartial(d, row + v, tail), neg_inf));
+  }
+  const float lanes_max = hn::GetLane(hn::MaxOfLanes(d, hn::Max(hn::Max(max0, max1), hn::Max(max2, max3))));
+  const float max = raw_max > lanes_max || std::isnan(raw_max) ? raw_max : lanes_max;
+  if constexpr (kKind == kIdentity) return max;
+  return hn::GetLane(Transform<kKind>(d, hn::Set(d, max), t));
+}
+
+// row: [cols] of T -> grad: [cols] of G, as g = k e^(z - m) - u with the shift m (whose
+// rounding's factor is in k already).
 // kHardwareBf16: full vectors of a bf16 gradient are rounded by VCVTNEPS2BF16 (AVX3 only).
-// kFolded: no uniform term (no label smoothing), so the gradient is its coefficient times
-// e^(z - lse), and the coefficient rides in the exp's polynomial (ExpPolynomial).
-// kUniform: a uniform term (label smoothing): p coefficient - uniform can cancel, so the
-// exp's relative error is not the gradient's, and a half-precision gradient takes the full
-// exp (the lower degrees' bound holds for a gradient that is p times factors only).
+// kFolded: no uniform term (u = 0), so the gradient is k e^(z - m), and k rides in the exp's
+// polynomial (ExpPolynomial).
 // kBinade (AVX3, bf16 in and out, kFolded, no AVX512-BF16): the gradient rounded to bf16
-// inside the exp with `binade_shift`, the caller's valid BinadeShift of c.lse and its factor.
-template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded, bool kUniform = false, bool kBinade = false>
-void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c,
-              [[maybe_unused]] const BinadeShift* binade_shift = nullptr) {
+// inside the exp with `binade_shift`, the caller's valid BinadeShift of m and its factor.
+template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded, bool kBinade = false>
+void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t, const LaneShift& shift, double k,
+                  float u, [[maybe_unused]] const BinadeShift* binade_shift = nullptr) {
   static_assert(!kBinade || (kFolded && !kHardwareBf16 && kKind == kIdentity && std::is_same_v<T, BFloat16> &&
                              std::is_same_v<G, BFloat16> && HWY_TARGET == HWY_AVX3));
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
-  // upstream (p coefficient - uniform) as one fused multiply-subtract, p = e^(z - lse) from
-  // ExpShifted, its factor shift.correction in the coefficient; or, kFolded, the coefficient
-  // in the polynomial.
-  const double k = static_cast<double>(c.upstream) * static_cast<double>(c.coefficient);
-  LaneShift shift = MakeLaneShift(d, c.lse);
-  double coefficient = k * shift.correction;
 #if HWY_TARGET == HWY_AVX3
   BinadeShift binade{};
-  if constexpr (kBinade) {
-    binade = *binade_shift;
-    shift = binade.shift;
-    coefficient = binade.coefficient;
-  }
+  if constexpr (kBinade) binade = *binade_shift;
 #endif
   // The shift's value and kind as locals, so that they stay in registers across the loops'
   // stores (after the fp16 store's asm the compiler would read a struct's fields again).
-  const VF shift_value = shift.value;
+  const ShiftLanes lanes_shift = shift.lanes;
   const bool subtract_first = shift.subtract_first;
-  const VF scaled_coefficient = hn::Set(d, static_cast<float>(coefficient));
-  const VF scaled_uniform = hn::Set(d, c.upstream * c.uniform);
-  // A bf16 or fp16 gradient is rounded to 8 or 11 bits: an exp of degree 3 or 4 is enough.
-  constexpr ExpPrecision kPrecision = kUniform                      ? ExpPrecision::kFull
-                                      : std::is_same_v<G, BFloat16> ? ExpPrecision::kBf16
-                                      : std::is_same_v<G, Float16>  ? ExpPrecision::kFp16
-                                                                    : ExpPrecision::kFull;
-  const ShiftedPolynomial<kPrecision> poly(d, kFolded ? coefficient : 1.0);
+  const VF scaled_coefficient = hn::Set(d, static_cast<float>(k));
+  const VF scaled_uniform = hn::Set(d, u);
+  // Every gradient takes the full exp, also one rounded to bf16 or fp16 afterwards: a
+  // cheaper exp's error, though within one unit of the dtype, leans one way and takes a
+  // rounding the wrong way a hundred times as often (docs/design.md).
+  const ShiftedPolynomial<ExpPrecision::kFull, kFolded> poly(d, kFolded ? k : 1.0);
   auto element = [&](VF x) {
     VF slope;
     const VF z = TransformWithSlope<kKind>(d, x, t, &slope);
@@ -827,8 +902,8 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
       g = ExpShiftedBf16(d, z, binade, poly);
 #endif
     } else {
-      g = HWY_UNLIKELY(subtract_first) ? ExpShiftedAs<true>(d, z, shift_value, poly)
-                                       : ExpShiftedAs<false>(d, z, shift_value, poly);
+      g = HWY_UNLIKELY(subtract_first) ? ExpShiftedAs<true>(d, z, lanes_shift, poly)
+                                       : ExpShiftedAs<false>(d, z, lanes_shift, poly);
       if constexpr (!kFolded) g = hn::MulSub(g, scaled_coefficient, scaled_uniform);
     }
     if constexpr (kKind != kIdentity) g = hn::Mul(g, slope);
@@ -882,39 +957,62 @@ void Gradient(const T* row, G* grad, int64_t cols, const TransformParams& t, con
   }
 }
 
-// Whether the gradient's coefficient can ride in the exp's polynomial: no uniform term, and a
-// coefficient of moderate size (so that the polynomial's coefficients times it neither
-// overflow nor lose bits to underflow; otherwise the multiply-subtract, as with smoothing).
-inline bool FoldsCoefficient(const GradientConstants& c) {
-  const double k = static_cast<double>(c.upstream) * static_cast<double>(c.coefficient);
-  return c.upstream * c.uniform == 0.0f && std::fabs(k) >= 0x1p-60 && std::fabs(k) <= 0x1p60;
+// Whether a gradient's factor can ride in the exp's polynomial: a factor of moderate size,
+// so that the polynomial's coefficients times it neither overflow nor lose bits to underflow
+// (otherwise the multiply-subtract, as with smoothing; NaN fails too).
+inline bool Foldable(double k) { return std::fabs(k) >= 0x1p-60 && std::fabs(k) <= 0x1p60; }
+
+// The gradient of a block for the transform's kind: g = upstream (1 + 2 zl lse) e^(z - lse)
+// - upstream s / Vv, the first term's factor in fp64 once per block.
+//   With FMA, elsewhere than AVX-512 (kExactArgument), the lanes take e^(z - lse) with z
+//   itself as the exponential's argument (ExponentialScaled), so the result's error does not
+//   grow with |z - lse|.
+//   AVX-512 (Exp2: t = z log2(e) - c, whose rounding grows with |z - s|) and the targets
+//   without FMA shift by the block's max m instead of lse, e^(z - m) e^(m - lse): a pass over
+//   the block for its max (which then stays in cache for the next), the argument's rounding
+//   2^-24 |z - m| relative, no larger than in Megatron's exp(z - max), where |z - lse|
+//   exceeds |z - max| by up to log Vv.
+template <class T, class G, int kKind, bool kHardwareBf16>
+void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
+  const DF d;
+  const double upstream = c.exact_upstream * c.z_loss_factor;
+  const auto u = static_cast<float>(c.exact_upstream * c.exact_uniform);
+  if constexpr (kExactArgument) {
+    const LaneShift shift = MakeLaneShift(d, c.exact_lse);
+    const double k = upstream * shift.correction;
+    if (u == 0.0f && Foldable(k)) {
+      return GradientLoop<T, G, kKind, kHardwareBf16, true>(row, grad, cols, t, shift, k, 0.0f);
+    }
+    return GradientLoop<T, G, kKind, kHardwareBf16, false>(row, grad, cols, t, shift, k, u);
+  } else {
+    const float max = BlockMax<T, kKind>(row, cols, t);
+    // A block of -inf (every p 0) takes the shift 0, where e^(-inf - 0) is 0.
+    const float m = max == -std::numeric_limits<float>::infinity() ? 0.0f : max;
+    const LaneShift shift = MakeLaneShift(d, m);
+    // (0 for a block of -inf, NaN for a row whose lse is NaN or +inf, or -inf)
+    const double factor = upstream * std::exp(static_cast<double>(max) - c.exact_lse);
+    const double k = factor * shift.correction;
+    if (u == 0.0f && Foldable(k)) {
+#if HWY_TARGET == HWY_AVX3
+      if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16> && !kHardwareBf16 &&
+                    kKind == kIdentity) {
+        if (const BinadeShift binade = MakeBinadeShift(d, m, factor); binade.valid) {
+          return GradientLoop<T, G, kKind, false, true, true>(row, grad, cols, t, binade.shift, binade.coefficient,
+                                                              0.0f, &binade);
+        }
+      }
+#endif
+      return GradientLoop<T, G, kKind, kHardwareBf16, true>(row, grad, cols, t, shift, k, 0.0f);
+    }
+    return GradientLoop<T, G, kKind, kHardwareBf16, false>(row, grad, cols, t, shift, k, u);
+  }
 }
 
-// The gradient kernel for the transform's kind.
 template <class T, class G, bool kHardwareBf16>
-void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
-  // An fp32 gradient always takes the full exp, so it needs no kUniform variant.
-  if constexpr (!std::is_same_v<G, float>) {
-    if (c.upstream * c.uniform != 0.0f) {
-      if (t.cap > 0.0f) return Gradient<T, G, kSoftCapped, kHardwareBf16, false, true>(row, grad, cols, t, c);
-      if (t.scale != 1.0f) return Gradient<T, G, kScaled, kHardwareBf16, false, true>(row, grad, cols, t, c);
-      return Gradient<T, G, kIdentity, kHardwareBf16, false, true>(row, grad, cols, t, c);
-    }
-  }
-  if (t.cap > 0.0f) return Gradient<T, G, kSoftCapped, kHardwareBf16, false>(row, grad, cols, t, c);
-  if (t.scale != 1.0f) return Gradient<T, G, kScaled, kHardwareBf16, false>(row, grad, cols, t, c);
-  if (FoldsCoefficient(c)) {
-#if HWY_TARGET == HWY_AVX3
-    if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16> && !kHardwareBf16) {
-      const double k = static_cast<double>(c.upstream) * static_cast<double>(c.coefficient);
-      if (const BinadeShift binade = MakeBinadeShift(DF(), c.lse, k); binade.valid) {
-        return Gradient<T, G, kIdentity, false, true, false, true>(row, grad, cols, t, c, &binade);
-      }
-    }
-#endif
-    return Gradient<T, G, kIdentity, kHardwareBf16, true>(row, grad, cols, t, c);
-  }
-  return Gradient<T, G, kIdentity, kHardwareBf16, false>(row, grad, cols, t, c);
+void GradientForTransform(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
+  if (t.cap > 0.0f) return GradientForKind<T, G, kSoftCapped, kHardwareBf16>(row, grad, cols, t, c);
+  if (t.scale != 1.0f) return GradientForKind<T, G, kScaled, kHardwareBf16>(row, grad, cols, t, c);
+  return GradientForKind<T, G, kIdentity, kHardwareBf16>(row, grad, cols, t, c);
 }
 
 template <class T, class G>
@@ -924,10 +1022,10 @@ void GradientForTypes(const void* row, void* grad, int64_t cols, const Transform
   G* g = static_cast<G*>(grad);
 #if HWY_TARGET == HWY_AVX3
   if constexpr (std::is_same_v<G, BFloat16>) {
-    if (HasAvx512Bf16()) return GradientForKind<T, G, true>(r, g, cols, t, c);
+    if (HasAvx512Bf16()) return GradientForTransform<T, G, true>(r, g, cols, t, c);
   }
 #endif
-  GradientForKind<T, G, false>(r, g, cols, t, c);
+  GradientForTransform<T, G, false>(r, g, cols, t, c);
 }
 
 template <class T>
@@ -1047,26 +1145,26 @@ float SlopeOneImpl(float x, const TransformParams& t) {
 float ExpShiftedOneImpl(float x, float s) {
   const DF d;
   const LaneShift shift = MakeLaneShift(d, s);
-  return hn::GetLane(ExpShifted(d, hn::Set(d, x), shift)) * static_cast<float>(shift.correction);
+  return hn::GetLane(
+      ExpShifted(d, hn::Set(d, x), shift, ShiftedPolynomial<ExpPrecision::kFull, true>(d, shift.correction)));
 }
 
 void ExpShiftedImpl(const float* x, float s, float* y, int64_t n) {
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
   const LaneShift shift = MakeLaneShift(d, s);
-  const VF factor = hn::Set(d, static_cast<float>(shift.correction));
-  int64_t v = 0;
-  if (shift.correction == 1.0) {  // as in the kernels, which fold the correction into a constant
-    for (; v + lanes <= n; v += lanes) hn::StoreU(ExpShifted(d, hn::LoadU(d, x + v), shift), d, y + v);
-  } else {
-    for (; v + lanes <= n; v += lanes) {
-      hn::StoreU(hn::Mul(ExpShifted(d, hn::LoadU(d, x + v), shift), factor), d, y + v);
+  // The correction in the polynomial, as the gradients fold their factor (with s = 0, as
+  // for the bound's exp, there is none: the plain polynomial, the same bits).
+  auto run = [&](const auto& poly) {
+    int64_t v = 0;
+    for (; v + lanes <= n; v += lanes) hn::StoreU(ExpShifted(d, hn::LoadU(d, x + v), shift, poly), d, y + v);
+    if (v < n) {  // the last partial vector, with the same arithmetic
+      const auto tail = static_cast<size_t>(n - v);
+      StorePartial(d, ExpShifted(d, LoadPartial(d, x + v, tail), shift, poly), y + v, tail);
     }
-  }
-  if (v < n) {  // the last partial vector, with the same arithmetic
-    const auto tail = static_cast<size_t>(n - v);
-    StorePartial(d, hn::Mul(ExpShifted(d, LoadPartial(d, x + v, tail), shift), factor), y + v, tail);
-  }
+  };
+  if (shift.correction == 1.0) return run(ShiftedPolynomial<ExpPrecision::kFull>(d));
+  run(ShiftedPolynomial<ExpPrecision::kFull, true>(d, shift.correction));
 }
 
 // x: [n] fp32 -> out: [n] of `type`, through the kernels' stores of a gradient (full vectors
@@ -1111,6 +1209,7 @@ void StreamCopyImpl(void* destination, const void* source, int64_t bytes) {
 }
 
 const char* TargetNameImpl() { return hwy::TargetName(HWY_TARGET); }
+bool ExpArgumentIsExactImpl() { return kExactArgument; }
 
 }  // namespace HWY_NAMESPACE
 }  // namespace vpce::detail
@@ -1148,6 +1247,7 @@ HWY_EXPORT(StreamCopyImpl);
 HWY_EXPORT(RowMaxImpl);
 HWY_EXPORT(ExpRowInPlaceImpl);
 HWY_EXPORT(TargetNameImpl);
+HWY_EXPORT(ExpArgumentIsExactImpl);
 
 void fold_block(BlockStats& a, const BlockStats& b, int64_t offset) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -1212,6 +1312,7 @@ void stream_copy(void* destination, const void* source, int64_t bytes) {
   HWY_DYNAMIC_DISPATCH(StreamCopyImpl)(destination, source, bytes);
 }
 const char* simd_target_name() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }
+bool exp_argument_is_exact() { return HWY_DYNAMIC_DISPATCH(ExpArgumentIsExactImpl)(); }
 float row_max(const void* row, StorageType type, int64_t cols, float* widened) {
   return HWY_DYNAMIC_DISPATCH(RowMaxImpl)(row, static_cast<int32_t>(type), cols, widened);
 }

@@ -54,6 +54,9 @@ float exp_shifted_one(float x, float s);
 // y[v] = e^(x[v] - s) for v in [0, n) (y may be x): the vectorised exp alone, for tests and
 // (with s = 0, as the blocks compute it) for `vpce perf`'s bound.
 void exp_shifted_lanes(const float* x, float s, float* y, int64_t n);
+// Whether this CPU's target takes e^(x - s) with x itself as the exponential's argument (with
+// FMA, other than AVX-512), so that its error does not grow with |x - s|.
+bool exp_argument_is_exact();
 // x: [n] fp32 -> out: [n] of `type`, rounded as the kernels store a gradient (bf16 with
 // AVX512-BF16's instructions where they are used), for tests.
 void store_lanes(const float* x, StorageType type, void* out, int64_t n);
