@@ -143,6 +143,25 @@ HWY_INLINE void StoreBf16PairsSoftware(VF even, VF odd, BFloat16* p) {
 bool HasAvx512Bf16() { return cpu_has_avx512_bf16() && bf16_instructions_allowed(); }
 #endif
 
+// Even- and odd-position fp32 values (as LoadTwo gives them) -> 2 * lanes bf16 in order,
+// each rounded to nearest even in the FPU: (v + M) - M with M = 1.5 x 2^(e + 16), 2^e the
+// binade of v (2^-126's for a subnormal or 0), rounds v to bf16's spacing there, 2^(e - 7)
+// (2^-133 for bf16's subnormals; a value that rounds up to 2^(e + 1) takes it, as bf16
+// does); NaN and inf pass unchanged (M is then finite). For |v| below 2^111 only (M must
+// stay finite): the caller checks. Then the upper halves, packed: 5 vector operations per
+// vector and 3 per pair, where StoreFull takes about 11 per vector (integer rounding, a NaN
+// blend, a narrowing and a lane permutation).
+HWY_INLINE void StoreBf16PairsNearest(DF d, VF even, VF odd, BFloat16* p) {
+  const hn::RebindToUnsigned<DF> du;
+  auto round = [&](VF v) {
+    const auto binade = hn::Max(hn::And(hn::BitCast(du, v), hn::Set(du, 0x7F800000u)), hn::Set(du, 0x00800000u));
+    const VF m = hn::BitCast(d, hn::Add(binade, hn::Set(du, 0x08400000u)));  // + 16 in the exponent, mantissa 1.5
+    return hn::BitCast(du, hn::Sub(hn::Add(v, m), m));
+  };
+  const auto packed = hn::Or(hn::And(round(odd), hn::Set(du, 0xFFFF0000u)), hn::ShiftRight<16>(round(even)));
+  hn::StoreU(packed, du, reinterpret_cast<uint32_t*>(p));
+}
+
 // fp32 -> bf16, rounding to nearest even; NaN stays a (quiet) NaN.
 HWY_INLINE void StoreFull(DF /* d */, VF v, BFloat16* p) {
   const hn::RebindToUnsigned<DF> du;
@@ -230,6 +249,7 @@ constexpr float kExp2Full[] = {0x1.c5417ap-13f, 0x1.46d64ap-10f, 0x1.3d0b92p-7f,
                                0x1.ebfd58p-3f,  0x1.62e42cp-1f,  1.0f};
 constexpr float kExp2Sums[] = {0x1.e97502p-10f, 0x1.277852p-7f, 0x1.c91ce6p-5f, 0x1.ebdb56p-3f, 0x1.62e4bap-1f, 1.0f};
 constexpr float kExpFull[] = {0x1.6a2164p-10f, 0x1.123b96p-7f, 0x1.5558fcp-5f, 0x1.55549p-3f, 0x1.fffffcp-2f, 1.0f, 1.0f};
+constexpr float kExpSums[] = {0x1.106156p-7f, 0x1.572ca6p-5f, 0x1.5557b6p-3f, 0x1.fffdf6p-2f, 1.0f, 1.0f};
 
 // The polynomial's coefficients as vectors, each times k: the polynomial then gives k times
 // the exponential, so that a gradient's factor rides in it (one multiplication fewer per
@@ -240,8 +260,10 @@ constexpr float kExpFull[] = {0x1.6a2164p-10f, 0x1.123b96p-7f, 0x1.5558fcp-5f, 0
 // where the roundings of the others average out), which a gradient of a whole row carries.
 template <ExpPrecision kPrecision, bool kBase2, bool kCompensated = false>
 struct ExpPolynomial {
-  static constexpr bool kSums = kBase2 && kPrecision == ExpPrecision::kSums;
-  static constexpr const float* Table() { return kBase2 ? (kSums ? kExp2Sums : kExp2Full) : kExpFull; }
+  static constexpr bool kSums = kPrecision == ExpPrecision::kSums;
+  static constexpr const float* Table() {
+    return kBase2 ? (kSums ? kExp2Sums : kExp2Full) : (kSums ? kExpSums : kExpFull);
+  }
   static constexpr int kTerms = kSums ? 6 : 7;
   VF c[kTerms];
   VF constant_residual;  // k - fl32(k) (kCompensated)
@@ -287,32 +309,82 @@ using VI = hn::Vec<DI>;
 constexpr float kRoundingShift = 0x1.8p23f;  // 1.5 x 2^23: x + it rounds x to an integer
 constexpr int32_t kRoundingShiftBits = 0x4B400000;
 
-// k exp(x) 2^E in fp32 lanes (k as above; E through exponent_bias = the bits of 1.5 x 2^23
-// minus E), for x clamped to [low, high] first (low: e^-150 times E's power of two, which
-// any k up to 2^60 leaves below fp32's smallest subnormal, so that -inf gives 0): 0 below
-// about e^-103.3, +inf above e^88.72, NaN for NaN.
+// The arguments of ExponentialScaled for a shift: the clamp of x, where its results are all
+// normal, and E (as the bits of 1.5 x 2^23 minus E - 127: bits(x + 1.5 x 2^23) minus it is
+// n + E + 127, the biased exponent of 2^(n + E)).
+struct ScaledRange {
+  VF low;           // e^(low) 2^E is e^-150 (times any k up to 2^60: below fp32's subnormals)
+  VF normal_low;    // between it and normal_high, 2^(n + E) is normal: e^-87 (and E)
+  VF normal_high;   // e^88 (and E)
+  VF high;          // e^89 (and E)
+  VI exponent_bias; // bits of 1.5 x 2^23 minus E minus 127
+};
+
+HWY_INLINE ScaledRange MakeScaledRange(DF d, double s, int32_t exponent) {
+  return {hn::Set(d, static_cast<float>(s - 150.0)), hn::Set(d, static_cast<float>(s - 87.0)),
+          hn::Set(d, static_cast<float>(s + 88.0)), hn::Set(d, static_cast<float>(s + 89.0)),
+          hn::Set(DI(), kRoundingShiftBits - exponent - 127)};
+}
+
+// k exp(x) 2^E in fp32 lanes (k as above; E and the clamp of x from `range`): 0 below about
+// e^-103.3, +inf above e^88.72, NaN for NaN.
 //   x = n ln2 + r, n = round(x / ln2) by adding 1.5 * 2^23 (|x / ln2| < 2^22), |r| <= ln2 / 2
-//   with ln2 in two parts (n times the first is exact); k e^r by Horner; then times 2^(n + E)
-//   by two exponent multiplications (so that results below 2^-126 round once into the
-//   subnormals). The clamp keeps n + E in [-217, 128].
-template <class Poly>
-HWY_INLINE VF ExponentialScaled(DF d, VF x, VF low, VF high, VI exponent_bias, const Poly& poly) {
+//   with ln2 in two parts (n times the first is exact); k e^r by Horner; then times 2^(n + E):
+//   one power of two where every lane's is normal (x between range.normal_low and
+//   normal_high, or NaN), else x clamped and two powers of two, so that results below
+//   2^-126 round once into the subnormals, -inf (clamped to e^-150 2^E) gives 0 and e^88.7
+//   does not overflow early. A vector with a lane outside (rare: logits 87 below the row's
+//   lse) costs 7 more operations; the test of the lanes, 4.
+// kNoneAbove: x is known to stay below range.normal_high (a gradient's z, at most its lse),
+// so only the lower end is tested (2 operations fewer).
+template <bool kNoneAbove = false, class Poly>
+HWY_INLINE VF ExponentialScaled(DF d, VF x, const ScaledRange& range, const Poly& poly) {
   const VF rounding_shift = hn::Set(d, kRoundingShift);
+  const DI di;
+  const bool normal = kNoneAbove ? hn::AllFalse(d, hn::Lt(x, range.normal_low))
+                                 : hn::AllFalse(d, hn::Or(hn::Lt(x, range.normal_low), hn::Gt(x, range.normal_high)));
   // The bound first: x86's MINPS and MAXPS return their second operand when either is NaN,
   // so NaN passes through the clamp (and on to the result) without a blend.
-  const VF clamped = hn::Min(high, hn::Max(low, x));
+  const VF clamped = normal ? x : hn::Min(range.high, hn::Max(range.low, x));
   const VF shifted = hn::MulAdd(clamped, hn::Set(d, kLog2e), rounding_shift);
   const VF n = hn::Sub(shifted, rounding_shift);
   VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), clamped);  // ln2 to 15 bits
   r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);       // the rest of ln2
   const VF exp_r = poly.Horner(r);
+  const VI biased = hn::Sub(hn::BitCast(di, shifted), range.exponent_bias);  // n + E + 127
+  VF result;
+  if (HWY_LIKELY(normal)) {
+    result = hn::Mul(exp_r, hn::BitCast(d, hn::ShiftLeft<23>(biased)));
+  } else {
+    const VI bias = hn::Set(di, 127);
+    const VI n_int = hn::Sub(biased, bias);  // n + E
+    const VI half = hn::ShiftRight<1>(n_int);
+    const VF scale_a = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(half, bias)));
+    const VF scale_b = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::Sub(n_int, half), bias)));
+    result = hn::Mul(hn::Mul(exp_r, scale_a), scale_b);
+  }
+#if HWY_TARGET == HWY_SCALAR || HWY_TARGET == HWY_EMU128
+  return hn::IfThenElse(hn::IsNaN(x), x, result);  // Highway's portable Max drops a NaN
+#else
+  return result;
+#endif
+}
+
+// ExponentialScaled for arguments x known to lie below the shift s (the forward's running
+// max), for a sum of the results: x is clamped to range.normal_low (e^-87 then stands for
+// every smaller result, -inf's included: at most V x 1.6e-38 in a sum that is at least 1),
+// and 2^(n + E) is at most 2^1, so one power of two always does. 4 vector operations fewer.
+template <class Poly>
+HWY_INLINE VF ExponentialBelowShift(DF d, VF x, const ScaledRange& range, const Poly& poly) {
+  const VF rounding_shift = hn::Set(d, kRoundingShift);
   const DI di;
-  const VI n_int = hn::Sub(hn::BitCast(di, shifted), exponent_bias);  // n + E
-  const VI half = hn::ShiftRight<1>(n_int);
-  const VI bias = hn::Set(di, 127);
-  const VF scale_a = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(half, bias)));
-  const VF scale_b = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::Sub(n_int, half), bias)));
-  const VF result = hn::Mul(hn::Mul(exp_r, scale_a), scale_b);
+  const VF clamped = hn::Max(range.normal_low, x);  // (the bound first: NaN passes, as above)
+  const VF shifted = hn::MulAdd(clamped, hn::Set(d, kLog2e), rounding_shift);
+  const VF n = hn::Sub(shifted, rounding_shift);
+  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), clamped);  // ln2 to 15 bits
+  r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);       // the rest of ln2
+  const VI biased = hn::Sub(hn::BitCast(di, shifted), range.exponent_bias);  // n + E + 127
+  const VF result = hn::Mul(poly.Horner(r), hn::BitCast(d, hn::ShiftLeft<23>(biased)));
 #if HWY_TARGET == HWY_SCALAR || HWY_TARGET == HWY_EMU128
   return hn::IfThenElse(hn::IsNaN(x), x, result);  // Highway's portable Max drops a NaN
 #else
@@ -323,7 +395,7 @@ HWY_INLINE VF ExponentialScaled(DF d, VF x, VF low, VF high, VI exponent_bias, c
 // k exp(x) (k as above).
 template <class Poly>
 HWY_INLINE VF Exponential(DF d, VF x, const Poly& poly) {
-  return ExponentialScaled(d, x, hn::Set(d, -150.0f), hn::Set(d, 89.0f), hn::Set(DI(), kRoundingShiftBits), poly);
+  return ExponentialScaled(d, x, MakeScaledRange(d, 0.0, 0), poly);
 }
 
 HWY_INLINE VF Exponential(DF d, VF x) { return Exponential(d, x, ExpPolynomial<ExpPrecision::kFull, false>(d)); }
@@ -332,8 +404,7 @@ HWY_INLINE VF Exponential(DF d, VF x) { return Exponential(d, x, ExpPolynomial<E
 struct ShiftLanes {
   VF value;  // AVX-512: what the lanes subtract, c (or s, subtract_first); elsewhere s (subtract_first only)
 #if HWY_TARGET != HWY_AVX3
-  VF low, high;       // the clamp of the exponential's argument
-  VI exponent_bias;   // the bits of 1.5 x 2^23 minus E
+  ScaledRange range;  // the exponential's clamp and E
 #endif
 };
 
@@ -365,19 +436,17 @@ HWY_INLINE LaneShift MakeLaneShift(DF d, double s) {
   }
   return {{hn::Set(d, c)}, static_cast<double>(c), std::exp2(static_cast<double>(c) - s32_log2) * s_factor};
 #else
-  const DI di;
   if (!kExactArgument || !(std::fabs(s) < 0x1p21)) {  // (and NaN, infinities): e^(z - fl32(s))
     const auto s32 = static_cast<float>(s);
     const double residual = static_cast<double>(s32) - s;
     const double factor = residual == 0.0 || !(residual - residual == 0.0) ? 1.0 : std::exp(residual);
-    return {{hn::Set(d, s32), hn::Set(d, -150.0f), hn::Set(d, 89.0f), hn::Set(di, kRoundingShiftBits)},
+    return {{hn::Set(d, s32), MakeScaledRange(d, 0.0, 0)},
             static_cast<double>(s32) * kLog2eExact,
             factor,
             true};
   }
   const double exponent = std::nearbyint(-s_log2);  // E
-  return {{hn::Zero(d), hn::Set(d, static_cast<float>(s - 150.0)), hn::Set(d, static_cast<float>(s + 89.0)),
-           hn::Set(di, kRoundingShiftBits - static_cast<int32_t>(exponent))},
+  return {{hn::Zero(d), MakeScaledRange(d, s, static_cast<int32_t>(exponent))},
           -exponent,
           std::exp2(-exponent - s_log2)};
 #endif
@@ -385,16 +454,19 @@ HWY_INLINE LaneShift MakeLaneShift(DF d, double s) {
 
 // k e^(z - s) up to the factor shift.correction (k from the polynomial), from the shift's
 // lanes, with kSubtractFirst = shift.subtract_first known at compile time (for a loop that
-// tests it once, not at every vector).
-template <bool kSubtractFirst, class Poly>
+// tests it once, not at every vector). kBelowShift: every z is at most s and the results are
+// summed (ExponentialBelowShift).
+// kAtMostShift: every z is at most s (+ 88): a gradient's z and its lse
+// (ExponentialScaled<true>).
+template <bool kSubtractFirst, bool kBelowShift = false, bool kAtMostShift = false, class Poly>
 HWY_INLINE VF ExpShiftedAs(DF d, VF z, const ShiftLanes& shift, const Poly& poly) {
 #if HWY_TARGET == HWY_AVX3
   if constexpr (kSubtractFirst) return Exp2(hn::Mul(hn::Sub(z, shift.value), hn::Set(d, kLog2e)), poly);
   return Exp2(hn::MulSub(z, hn::Set(d, kLog2e), shift.value), poly);
 #else
-  if constexpr (kSubtractFirst) return ExponentialScaled(d, hn::Sub(z, shift.value), shift.low, shift.high,
-                                                         shift.exponent_bias, poly);
-  return ExponentialScaled(d, z, shift.low, shift.high, shift.exponent_bias, poly);
+  const VF x = kSubtractFirst ? hn::Sub(z, shift.value) : z;
+  if constexpr (kBelowShift) return ExponentialBelowShift(d, x, shift.range, poly);
+  return ExponentialScaled<kAtMostShift>(d, x, shift.range, poly);
 #endif
 }
 
@@ -669,8 +741,8 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
         VF x0, x1;
         LoadTwo(d, row + at, x0, x1);
         const VF z0 = Transform<kKind>(d, x0, t), z1 = Transform<kKind>(d, x1, t);
-        sums[into] = hn::Add(sums[into], ExpShiftedAs<kSubtractFirst>(d, z0, lanes_shift, poly));
-        sums[into + 1] = hn::Add(sums[into + 1], ExpShiftedAs<kSubtractFirst>(d, z1, lanes_shift, poly));
+        sums[into] = hn::Add(sums[into], ExpShiftedAs<kSubtractFirst, true>(d, z0, lanes_shift, poly));
+        sums[into + 1] = hn::Add(sums[into + 1], ExpShiftedAs<kSubtractFirst, true>(d, z1, lanes_shift, poly));
         if (with_sum_logits) {
           sums_z[into / 2] =
               hn::Add(sums_z[into / 2], hn::Add(hn::MulSub(z0, scale, reference), hn::MulSub(z1, scale, reference)));
@@ -693,11 +765,11 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
       VF& sum_z = sums_z[0];
       if (v < full_end) {  // one vector left
         const VF z = Transform<kKind>(d, LoadFull(d, row + v), t);
-        sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst>(d, z, lanes_shift, poly));
+        sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst, true>(d, z, lanes_shift, poly));
         sum_z = hn::Add(sum_z, hn::MulSub(z, scale, reference));
       }
       if (has_tail) {
-        sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst>(d, z_tail, lanes_shift, poly));
+        sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst, true>(d, z_tail, lanes_shift, poly));
         sum_z = hn::Add(sum_z, hn::IfThenElseZero(hn::FirstN(d, tail), hn::MulSub(z_tail, scale, reference)));
       }
     };
@@ -902,8 +974,9 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
       g = ExpShiftedBf16(d, z, binade, poly);
 #endif
     } else {
-      g = HWY_UNLIKELY(subtract_first) ? ExpShiftedAs<true>(d, z, lanes_shift, poly)
-                                       : ExpShiftedAs<false>(d, z, lanes_shift, poly);
+      // (z is at most lse, or 88 above a wrong one, given to the staged API)
+      g = HWY_UNLIKELY(subtract_first) ? ExpShiftedAs<true, false, true>(d, z, lanes_shift, poly)
+                                       : ExpShiftedAs<false, false, true>(d, z, lanes_shift, poly);
       if constexpr (!kFolded) g = hn::MulSub(g, scaled_coefficient, scaled_uniform);
     }
     if constexpr (kKind != kIdentity) g = hn::Mul(g, slope);
@@ -942,6 +1015,19 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
           StoreBf16PairsRounded(element(even), element(odd), grad + v);
         } else {
           StoreBf16PairsSoftware(element(even), element(odd), grad + v);
+        }
+      }
+    }
+#else
+    // bf16 pairs in and out, rounded in the FPU where every gradient is below 2^111.
+    if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16>) {
+      const double largest = (std::fabs(k) + static_cast<double>(std::fabs(u))) * std::fabs(static_cast<double>(t.scale));
+      if (largest < 0x1p110) {
+        for (; v + 2 * lanes <= cols; v += 2 * lanes) {
+          hwy::Prefetch(row + v + kAhead);
+          VF even, odd;
+          LoadTwo(d, row + v, even, odd);
+          StoreBf16PairsNearest(d, element(even), element(odd), grad + v);
         }
       }
     }
@@ -1169,6 +1255,33 @@ void ExpShiftedImpl(const float* x, float s, float* y, int64_t n) {
 
 // x: [n] fp32 -> out: [n] of `type`, through the kernels' stores of a gradient (full vectors
 // as the gradient loops write them, the last partial one as theirs).
+// x: [n] fp32 -> out: [n] bf16 through the in-place bf16 gradient's pair stores (the even and
+// the odd positions of each 2 * lanes as two vectors), the last elements through
+// StorePartial; |x| below 2^110, or NaN or inf.
+void StoreBf16PairsImpl(const float* x, BFloat16* out, int64_t n) {
+  const DF d;
+  const auto lanes = static_cast<int64_t>(hn::Lanes(d));
+  float even[kMaxLanes], odd[kMaxLanes];
+  int64_t v = 0;
+  for (; v + 2 * lanes <= n; v += 2 * lanes) {
+    for (int64_t i = 0; i < lanes; ++i) even[i] = x[v + 2 * i], odd[i] = x[v + 2 * i + 1];
+    const VF e = hn::LoadU(d, even), o = hn::LoadU(d, odd);
+#if HWY_TARGET == HWY_AVX3
+    if (HasAvx512Bf16()) {
+      StoreBf16PairsHardware(e, o, out + v);
+    } else {
+      StoreBf16PairsSoftware(e, o, out + v);
+    }
+#else
+    StoreBf16PairsNearest(d, e, o, out + v);
+#endif
+  }
+  for (; v < n; v += lanes) {
+    const auto count = static_cast<size_t>(std::min(lanes, n - v));
+    StorePartial(d, LoadPartial(d, x + v, count), out + v, count);
+  }
+}
+
 void StoreLanesImpl(const float* x, int32_t type, void* out, int64_t n) {
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
@@ -1243,6 +1356,7 @@ HWY_EXPORT(SlopeOneImpl);
 HWY_EXPORT(ExpShiftedOneImpl);
 HWY_EXPORT(ExpShiftedImpl);
 HWY_EXPORT(StoreLanesImpl);
+HWY_EXPORT(StoreBf16PairsImpl);
 HWY_EXPORT(StreamCopyImpl);
 HWY_EXPORT(RowMaxImpl);
 HWY_EXPORT(ExpRowInPlaceImpl);
@@ -1307,6 +1421,9 @@ void exp_shifted_lanes(const float* x, float s, float* y, int64_t n) {
 }
 void store_lanes(const float* x, StorageType type, void* out, int64_t n) {
   HWY_DYNAMIC_DISPATCH(StoreLanesImpl)(x, static_cast<int32_t>(type), out, n);
+}
+void store_bf16_pairs(const float* x, uint16_t* out, int64_t n) {
+  HWY_DYNAMIC_DISPATCH(StoreBf16PairsImpl)(x, reinterpret_cast<BFloat16*>(out), n);
 }
 void stream_copy(void* destination, const void* source, int64_t bytes) {
   HWY_DYNAMIC_DISPATCH(StreamCopyImpl)(destination, source, bytes);
