@@ -57,6 +57,14 @@ if [ "$mode" = all ] || [ "$mode" = run ]; then
   # from the toolkit or from PyTorch's wheel.
   nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib"))' 2>/dev/null || true)
   export LD_LIBRARY_PATH="$PWD/$bundle${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}:/usr/local/cuda/lib64:/usr/local/cuda/lib${nccl:+:$nccl}"
+  # Where the toolkit's folders lack one, the CUDA runtime, cuBLAS and NCCL of Python's wheels.
+  for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
+    if ! ldconfig -p | grep -q "$lib" && ! ls /usr/local/cuda/lib64/"$lib" /usr/local/cuda/lib/"$lib" >/dev/null 2>&1; then
+      found=$(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null |
+        xargs -r -n1 -I{} find {}/nvidia -name "$lib" -printf '%h\n' 2>/dev/null | head -1)
+      [ -z "$found" ] || LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$found"
+    fi
+  done
   logs=${OUT:-gpu-logs}
   mkdir -p "$logs"
   echo "gpu-check: bundle built from $(cat "$bundle/COMMIT" 2>/dev/null || echo '(no COMMIT file)')"
@@ -79,19 +87,28 @@ if [ "$mode" = all ] || [ "$mode" = run ]; then
     echo "gpu-check: libraries not found: $missing"
     exit 1
   fi
-  step tests "$bundle/vpce_cuda_tests" --gtest_brief=1
+  # One process per test, each under its own time limit: a kernel fault poisons its CUDA
+  # context and a hang would take the rest of the run, so neither may cost the other tests.
+  isolated() {
+    local binary=$1 failed=0 test
+    for test in $("$binary" --gtest_list_tests | awk '/^[^ ]/ {suite=$1} /^  / {print suite $1}'); do
+      timeout 120 "$binary" --gtest_brief=1 --gtest_filter="$test" || { echo "gpu-check: $test FAILED"; failed=1; }
+    done
+    return "$failed"
+  }
+  step tests isolated "$bundle/vpce_cuda_tests"
   if ldd "$bundle/vpce_cuda_nccl_tests" | grep -q 'not found'; then
     echo "gpu-check: NCCL tests not run: $(ldd "$bundle/vpce_cuda_nccl_tests" | grep 'not found')"
   else
-    step nccl "$bundle/vpce_cuda_nccl_tests" --gtest_brief=1
+    step nccl timeout 120 "$bundle/vpce_cuda_nccl_tests" --gtest_brief=1
   fi
-  step bandwidth "$bundle/vpce_cuda_perf" 10
-  step head "$bundle/vpce_cuda_head_perf" 10
+  step bandwidth timeout 240 "$bundle/vpce_cuda_perf" 10
+  step head timeout 180 "$bundle/vpce_cuda_head_perf" 10
   # Out-of-bounds and misaligned accesses on a few small tests, where the sanitizer can see
   # the device (it cannot on some virtualised machines: then it says so and this step fails).
   if command -v compute-sanitizer >/dev/null; then
-    step memcheck timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 "$bundle/vpce_cuda_tests" \
-      --gtest_brief=1 --gtest_filter='Cuda.EveryOption:CudaHead.EveryOptionEveryReduction'
+    step memcheck timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 "$bundle/vpce_cuda_tests" \
+      --gtest_brief=1 --gtest_filter='Cuda.EveryOption:Cuda.LongRowsAndAdversarialValues:CudaHead.EveryOptionEveryReduction:CudaHead.DefaultTilesAndOneTile'
   fi
   exit "$status"
 fi

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "../common/token_math.h"
 
@@ -55,6 +56,10 @@ struct Transform {
 inline Transform transform_of(const LossParams& p) {
   return {p.logit_scale, p.softcap, p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f};
 }
+
+// Rows that take the plain paths: no transform, no label smoothing (with the extras checked
+// by the caller).
+inline bool is_plain(const LossParams& p) { return p.logit_scale == 1.0f && p.softcap <= 0.0f && !p.with_sum_logits(); }
 
 // One thread's online statistics, then the block's, relative to their own max. (No member
 // initialisers: an array of them lives in shared memory; empty_part() makes an empty one.)
@@ -127,6 +132,139 @@ __device__ inline Part block_combine(Part p) {
   }
   return p;
 }
+
+// ---- the plain rows: no transform, no label smoothing, no extras ----------------------------
+// The loss's and the head's kernels take these where a row needs only (max, sum of exp) and
+// the gradient's exponential: two 16-byte vectors in flight per thread, one max test per pair
+// of vectors, exp on the special-function unit, the pair's exponentials summed in fp32 then
+// into the fp64 sum.
+
+inline constexpr float kLog2e = 1.44269504088896341f;
+
+// 2^x on the special-function unit (ex2.approx.ftz: within 2 ulps; results below 2^-126 are 0).
+__device__ __forceinline__ float exp2_sfu(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Folds kN values into p's max and sum of exp(z - max). -inf adds 0; NaN makes the sum NaN
+// (it reaches the loss) and leaves the max.
+template <int kN>
+__device__ __forceinline__ void fold_plain(const float (&z)[kN], Part& p) {
+  float m = z[0];
+#pragma unroll
+  for (int j = 1; j < kN; ++j) m = fmaxf(m, z[j]);
+  if (m > p.max) {
+    if (p.max != -INFINITY) p.sum_exp *= exp(static_cast<double>(p.max) - m);
+    p.max = m;
+  }
+  const float reference = p.max == -INFINITY ? 0.0f : p.max;
+  float sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kN; ++j) sum += exp2_sfu((z[j] - reference) * kLog2e);
+  p.sum_exp += sum;
+}
+
+// 16 bytes of T as floats.
+template <class T>
+__device__ __forceinline__ void widen(const uint4& bits, float* z) {
+  const uint32_t w[4] = {bits.x, bits.y, bits.z, bits.w};
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) z[j] = __uint_as_float(w[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        z[2 * j] = __uint_as_float(w[j] << 16);
+        z[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+      } else {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[j]));
+        z[2 * j] = f.x;
+        z[2 * j + 1] = f.y;
+      }
+    }
+  }
+}
+
+// 16 bytes of T, every element -inf.
+template <class T>
+__device__ __forceinline__ uint4 minus_infinity_bits() {
+  const uint32_t w = sizeof(T) == 4 ? 0xff800000u : std::is_same_v<T, __nv_bfloat16> ? 0xff80ff80u : 0xfc00fc00u;
+  return uint4{w, w, w, w};
+}
+
+// Thread t's Part of row[0, cols) (max and sum of exp only): vectors t and t + kThreads, then
+// t + 2 kThreads..., both loads issued before the arithmetic; the elements before the first
+// 16-byte boundary and after the last vector one at a time. Every block thread calls it.
+template <class T>
+__device__ __forceinline__ Part fold_row_plain(const T* row, int64_t cols) {
+  constexpr int kVector = 16 / sizeof(T);
+  Part p = empty_part();
+  const auto address = reinterpret_cast<uintptr_t>(row);
+  int64_t head = static_cast<int64_t>(((16 - address % 16) % 16) / sizeof(T));
+  if (address % sizeof(T) != 0) head = cols;  // misaligned elements: all scalar
+  head = head < cols ? head : cols;
+  for (int64_t v = threadIdx.x; v < head; v += kThreads) {
+    const float z[1] = {to_float(row[v])};
+    fold_plain(z, p);
+  }
+  const int64_t vectors = (cols - head) / kVector;
+  const auto* body = reinterpret_cast<const uint4*>(row + head);
+  for (int64_t k = threadIdx.x; k < vectors; k += 2 * kThreads) {
+    const uint4 a = body[k];
+    const uint4 b = k + kThreads < vectors ? body[k + kThreads] : minus_infinity_bits<T>();
+    float z[2 * kVector];
+    widen<T>(a, z);
+    widen<T>(b, z + kVector);
+    fold_plain(z, p);
+  }
+  for (int64_t v = head + vectors * kVector + threadIdx.x; v < cols; v += kThreads) {
+    const float z[1] = {to_float(row[v])};
+    fold_plain(z, p);
+  }
+  return p;
+}
+
+// A plain row's gradient, grad_v = scale e^(z_v - lse) - uniform [- target at the target
+// column] (0 on padding), from token_math.h's constants: lse32 and the upstream g w times
+// the coefficient (z-loss factor and e^(lse32 - lse)), the smoothing's uniform part and the
+// target's weight, each rounded once from fp64.
+struct PlainGradient {
+  float lse;
+  float scale;
+  float uniform;
+  float target;
+  __device__ static PlainGradient of(const GradientConstants& c, float target_term) {
+    return {c.lse, static_cast<float>(c.exact_upstream * static_cast<double>(c.coefficient)),
+            static_cast<float>(c.exact_upstream * c.exact_uniform),
+            static_cast<float>(c.exact_upstream * static_cast<double>(target_term))};
+  }
+  __device__ __forceinline__ float at(float z) const {
+    return fmaf(exp2_sfu((z - lse) * kLog2e), scale, -uniform);
+  }
+  // g[j] for the kN columns from `first`: the target's and the padding's corrections are a
+  // range test per run.
+  template <int kN>
+  __device__ __forceinline__ void run(int64_t first, const float (&z)[kN], float (&g)[kN], int64_t target_column,
+                                      int64_t valid) const {
+#pragma unroll
+    for (int j = 0; j < kN; ++j) g[j] = at(z[j]);
+    if (target_column >= first && target_column < first + kN) {
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+        if (first + j == target_column) g[j] -= target;
+      }
+    }
+    if (first + kN > valid) {
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+        if (first + j >= valid) g[j] = 0.0f;
+      }
+    }
+  }
+};
 
 __device__ __forceinline__ int64_t target_of(const void* targets, bool wide, int64_t stride, int64_t i) {
   return wide ? static_cast<const int64_t*>(targets)[i * stride] : static_cast<const int32_t*>(targets)[i * stride];

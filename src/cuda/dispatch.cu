@@ -39,7 +39,9 @@ Status device_supported(Device device, const char* name) {
 }
 
 Status check_device_pointer(const TensorView& t, const char* name) {
-  if (t.device.type != DeviceType::kCUDA || t.data == nullptr) return {};
+  // An empty tensor reads no memory: its address may be null, or one past the end of an
+  // allocation, which CUDA does not know.
+  if (t.device.type != DeviceType::kCUDA || t.data == nullptr || t.numel() == 0) return {};
   cudaPointerAttributes attributes{};
   if (cudaPointerGetAttributes(&attributes, t.first()) != cudaSuccess) {
     cudaGetLastError();

@@ -41,8 +41,9 @@ __device__ __forceinline__ void for_each_element(const T* row, int64_t cols, F&&
 }
 
 
-// logits [rows, cols] (row stride ld) -> stats [rows, width] (row stride width).
-template <class T>
+// logits [rows, cols] (row stride ld) -> stats [rows, width] (row stride width). kPlain: no
+// transform, label smoothing or extras (fold_row_plain).
+template <class T, bool kPlain>
 __global__ void __launch_bounds__(kThreads) local_stats_kernel(const T* logits, int64_t ld, int64_t cols,
                                                                int64_t valid, const void* targets, bool wide_targets,
                                                                int64_t target_stride, const float* weights,
@@ -54,7 +55,10 @@ __global__ void __launch_bounds__(kThreads) local_stats_kernel(const T* logits, 
   const bool sum_logits = params.with_sum_logits();
   const bool extras = width == 6;
   Part p = empty_part();
-  for_each_element(row, valid, [&](int64_t v, float x) {
+  if constexpr (kPlain) {
+    p = fold_row_plain(row, valid);
+  } else {
+    for_each_element(row, valid, [&](int64_t v, float x) {
     const float z = t.apply(x);
     if (sum_logits) p.sum_logits += z;
     if (z == -INFINITY) return;
@@ -76,7 +80,8 @@ __global__ void __launch_bounds__(kThreads) local_stats_kernel(const T* logits, 
       if (extras) p.weighted += static_cast<double>(e) * offset;
       if (z == p.max && static_cast<int32_t>(v) < p.argmax) p.argmax = static_cast<int32_t>(v);
     }
-  });
+    });
+  }
   p = block_combine(p);
   if (threadIdx.x != 0) return;
   const int64_t y = target_of(targets, wide_targets, target_stride, i);
@@ -215,9 +220,34 @@ __device__ __forceinline__ void store_vector(TOut* out, const TOut (&values)[kCo
   }
 }
 
-// out[v] = f(v, in[v]) for v in [0, cols): 16-byte loads of `in` and matching vector stores
-// of `out` where both are aligned, thread t taking vectors t, t + kThreads, ... Each element
-// is read and written by the same thread, so out may be in.
+// kN floats stored at `out` as TOut: pairs rounded together (one conversion each), one or
+// two 16-byte (or one 8-byte) stores for a vector.
+template <class TOut, int kN>
+__device__ __forceinline__ void store_run(TOut* out, const float (&y)[kN]) {
+  if constexpr (kN == 1) {
+    *out = from_float<TOut>(y[0]);
+  } else {
+    alignas(16) TOut values[kN];
+#pragma unroll
+    for (int j = 0; j < kN; j += 2) {
+      if constexpr (std::is_same_v<TOut, __nv_bfloat16>) {
+        *reinterpret_cast<__nv_bfloat162*>(&values[j]) = __floats2bfloat162_rn(y[j], y[j + 1]);
+      } else if constexpr (std::is_same_v<TOut, __half>) {
+        *reinterpret_cast<__half2*>(&values[j]) = __floats2half2_rn(y[j], y[j + 1]);
+      } else {
+        values[j] = y[j];
+        values[j + 1] = y[j + 1];
+      }
+    }
+    store_vector(out, values);
+  }
+}
+
+// f(first, x, y) over runs of in[0, cols): x the run widened, y what to store at
+// out[first, first + kN) as TOut. Runs are 16-byte vectors of `in` where `in` and `out` are
+// aligned for them (thread t taking vectors t and t + kThreads, both loaded before either is
+// stored, then t + 2 kThreads...), else single elements. Each element is read and written by
+// the same thread, so out may be in.
 template <class TIn, class TOut, class F>
 __device__ __forceinline__ void map_row(const TIn* in, TOut* out, int64_t cols, F&& f) {
   constexpr int kVector = 16 / sizeof(TIn);
@@ -228,26 +258,37 @@ __device__ __forceinline__ void map_row(const TIn* in, TOut* out, int64_t cols, 
                        (reinterpret_cast<uintptr_t>(out) + head * sizeof(TOut)) % kOutAlign == 0;
   if (!aligned) head = cols;
   head = head < cols ? head : cols;
-  for (int64_t v = threadIdx.x; v < head; v += kThreads) out[v] = from_float<TOut>(f(v, to_float(in[v])));
+  auto single = [&](int64_t v) {
+    const float x[1] = {to_float(in[v])};
+    float y[1];
+    f(v, x, y);
+    store_run(out + v, y);
+  };
+  for (int64_t v = threadIdx.x; v < head; v += kThreads) single(v);
   const int64_t vectors = (cols - head) / kVector;
-  for (int64_t k = threadIdx.x; k < vectors; k += kThreads) {
-    const int64_t first = head + k * kVector;
-    const uint4 bits = *reinterpret_cast<const uint4*>(in + first);
-    const TIn* e = reinterpret_cast<const TIn*>(&bits);
-    alignas(16) TOut results[kVector];
-#pragma unroll
-    for (int j = 0; j < kVector; ++j) results[j] = from_float<TOut>(f(first + j, to_float(e[j])));
-    store_vector(out + first, results);
+  const auto* body = reinterpret_cast<const uint4*>(in + head);
+  for (int64_t k = threadIdx.x; k < vectors; k += 2 * kThreads) {
+    const bool second = k + kThreads < vectors;
+    const uint4 a = body[k];
+    const uint4 b = second ? body[k + kThreads] : a;
+    float x[kVector], y[kVector];
+    widen<TIn>(a, x);
+    f(head + k * kVector, x, y);
+    store_run(out + head + k * kVector, y);
+    if (second) {
+      widen<TIn>(b, x);
+      f(head + (k + kThreads) * kVector, x, y);
+      store_run(out + head + (k + kThreads) * kVector, y);
+    }
   }
-  for (int64_t v = head + vectors * kVector + threadIdx.x; v < cols; v += kThreads) {
-    out[v] = from_float<TOut>(f(v, to_float(in[v])));
-  }
+  for (int64_t v = head + vectors * kVector + threadIdx.x; v < cols; v += kThreads) single(v);
 }
 
 // logits [rows, cols] (TIn) -> grad [rows, cols] (TOut), which may be the logits:
 //   grad_v = upstream (exp(z_v - lse) coefficient - uniform - (1 - s) [v = target]) dz/dx_v
-// and 0 on padding columns and on tokens that do not count.
-template <class TIn, class TOut>
+// and 0 on padding columns and on tokens that do not count (written without reading the
+// logits). kPlain: no transform (PlainGradient's exp on the special-function unit).
+template <class TIn, class TOut, bool kPlain>
 __global__ void __launch_bounds__(kThreads) gradient_kernel(const TIn* logits, int64_t ld, TOut* grad, int64_t grad_ld,
                                                             int64_t cols, int64_t valid, const void* targets,
                                                             bool wide_targets, int64_t target_stride,
@@ -263,15 +304,33 @@ __global__ void __launch_bounds__(kThreads) gradient_kernel(const TIn* logits, i
   const GradientConstants c = gradient_constants(y, upstream, weight, lse.get(i), params);
   const float target_term = target_weight(params);
   const int64_t target_column = y - vocab_begin;
-  const bool identity = t.scale == 1.0f && t.cap <= 0.0f;
-  map_row(logits + i * ld, grad + i * grad_ld, cols, [&](int64_t v, float x) {
-    if (c.upstream == 0.0f || v >= valid) return 0.0f;  // a token that does not count, or padding
-    const float z = t.apply(x);
-    float g = expf(z - c.lse) * c.coefficient - c.uniform;
-    if (v == target_column) g -= target_term;
-    g *= c.upstream;
-    return identity ? g : g * t.slope(x);
-  });
+  TOut* out = grad + i * grad_ld;
+  if (c.upstream == 0.0f) {  // a token that does not count
+    for (int64_t v = threadIdx.x; v < cols; v += kThreads) out[v] = from_float<TOut>(0.0f);
+    return;
+  }
+  if constexpr (kPlain) {
+    const PlainGradient k = PlainGradient::of(c, target_term);
+    map_row(logits + i * ld, out, cols, [&](int64_t first, const auto& x, auto& g) {
+      k.run(first, x, g, target_column, valid);
+    });
+  } else {
+    map_row(logits + i * ld, out, cols, [&](int64_t first, const auto& x, auto& g) {
+      constexpr int n = static_cast<int>(std::extent_v<std::remove_reference_t<decltype(x)>>);
+#pragma unroll
+      for (int j = 0; j < n; ++j) {
+        const int64_t v = first + j;
+        if (v >= valid) {  // padding
+          g[j] = 0.0f;
+          continue;
+        }
+        const float z = t.apply(x[j]);
+        float e = expf(z - c.lse) * c.coefficient - c.uniform;
+        if (v == target_column) e -= target_term;
+        g[j] = e * c.upstream * t.slope(x[j]);
+      }
+    });
+  }
 }
 
 // One thread per rank: the gathered headers describe one call (the same check as the
@@ -326,9 +385,11 @@ Status local_stats(const RowMatrix& logits, const TokenVector& targets, const To
                    const LossParams& params, const RowMatrix& stats, RankHeader* header, cudaStream_t stream) {
   if (logits.rows == 0) return {};
   const int64_t valid = valid_columns(vocab_begin, logits.cols, params);
+  const bool plain = is_plain(params) && stats.row_stride != 6;  // no extras (the kernel's width)
   with_type(logits.dtype, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    local_stats_kernel<T><<<static_cast<unsigned>(logits.rows), kThreads, 0, stream>>>(
+    auto* kernel = plain ? local_stats_kernel<T, true> : local_stats_kernel<T, false>;
+    kernel<<<static_cast<unsigned>(logits.rows), kThreads, 0, stream>>>(
         reinterpret_cast<const T*>(logits.base), logits.row_stride, logits.cols, valid, targets.base,
         targets.dtype == kInt64, targets.stride, reinterpret_cast<const float*>(weights.base), weights.stride,
         vocab_begin, params, transform_of(params),
@@ -391,7 +452,8 @@ Status gradient(const RowMatrix& logits, const TokenVector& targets, const Token
     using TIn = std::remove_pointer_t<decltype(in_type)>;
     with_type(grad.dtype, [&](auto* out_type) {
       using TOut = std::remove_pointer_t<decltype(out_type)>;
-      gradient_kernel<TIn, TOut><<<static_cast<unsigned>(logits.rows), kThreads, 0, stream>>>(
+      auto* kernel = is_plain(params) ? gradient_kernel<TIn, TOut, true> : gradient_kernel<TIn, TOut, false>;
+      kernel<<<static_cast<unsigned>(logits.rows), kThreads, 0, stream>>>(
           reinterpret_cast<const TIn*>(logits.base), logits.row_stride, reinterpret_cast<TOut*>(grad.base),
           grad.row_stride, logits.cols, valid, targets.base, wide, targets.stride, w, weights.stride,
           lse_tokens(lse), reinterpret_cast<const float*>(grad_loss.base),

@@ -16,8 +16,9 @@
 // [chunk, V_r] block of logits, laid out panel by panel.
 //
 // The GPU's default tiles differ from the CPU's (HeadOptions fields left 0): Vb up to 4096
-// and Nb and the chunk such that a panel [N, Vb] and a block [chunk, V_r] hold at most
-// 64 Mi floats (256 MiB), so that each GEMM is large enough for the device.
+// and Nb such that a panel [N, Vb] and a tile [Nb, Vb] (recompute mode) or a block
+// [chunk, V_r] (chunked mode) hold at most 64 Mi floats (256 MiB), so that each GEMM is
+// large enough for the device.
 //
 // Backward GEMMs, fp32 accumulation in a fixed order (no atomics):
 //   grad_hidden += dz_j W_j over the panels j in order (beta 0 for the first unless
@@ -238,13 +239,14 @@ struct Tiles {
 int64_t round_down(int64_t value, int64_t multiple) { return value / multiple * multiple; }
 
 // The GPU's tiles: the values given (the chunk rounded down to a multiple of Nb), else tiles
-// of up to kBudget fp32 elements: Vb from N (the backward's [N, Vb] panel, at most V_r), Nb
-// and the chunk from `budget_rows` vocabulary rows (a [chunk, budget_rows] block). The
-// recompute mode takes budget_rows = V_r, the same in its forward and backward for the same N,
-// V_r and options; the chunked mode takes ceil(V / R), which every rank agrees on, so that
-// its gathers have the same sizes on uneven ranges too (where its tiles, and so the last bits
-// of its loss, may then differ from the recompute mode's).
-Tiles gpu_tiles(const HeadOptions& head, int64_t n, int64_t vocab_rows, int64_t budget_rows) {
+// of up to kBudget fp32 elements: Vb from N (the backward's [N, Vb] panel, at most V_r); in
+// the recompute mode Nb from Vb (a [Nb, Vb] tile: few, large GEMMs), the same in its forward
+// and backward for the same N, V_r and options; in the chunked mode Nb and the chunk from
+// `budget_rows` = ceil(V / R) vocabulary rows (a [chunk, budget_rows] block), which every
+// rank agrees on, so that its gathers have the same sizes on uneven ranges too. (Where the
+// two modes' tiles differ, cuBLAS may pick other kernels, and the last bits of their logits
+// may differ.)
+Tiles gpu_tiles(const HeadOptions& head, int64_t n, int64_t vocab_rows, int64_t budget_rows, bool chunked) {
   Tiles t;
   const int64_t tokens = std::max<int64_t>(n, 1);
   const int64_t rows = std::max<int64_t>(vocab_rows, 1);
@@ -254,7 +256,8 @@ Tiles gpu_tiles(const HeadOptions& head, int64_t n, int64_t vocab_rows, int64_t 
     t.vb = std::clamp(round_down(kBudget / tokens, 64), kMinDefaultVocabBlock, kMaxDefaultVocabBlock);
   }
   t.vb = std::max<int64_t>(1, std::min(t.vb, rows));
-  const int64_t fitting = std::max<int64_t>(64, round_down(kBudget / std::max<int64_t>(budget_rows, 1), 64));
+  const int64_t fitting =
+      std::max<int64_t>(64, round_down(kBudget / std::max<int64_t>(chunked ? budget_rows : t.vb, 1), 64));
   if (head.token_block > 0) {
     t.nb = head.token_block;
   } else if (head.chunk_tokens > 0) {
@@ -720,7 +723,8 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   const int64_t n = local.ok() ? a.tokens() : announced_tokens(*f.targets);
   const int64_t vocab_rows = local.ok() ? a.vocab_rows() : std::max<int64_t>(f.shard->vocab_end - f.shard->vocab_begin, 0);
   const Tiles tiles =
-      gpu_tiles(*f.head, n, vocab_rows, g != nullptr ? agreed_vocab_rows(*f.shard, comm.size()) : vocab_rows);
+      gpu_tiles(*f.head, n, vocab_rows, g != nullptr ? agreed_vocab_rows(*f.shard, comm.size()) : vocab_rows,
+                g != nullptr);
   const int64_t chunk = g != nullptr ? std::min(tiles.chunk, n) : n;
   const int64_t chunks = chunk > 0 ? (n + chunk - 1) / chunk : 1;
   // Every gather of the call carries a whole chunk's payload (the last one's tail unused).
@@ -974,7 +978,7 @@ Status device_linear_cross_entropy_backward(const HeadInputs& inputs, const Tens
   std::shared_ptr<void>* state = workspace != nullptr ? &WorkspaceAccess::buffers(*workspace)->device_head : &own;
   CurrentDevice current(d.id);
   if (Status s = current.status(); !s.ok()) return s;
-  const head_cuda::Tiles tiles = head_cuda::gpu_tiles(head, a.tokens(), a.vocab_rows(), a.vocab_rows());
+  const head_cuda::Tiles tiles = head_cuda::gpu_tiles(head, a.tokens(), a.vocab_rows(), a.vocab_rows(), false);
   Call c = head_cuda::make_call(a, tiles, shard, options, kStatsWidth);
   if (Status s = head_cuda::begin(state, d.id, c.stream, &c.b); !s.ok()) return s;
   const CallScope call(c.b->order, c.stream);  // (after `own`: marks the end before own's buffers go)
@@ -1000,7 +1004,7 @@ Status device_linear_cross_entropy_local_stats(const HeadInputs& inputs, const T
   std::shared_ptr<void> own;
   CurrentDevice current(d.id);
   if (Status s = current.status(); !s.ok()) return s;
-  const head_cuda::Tiles tiles = head_cuda::gpu_tiles(head, a.tokens(), a.vocab_rows(), a.vocab_rows());
+  const head_cuda::Tiles tiles = head_cuda::gpu_tiles(head, a.tokens(), a.vocab_rows(), a.vocab_rows(), false);
   Call c = head_cuda::make_call(a, tiles, shard, options, width);
   if (Status s = head_cuda::begin(&own, d.id, c.stream, &c.b); !s.ok()) return s;
   const CallScope call(c.b->order, c.stream);  // (after `own`: marks the end before own's buffers go)

@@ -58,12 +58,13 @@ __global__ void init_running_kernel(RunningStats* running, int64_t rows) {
 __global__ void __launch_bounds__(kThreads)
     fold_tile_kernel(const float* z, int64_t ld, int64_t valid, int64_t col0, Bias bias, const void* targets,
                      bool wide_targets, int64_t target_stride, int64_t vocab_begin, LossParams params, Transform t,
-                     bool extras, RunningStats* running) {
+                     bool extras, bool plain, RunningStats* running) {
   const int64_t r = blockIdx.x;
   const float* row = z + r * ld;
   const bool sum_logits = params.with_sum_logits();
   Part p = empty_part();
-  for (int64_t c = threadIdx.x; c < valid; c += kThreads) {
+  if (plain) p = fold_row_plain(row, valid);
+  for (int64_t c = plain ? valid : threadIdx.x; c < valid; c += kThreads) {
     const float x = row[c] + bias.at(c);
     const float zc = t.apply(x);
     if (sum_logits) p.sum_logits += zc;
@@ -161,7 +162,7 @@ __global__ void __launch_bounds__(kThreads)
                          const void* targets, bool wide_targets, int64_t target_stride, const float* weights,
                          int64_t weight_stride, LseTokens lse, const float* grad_loss,
                          int64_t grad_loss_stride, const double* shared_upstream, int64_t vocab_begin,
-                         LossParams params, Transform t, __nv_bfloat16* hi, __nv_bfloat16* lo) {
+                         LossParams params, Transform t, bool plain, __nv_bfloat16* hi, __nv_bfloat16* lo) {
   const int64_t r = blockIdx.x;
   const int64_t y = target_of(targets, wide_targets, target_stride, r);
   const double upstream =
@@ -172,7 +173,37 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t target_column = y - vocab_begin - col0;
   const bool identity = t.scale == 1.0f && t.cap <= 0.0f;
   float* row = z + r * ld;
-  for (int64_t c = threadIdx.x; c < cols; c += kThreads) {
+  int64_t done = 0;  // columns the plain path took
+  if (plain && k.upstream != 0.0f) {
+    // 4 columns a thread at a time where the row (and hi and lo) are aligned for them.
+    const PlainGradient pg = PlainGradient::of(k, target_term);
+    auto aligned = [&](const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
+    if (aligned(row, 16) && (hi == nullptr || aligned(hi + r * ld, 8)) && (lo == nullptr || aligned(lo + r * ld, 8))) {
+      done = cols / 4 * 4;
+      for (int64_t c = 4 * threadIdx.x; c < done; c += 4 * kThreads) {
+        const float4 x = *reinterpret_cast<const float4*>(row + c);
+        const float zs[4] = {x.x, x.y, x.z, x.w};
+        float g[4];
+        pg.run(c, zs, g, target_column, valid);
+        if (hi != nullptr) {
+          const __nv_bfloat162 h01 = __floats2bfloat162_rn(g[0], g[1]), h23 = __floats2bfloat162_rn(g[2], g[3]);
+          *reinterpret_cast<uint2*>(hi + r * ld + c) = make_uint2(*reinterpret_cast<const uint32_t*>(&h01),
+                                                                  *reinterpret_cast<const uint32_t*>(&h23));
+          const float2 f01 = __bfloat1622float2(h01), f23 = __bfloat1622float2(h23);
+          if (lo != nullptr) {
+            const __nv_bfloat162 l01 = __floats2bfloat162_rn(g[0] - f01.x, g[1] - f01.y);
+            const __nv_bfloat162 l23 = __floats2bfloat162_rn(g[2] - f23.x, g[3] - f23.y);
+            *reinterpret_cast<uint2*>(lo + r * ld + c) = make_uint2(*reinterpret_cast<const uint32_t*>(&l01),
+                                                                    *reinterpret_cast<const uint32_t*>(&l23));
+          } else {
+            g[0] = f01.x, g[1] = f01.y, g[2] = f23.x, g[3] = f23.y;  // rounded once, as below
+          }
+        }
+        *reinterpret_cast<float4*>(row + c) = make_float4(g[0], g[1], g[2], g[3]);
+      }
+    }
+  }
+  for (int64_t c = done + threadIdx.x; c < cols; c += kThreads) {
     float g = 0.0f;
     if (k.upstream != 0.0f && c < valid) {  // else a token that does not count, or padding
       const float xc = row[c] + bias.at(c);
@@ -284,7 +315,8 @@ Status fold_tile(const float* z, int64_t ld, int64_t rows, const TileColumns& co
   if (rows == 0) return {};
   fold_tile_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
       z, ld, columns.valid, columns.col0, bias_of(columns), targets.base, targets.dtype == kInt64, targets.stride,
-      vocab_begin, params, transform_of(params), extras, running);
+      vocab_begin, params, transform_of(params), extras, is_plain(params) && !extras && columns.bias == nullptr,
+      running);
   return launched("head: tile statistics");
 }
 
@@ -315,7 +347,8 @@ Status tile_gradient(float* z, int64_t ld, int64_t rows, const TileColumns& colu
       z, ld, columns.cols, columns.valid, columns.col0, bias_of(columns), targets.base, targets.dtype == kInt64,
       targets.stride, reinterpret_cast<const float*>(weights.base), weights.stride,
       lse_tokens(lse), reinterpret_cast<const float*>(grad_loss.base),
-      grad_loss.stride, shared, vocab_begin, params, transform_of(params), static_cast<__nv_bfloat16*>(hi),
+      grad_loss.stride, shared, vocab_begin, params, transform_of(params),
+      is_plain(params) && columns.bias == nullptr, static_cast<__nv_bfloat16*>(hi),
       static_cast<__nv_bfloat16*>(lo));
   return launched("head: tile gradient");
 }
