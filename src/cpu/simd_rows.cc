@@ -260,7 +260,7 @@ constexpr float kExpSums[] = {0x1.106156p-7f, 0x1.572ca6p-5f, 0x1.5557b6p-3f, 0x
 // where the roundings of the others average out), which a gradient of a whole row carries.
 template <ExpPrecision kPrecision, bool kBase2, bool kCompensated = false>
 struct ExpPolynomial {
-  static constexpr bool kSums = kPrecision == ExpPrecision::kSums;
+  static constexpr bool kSums = kBase2 && kPrecision == ExpPrecision::kSums;
   static constexpr const float* Table() {
     return kBase2 ? (kSums ? kExp2Sums : kExp2Full) : (kSums ? kExpSums : kExpFull);
   }
@@ -370,10 +370,10 @@ HWY_INLINE VF ExponentialScaled(DF d, VF x, const ScaledRange& range, const Poly
 #endif
 }
 
-// ExponentialScaled for arguments x known to lie below the shift s (the forward's running
-// max), for a sum of the results: x is clamped to range.normal_low (e^-87 then stands for
-// every smaller result, -inf's included: at most V x 1.6e-38 in a sum that is at least 1),
-// and 2^(n + E) is at most 2^1, so one power of two always does. 4 vector operations fewer.
+// ExponentialScaled for the forward's sums of e^(z - s), s their running max, so that every
+// z is at most s: z is clamped to range.normal_low (e^-87 then stands for every smaller
+// term, -inf's included: at most V x 1.6e-38 in a sum that is at least 1), and 2^(n + E) is
+// at most 2^1, so one power of two always does. 4 vector operations fewer.
 template <class Poly>
 HWY_INLINE VF ExponentialBelowShift(DF d, VF x, const ScaledRange& range, const Poly& poly) {
   const VF rounding_shift = hn::Set(d, kRoundingShift);
@@ -667,7 +667,7 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
   // (forward 22-27 % faster than 4 KiB, measured; fp32 stays at 8 KiB, 5 % slower at 16).
   constexpr auto ahead = static_cast<int64_t>(8192 / sizeof(T));
   float max = -std::numeric_limits<float>::infinity();
-  LaneShift shift = MakeLaneShift(d, 0.0f);  // of max, once there is one
+  LaneShift shift = MakeLaneShift(d, 0.0);  // of max, once there is one
   double sum_exp2 = 0.0;                      // sum e^(z - max) / shift.correction
   double sum_logits = 0.0;                    // sum (z - logit_reference(max))
   for (int64_t begin = 0; begin < cols; begin += chunk) {
