@@ -1,17 +1,18 @@
 // bench/port_probe.cc: what the instructions of vpce's half-precision loops cost on this CPU's
-// 512-bit vector ports, measured rather than taken from a model (docs/performance.md, issue
-// 18). Each case runs a loop of 12 independent fused multiply-adds on zmm registers (12
-// chains: their 4-cycle latency never limits where two FMAs issue per cycle) plus 4 copies of
-// the probed instruction, each independent of the others and of the FMAs. The FMAs alone
-// (BM_Probe/fma) are the yardstick, and 4 multiplications (BM_Probe/vmulps, one slot each)
+// vector ports, measured rather than taken from a model (docs/performance.md, issues 18 and
+// 35). Each case runs a loop of 12 independent fused multiply-adds (12 chains: their 4-cycle
+// latency never limits where two FMAs issue per cycle) plus 4 copies of the probed
+// instruction, each independent of the others and of the FMAs. The FMAs alone (fma, or
+// fma_ymm) are the yardstick, and 4 multiplications (vmulps, vmulps_ymm: one slot each)
 // check it: a probed instruction's cost in FMA slots is
 //     12 (t_probe / t_fma - 1) / 4
 // (1: one slot of the ports the FMAs use, as a plain vector operation; 2: two
 // micro-operations there, as bench/count_instructions.cc's weighted count assumes for the
-// conversions; 0: it runs beside them). Time is per loop iteration; run pinned to one core,
-// interleaved and repeated, and take the ratios within one run. AVX-512 CPUs only (the
-// conversions' zmm forms; VCVTNEPS2BF16 also needs AVX512-BF16); elsewhere the rows report an
-// error instead of a time.
+// conversions; 0: it runs beside them, as additions do on AMD's separate add pipes). Time
+// is per loop iteration; run pinned to one core, interleaved and repeated, and take the
+// ratios within one run. The zmm rows need AVX-512 (VCVTNEPS2BF16 also AVX512-BF16), the
+// ymm rows (what the AVX2 target runs: its bf16 widening and rounding, F16C's conversions,
+// the exp's rounding and blends) AVX2 with FMA; elsewhere a row reports an error.
 #include <benchmark/benchmark.h>
 
 #include <hwy/targets.h>
@@ -22,31 +23,30 @@
 
 namespace {
 
-#define VPCE_FMAS                                                                                        \
-  "vfmadd132ps %%zmm12, %%zmm13, %%zmm0\n\t vfmadd132ps %%zmm12, %%zmm13, %%zmm1\n\t"                   \
-  "vfmadd132ps %%zmm12, %%zmm13, %%zmm2\n\t vfmadd132ps %%zmm12, %%zmm13, %%zmm3\n\t"                   \
-  "vfmadd132ps %%zmm12, %%zmm13, %%zmm4\n\t vfmadd132ps %%zmm12, %%zmm13, %%zmm5\n\t"                   \
-  "vfmadd132ps %%zmm12, %%zmm13, %%zmm6\n\t vfmadd132ps %%zmm12, %%zmm13, %%zmm7\n\t"                   \
-  "vfmadd132ps %%zmm12, %%zmm13, %%zmm8\n\t vfmadd132ps %%zmm12, %%zmm13, %%zmm9\n\t"                   \
-  "vfmadd132ps %%zmm12, %%zmm13, %%zmm10\n\t vfmadd132ps %%zmm12, %%zmm13, %%zmm11\n\t"
+// 12 FMAs on the registers of width R ("z": zmm, "y": ymm).
+#define VPCE_FMA(R, k) "vfmadd132ps %%" R "mm12, %%" R "mm13, %%" R "mm" #k "\n\t"
+#define VPCE_FMAS(R)                                                                              \
+  VPCE_FMA(R, 0) VPCE_FMA(R, 1) VPCE_FMA(R, 2) VPCE_FMA(R, 3) VPCE_FMA(R, 4) VPCE_FMA(R, 5)      \
+      VPCE_FMA(R, 6) VPCE_FMA(R, 7) VPCE_FMA(R, 8) VPCE_FMA(R, 9) VPCE_FMA(R, 10) VPCE_FMA(R, 11)
+#define VPCE_ONE(R, k) "vmovaps %%" R "mm12, %%" R "mm" #k "\n\t"
 
-// A loop of `iterations` (>= 1) times the FMAs and `probe`. zmm12 holds 1.0 and zmm13 0, so
-// the FMAs keep their 1.0; zmm14 holds 1.0 too (ymm14: fp16 values from `buffer`) and the
-// probes write zmm15 (renamed at each write: no dependency between the copies); `buffer`
-// holds 256 bytes in L1 that the memory forms read and write.
-#define VPCE_PROBE_LOOP(probe)                                                                           \
-  asm volatile(                                                                                          \
-      "vbroadcastss (%[one]), %%zmm12\n\t vxorps %%xmm13, %%xmm13, %%xmm13\n\t"                          \
-      "vmovaps %%zmm12, %%zmm0\n\t vmovaps %%zmm12, %%zmm1\n\t vmovaps %%zmm12, %%zmm2\n\t"              \
-      "vmovaps %%zmm12, %%zmm3\n\t vmovaps %%zmm12, %%zmm4\n\t vmovaps %%zmm12, %%zmm5\n\t"              \
-      "vmovaps %%zmm12, %%zmm6\n\t vmovaps %%zmm12, %%zmm7\n\t vmovaps %%zmm12, %%zmm8\n\t"              \
-      "vmovaps %%zmm12, %%zmm9\n\t vmovaps %%zmm12, %%zmm10\n\t vmovaps %%zmm12, %%zmm11\n\t"            \
-      "vmovaps %%zmm12, %%zmm14\n\t vmovaps %%zmm12, %%zmm15\n\t"                                        \
-      "1:\n\t" VPCE_FMAS probe "dec %[n]\n\t jnz 1b\n\t vzeroupper\n\t"                                  \
-      : [n] "+r"(iterations)                                                                             \
-      : [one] "r"(&kOne), [buffer] "r"(buffer)                                                           \
-      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", \
-        "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
+// A loop of `iterations` (>= 1) times the FMAs and `probe`, on registers of width R. R12
+// holds 1.0 and R13 0, so the FMAs keep their 1.0; R14 holds 1.0 too (ymm14: fp16 values
+// from `buffer` for the zmm conversions) and the probes write R15 (renamed at each write: no
+// dependency between the copies); `buffer` holds 256 bytes in L1 that the memory forms read
+// and write.
+#define VPCE_PROBE_LOOP_OF(R, probe)                                                                      \
+  asm volatile("vbroadcastss (%[one]), %%" R "mm12\n\t vxorps %%xmm13, %%xmm13, %%xmm13\n\t"             \
+               VPCE_ONE(R, 0) VPCE_ONE(R, 1) VPCE_ONE(R, 2) VPCE_ONE(R, 3) VPCE_ONE(R, 4) VPCE_ONE(R, 5)   \
+               VPCE_ONE(R, 6) VPCE_ONE(R, 7) VPCE_ONE(R, 8) VPCE_ONE(R, 9) VPCE_ONE(R, 10)                 \
+               VPCE_ONE(R, 11) VPCE_ONE(R, 14) VPCE_ONE(R, 15)                                              \
+               "1:\n\t" VPCE_FMAS(R) probe "dec %[n]\n\t jnz 1b\n\t vzeroupper\n\t"                        \
+               : [n] "+r"(iterations)                                                                     \
+               : [one] "r"(&kOne), [buffer] "r"(buffer)                                                   \
+               : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",   \
+                 "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
+#define VPCE_PROBE_LOOP(probe) VPCE_PROBE_LOOP_OF("z", probe)
+#define VPCE_PROBE_LOOP_YMM(probe) VPCE_PROBE_LOOP_OF("y", probe)
 
 #define VPCE_FOUR(instruction) instruction instruction instruction instruction
 
@@ -66,11 +66,28 @@ enum Probe : int {
   kPermW,             // VPERMW, which puts those 32 bf16 in order
   kTernLogD,          // VPTERNLOGD, the software bf16 rounding's packing
   kMaxSw,             // VPMAXSW, the max of 32 fp16 or bf16 logits on their bit patterns
+  // ymm (AVX2): what the AVX2 target's loops are made of
+  kFmaYmm,            // the yardstick
+  kMulPsYmm,          // one slot: the check
+  kAddPsYmm,          // VADDPS: the FPU rounding (v + M) - M of bf16 pairs, the sums
+  kSllDYmm,           // VPSLLD: bf16 -> fp32 widening (even elements), the exp's 2^n
+  kAndYmm,            // VPAND: bf16 -> fp32 widening (odd elements), the masks
+  kAddDYmm,           // VPADDD: the integer bf16 rounding, the exponent's E
+  kBlendVPsYmm,       // VBLENDVPS: the exp's special cases, the target column
+  kRoundPsYmm,        // VROUNDPS: the exp's n = round(z L)
+  kCvtPs2DqYmm,       // VCVTPS2DQ: n as an integer
+  kPackUsDwYmm,       // VPACKUSDW: bf16 pairs packed
+  kPermQYmm,          // VPERMQ: their lanes in order
+  kCvtPh2PsYmm,       // F16C fp16 -> fp32
+  kCvtPs2PhYmm,       // F16C fp32 -> fp16
 };
 
 const char* const kNames[] = {"fma",       "vmulps",        "vcvtph2ps_m256", "vcvtph2ps_ymm",
                               "vcvtps2ph_ymm", "vcvtps2ph_m256", "vcvtneps2bf16", "vreduceps",
-                              "vscalefps", "vcvtne2ps2bf16", "vpermw",     "vpternlogd", "vpmaxsw"};
+                              "vscalefps", "vcvtne2ps2bf16", "vpermw",     "vpternlogd", "vpmaxsw",
+                              "fma_ymm",   "vmulps_ymm",    "vaddps_ymm",     "vpslld_ymm", "vpand_ymm",
+                              "vpaddd_ymm", "vblendvps_ymm", "vroundps_ymm",  "vcvtps2dq_ymm", "vpackusdw_ymm",
+                              "vpermq_ymm", "vcvtph2ps_xmm_ymm", "vcvtps2ph_ymm_xmm"};
 
 void run(Probe probe, int64_t iterations, void* buffer) {
   switch (probe) {
@@ -87,13 +104,30 @@ void run(Probe probe, int64_t iterations, void* buffer) {
     case kPermW: VPCE_PROBE_LOOP(VPCE_FOUR("vpermw %%zmm14, %%zmm12, %%zmm15\n\t")); break;
     case kTernLogD: VPCE_PROBE_LOOP(VPCE_FOUR("vmovaps %%zmm14, %%zmm15\n\t vpternlogd $0xE4, %%zmm12, %%zmm13, %%zmm15\n\t")); break;
     case kMaxSw: VPCE_PROBE_LOOP(VPCE_FOUR("vpmaxsw %%zmm14, %%zmm12, %%zmm15\n\t")); break;
+    case kFmaYmm: VPCE_PROBE_LOOP_YMM(""); break;
+    case kMulPsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vmulps %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kAddPsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vaddps %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kSllDYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpslld $16, %%ymm14, %%ymm15\n\t")); break;
+    case kAndYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpand %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kAddDYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpaddd %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kBlendVPsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vblendvps %%ymm13, %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kRoundPsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vroundps $8, %%ymm14, %%ymm15\n\t")); break;
+    case kCvtPs2DqYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcvtps2dq %%ymm14, %%ymm15\n\t")); break;
+    case kPackUsDwYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpackusdw %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kPermQYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpermq $0xD8, %%ymm14, %%ymm15\n\t")); break;
+    case kCvtPh2PsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcvtph2ps %%xmm14, %%ymm15\n\t")); break;
+    case kCvtPs2PhYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcvtps2ph $8, %%ymm14, %%xmm15\n\t")); break;
   }
 }
 
 void BM_Probe(benchmark::State& state) {
   const auto probe = static_cast<Probe>(state.range(0));
   state.SetLabel(kNames[probe]);
-  if ((hwy::SupportedTargets() & HWY_AVX3) == 0) return state.SkipWithError("no AVX-512 on this CPU");
+  if (probe >= kFmaYmm) {
+    if ((hwy::SupportedTargets() & HWY_AVX2) == 0) return state.SkipWithError("no AVX2 with FMA on this CPU");
+  } else if ((hwy::SupportedTargets() & HWY_AVX3) == 0) {
+    return state.SkipWithError("no AVX-512 on this CPU");
+  }
   if ((probe == kCvtNePs2Bf16 || probe == kCvtNe2Ps2Bf16) && !vpce::detail::cpu_has_avx512_bf16()) {
     return state.SkipWithError("no AVX512-BF16 on this CPU");
   }
@@ -103,7 +137,7 @@ void BM_Probe(benchmark::State& state) {
   for (auto _ : state) run(probe, kIterations, buffer);
   state.SetItemsProcessed(state.iterations() * kIterations);
 }
-BENCHMARK(BM_Probe)->DenseRange(kFma, kMaxSw);
+BENCHMARK(BM_Probe)->DenseRange(kFma, kCvtPs2PhYmm);
 
 }  // namespace
 

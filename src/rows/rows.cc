@@ -97,4 +97,6 @@ Status exp_rows_in_place(const TensorView& x, const TensorView& shift, const Ten
   return {};
 }
 
+const char* cpu_kernel_target() { return detail::simd_target_name(); }
+
 }  // namespace vpce

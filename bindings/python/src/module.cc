@@ -443,6 +443,7 @@ NB_MODULE(_vpce, m) {
   // A CPU buffer for a new gradient: a uint8 array of `bytes` on 2 MiB boundaries, a mapping
   // of its own advised onto huge pages, reused for the next buffer of its size once the
   // array (and every tensor over it) is freed (bindings/python/src/mapped_buffers.cc).
+  m.def("cpu_kernel_target", &vpce::cpu_kernel_target);
   m.def(
       "gradient_buffer",
       [](std::size_t bytes) {
