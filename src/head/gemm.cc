@@ -2,10 +2,10 @@
 // where A is not transposed and K is at most 8192, dnnl_sgemm otherwise; gemm_bf16() through
 // the matmul primitive with bf16 operands (its brgemm kernels take a transposed A too).
 //
-// Why two: on an Ice Lake's AVX-512 (2026-12-01) the matmul primitive runs the head's tile shapes 5-15 %
-// faster than dnnl_sgemm (and 30 % faster for grad_hidden at H = 512), but for a transposed
-// A (the weight gradient's dx^T h) oneDNN 2.6 has no brgemm kernel and picks the same JIT
-// GEMM as dnnl_sgemm; and over a K of 32000 it was slower (measured with bench/blas_compare.cc).
+// Why two: on an Ice Lake's AVX-512 (2026-12-01) the matmul primitive runs the head's tile
+// shapes 5-15 % faster than dnnl_sgemm (and 30 % faster for grad_hidden at H = 512), but for
+// a transposed A (the weight gradient's dx^T h) oneDNN 2.6 has no brgemm kernel and picks the
+// same JIT GEMM as dnnl_sgemm; and over a K of 32000 it was slower (bench/blas_compare.cc).
 #include "gemm.h"
 
 #include <map>
