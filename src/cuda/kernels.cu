@@ -205,44 +205,6 @@ __global__ void __launch_bounds__(kThreads) shared_upstream_kernel(const float* 
   }
 }
 
-// Stores n values of TOut from `values` at `out`, as one or two 16-byte (or one 8-byte) store.
-template <class TOut, int kCount>
-__device__ __forceinline__ void store_vector(TOut* out, const TOut (&values)[kCount]) {
-  constexpr int kBytes = kCount * sizeof(TOut);
-  if constexpr (kBytes == 32) {
-    reinterpret_cast<uint4*>(out)[0] = reinterpret_cast<const uint4*>(values)[0];
-    reinterpret_cast<uint4*>(out)[1] = reinterpret_cast<const uint4*>(values)[1];
-  } else if constexpr (kBytes == 16) {
-    *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(values);
-  } else {
-    static_assert(kBytes == 8);
-    *reinterpret_cast<uint2*>(out) = *reinterpret_cast<const uint2*>(values);
-  }
-}
-
-// kN floats stored at `out` as TOut: pairs rounded together (one conversion each), one or
-// two 16-byte (or one 8-byte) stores for a vector.
-template <class TOut, int kN>
-__device__ __forceinline__ void store_run(TOut* out, const float (&y)[kN]) {
-  if constexpr (kN == 1) {
-    *out = from_float<TOut>(y[0]);
-  } else {
-    alignas(16) TOut values[kN];
-#pragma unroll
-    for (int j = 0; j < kN; j += 2) {
-      if constexpr (std::is_same_v<TOut, __nv_bfloat16>) {
-        *reinterpret_cast<__nv_bfloat162*>(&values[j]) = __floats2bfloat162_rn(y[j], y[j + 1]);
-      } else if constexpr (std::is_same_v<TOut, __half>) {
-        *reinterpret_cast<__half2*>(&values[j]) = __floats2half2_rn(y[j], y[j + 1]);
-      } else {
-        values[j] = y[j];
-        values[j + 1] = y[j + 1];
-      }
-    }
-    store_vector(out, values);
-  }
-}
-
 // f(first, x, y) over runs of in[0, cols): x the run widened, y what to store at
 // out[first, first + kN) as TOut. Runs are 16-byte vectors of `in` where `in` and `out` are
 // aligned for them (thread t taking vectors t and t + kThreads, both loaded before either is

@@ -186,18 +186,15 @@ __global__ void __launch_bounds__(kThreads)
         float g[4];
         pg.run(c, zs, g, target_column, valid);
         if (hi != nullptr) {
-          const __nv_bfloat162 h01 = __floats2bfloat162_rn(g[0], g[1]), h23 = __floats2bfloat162_rn(g[2], g[3]);
-          *reinterpret_cast<uint2*>(hi + r * ld + c) = make_uint2(*reinterpret_cast<const uint32_t*>(&h01),
-                                                                  *reinterpret_cast<const uint32_t*>(&h23));
-          const float2 f01 = __bfloat1622float2(h01), f23 = __bfloat1622float2(h23);
-          if (lo != nullptr) {
-            const __nv_bfloat162 l01 = __floats2bfloat162_rn(g[0] - f01.x, g[1] - f01.y);
-            const __nv_bfloat162 l23 = __floats2bfloat162_rn(g[2] - f23.x, g[3] - f23.y);
-            *reinterpret_cast<uint2*>(lo + r * ld + c) = make_uint2(*reinterpret_cast<const uint32_t*>(&l01),
-                                                                    *reinterpret_cast<const uint32_t*>(&l23));
-          } else {
-            g[0] = f01.x, g[1] = f01.y, g[2] = f23.x, g[3] = f23.y;  // rounded once, as below
+          store_run(hi + r * ld + c, g);
+          float rest[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float rounded = __bfloat162float(__float2bfloat16_rn(g[j]));
+            rest[j] = g[j] - rounded;
+            if (lo == nullptr) g[j] = rounded;  // rounded once, as below
           }
+          if (lo != nullptr) store_run(lo + r * ld + c, rest);
         }
         *reinterpret_cast<float4*>(row + c) = make_float4(g[0], g[1], g[2], g[3]);
       }
