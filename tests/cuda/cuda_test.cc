@@ -10,8 +10,10 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <random>
+#include <string>
 
 #include "cuda_step.h"
 #include "cuda_support.h"
@@ -218,6 +220,52 @@ TEST(Cuda, LongRowsAndAdversarialValues) {
   }
   if (p.targets[1] % 3 == 0) p.targets[1] += 1;
   expect_matches_oracle(p, shards_from_sizes(even_splits(262144, 2)), RunOptions{}, 1e-5);
+}
+
+// NaN singly, as whole vectors, as a row's tail and as a whole shard (with -inf beside it)
+// reaches token 0's loss, lse and every gradient column, on the plain path (no extras) and
+// the general one (extras); token 1 keeps its fp64 value (as Adversarial's CPU test).
+TEST(Cuda, NanVectorsRowsAndShardsReachTheLoss) {
+  REQUIRE_GPU();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  struct Span {
+    int64_t vocab, begin, end;  // NaN in columns [begin, end) of token 0's row
+    bool with_minus_inf;        // and -inf in [vocab / 2, begin)
+  };
+  const Span spans[] = {{1072, 1056, 1057, false}, {48, 32, 48, false}, {3000, 1000, 2024, false},
+                        {64, 32, 64, true}, {20000, 16384, 16400, false}};
+  for (const Span& span : spans) {
+    for (DataType dtype : {kFloat32, kBFloat16}) {
+      for (bool extras : {false, true}) {
+        for (int ranks : {1, 2}) {
+          Problem p = random_problem(2, span.vocab, dtype, 43);
+          p.targets = {0, 1};
+          for (int64_t v = span.begin; v < span.end; ++v) p.set(0, v, nan);
+          if (span.with_minus_inf) {
+            for (int64_t v = span.vocab / 2; v < span.begin; ++v) p.set(0, v, -INFINITY);
+          }
+          const std::vector<double> x = p.as_double();
+          RunOptions o;
+          o.extras = extras;
+          const DeviceRun run = run_on_device(p, shards_from_sizes(even_splits(span.vocab, ranks)), o);
+          const std::string where = to_string(dtype) + " V " + std::to_string(span.vocab) + " NaN [" +
+                                    std::to_string(span.begin) + ", " + std::to_string(span.end) + ") R " +
+                                    std::to_string(ranks) + (extras ? " extras" : "");
+          for (int r = 0; r < ranks; ++r) {
+            ASSERT_TRUE(run.status[static_cast<std::size_t>(r)].ok()) << where;
+            EXPECT_TRUE(std::isnan(run.loss[static_cast<std::size_t>(r)][0])) << where << ", rank " << r;
+            EXPECT_TRUE(std::isnan(run.lse[static_cast<std::size_t>(r)][0])) << where << ", rank " << r;
+          }
+          for (int64_t v = 0; v < span.vocab; ++v) {
+            ASSERT_TRUE(std::isnan(run.grad[static_cast<std::size_t>(v)])) << where << ", column " << v;
+          }
+          const auto want = reference::cross_entropy(std::vector<double>(x.begin() + span.vocab, x.end()), 1,
+                                                     span.vocab, {p.targets[1]}, 0.0, {1.0});
+          EXPECT_NEAR(run.loss[0][1], want.loss[0], 1e-6 * want.loss[0]) << where;
+        }
+      }
+    }
+  }
 }
 
 // Logits offset by 1e4 and -1e5: with the lse kept in float64 the gradient keeps fp32's
