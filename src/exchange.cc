@@ -1,7 +1,6 @@
 // exchange.cc: the forward's one all-gather (see exchange.h).
 #include "exchange.h"
 
-#include <bit>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -62,12 +61,8 @@ Status exchange_stats(Communicator& comm, Workspace::Buffers& buffers, const Exc
     local = fill(RowMatrix{reinterpret_cast<char*>(buffers.send.data() + sizeof(RankHeader)), kFloat32, n, width,
                            width});
   }
-  RankHeader header = make_header(rank, ranks, n, width, call.shard, call.dtype, call.options, call.has_weights,
-                                  call.inputs_hash, local);
-  header.hidden_size = call.hidden_size;
-  header.head_chunked = call.head_chunked ? 1 : 0;
-  header.head_tokens = call.head_tokens;
-  header.head_grad_loss_bits = std::bit_cast<uint32_t>(call.head_grad_loss);
+  const RankHeader header = make_header(rank, ranks, n, width, call.shard, call.dtype, call.options,
+                                        call.has_weights, call.inputs_hash, call.operation, local);
   std::memcpy(buffers.send.data(), &header, sizeof(header));
 
   Status gathered = comm.all_gather(buffers.send.data(), buffers.recv.data(), payload);

@@ -1,4 +1,4 @@
-// exchange.h: the forward's one all-gather on the CPU, shared by forward() (forward.cc) and
+// exchange.h: the forward's one all-gather on the CPU, shared by forward() (loss/forward.cc) and
 // the fused head (head/): this rank's header and [N, W] statistics out, every rank's in,
 // the group's agreement checked, the statistics merged in rank order.
 #pragma once
@@ -6,9 +6,10 @@
 #include <cstdint>
 #include <functional>
 
+#include "protocol.h"
 #include "validate.h"
 #include "vpce/communicator.h"
-#include "vpce/loss.h"
+#include "vpce/options.h"
 #include "workspace.h"
 
 namespace vpce::detail {
@@ -19,10 +20,7 @@ struct ExchangeCall {
   int64_t width = kStatsWidth;
   VocabShard shard;
   DataType dtype{};
-  int64_t hidden_size = 0;  // the fused head's H; 0 for logits
-  bool head_chunked = false;  // the fused head's chunked mode, with:
-  int64_t head_tokens = 0;    // all its tokens (`tokens` being a chunk's)
-  float head_grad_loss = 0.0f;  // its upstream gradient
+  OperationBlock operation;  // which operation gathers, and what else its ranks must agree on
   LossOptions options;
   bool has_weights = false;
   uint64_t inputs_hash = 0;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
@@ -59,11 +60,67 @@ Status check_partition(const std::vector<RankHeader>& headers) {
                                    ") owned by no rank"};
 }
 
+// `text` into `out` (of `size` bytes), truncated, NUL-terminated.
+void copy_text(char* out, std::size_t size, const std::string& text) {
+  std::memcpy(out, text.data(), std::min(text.size(), size - 1));
+}
+
+// The block's text fields as read from another rank: NUL-terminated whatever it sent.
+std::string text_of(const char* field, std::size_t size) { return std::string(field, strnlen(field, size)); }
+
+std::string operation_text(const OperationBlock& o) {
+  return text_of(o.name, sizeof(o.name)) + ", " + text_of(o.mode, sizeof(o.mode));
+}
+
+// Which operation, and in which mode, then the operation's own values.
+Status check_operation(const RankHeader& first, const RankHeader& h) {
+  const OperationBlock& a = first.operation;
+  const OperationBlock& b = h.operation;
+  const std::string name = text_of(a.name, sizeof(a.name));
+  if (name != text_of(b.name, sizeof(b.name))) {
+    return disagree("the operation", 0, operation_text(a), h.rank, operation_text(b));
+  }
+  const std::string mode = text_of(a.mode, sizeof(a.mode));
+  if (mode != text_of(b.mode, sizeof(b.mode))) {
+    return disagree(("the " + name + "'s mode").c_str(), 0, mode, h.rank, text_of(b.mode, sizeof(b.mode)));
+  }
+  for (int k = 0; k < OperationBlock::kValues; ++k) {
+    if (a.values[k] == b.values[k]) continue;
+    const bool is_float = (a.float_values >> k & 1U) != 0;
+    auto text = [&](int64_t v) {
+      return is_float ? number_text(std::bit_cast<float>(static_cast<uint32_t>(v))) : std::to_string(v);
+    };
+    return disagree(text_of(a.labels[k], OperationBlock::kLabelBytes).c_str(), 0, text(a.values[k]), h.rank,
+                    text(b.values[k]));
+  }
+  return {};
+}
+
 }  // namespace
+
+OperationBlock operation_block(const char* name, const char* mode, std::initializer_list<OperationValue> values) {
+  OperationBlock o;
+  copy_text(o.name, sizeof(o.name), name);
+  copy_text(o.mode, sizeof(o.mode), mode);
+  int k = 0;
+  for (const OperationValue& v : values) {
+    if (k == OperationBlock::kValues) break;  // (an operation's code declares at most kValues)
+    o.values[k] = v.value;
+    copy_text(o.labels[k], OperationBlock::kLabelBytes, v.label);
+    if (v.is_float) o.float_values |= 1U << k;
+    ++k;
+  }
+  return o;
+}
+
+OperationValue float_value(const char* label, float value) {
+  return {label, static_cast<int64_t>(std::bit_cast<uint32_t>(value)), true};
+}
 
 RankHeader make_header(int rank, int num_ranks, int64_t num_tokens, int64_t stats_width,
                        const VocabShard& shard, DataType logits_dtype, const LossOptions& options,
-                       bool has_weights, uint64_t inputs_hash, const Status& local) {
+                       bool has_weights, uint64_t inputs_hash, const OperationBlock& operation,
+                       const Status& local) {
   RankHeader h;
   h.rank = rank;
   h.num_ranks = num_ranks;
@@ -84,9 +141,18 @@ RankHeader make_header(int rank, int num_ranks, int64_t num_tokens, int64_t stat
   h.smoothing_semantics = static_cast<int32_t>(options.smoothing_semantics);
   h.reduction = static_cast<int32_t>(options.reduction);
   h.has_weights = has_weights ? 1 : 0;
-  const std::string& text = local.message();
-  std::memcpy(h.message, text.data(), std::min(text.size(), sizeof(h.message) - 1));
+  h.operation = operation;
+  copy_text(h.message, sizeof(h.message), local.message());
   return h;
+}
+
+void set_device_found_message(RankHeader& header, const VocabShard& shard, const LossOptions& options) {
+  if (header.status != 0) return;
+  std::snprintf(header.message, sizeof(header.message),
+                "targets or weights: expected targets in [0, %lld) or %lld and finite weights >= 0, got another value "
+                "(found on the device)",
+                static_cast<long long>(options.valid_vocab_size > 0 ? options.valid_vocab_size : shard.vocab_size),
+                static_cast<long long>(options.ignore_index));
 }
 
 Status check_group(const char* gathered, std::size_t stride, int ranks, int self) {
@@ -116,29 +182,9 @@ Status check_group(const char* gathered, std::size_t stride, int ranks, int self
   const RankHeader& first = headers[0];
   for (int r = 1; r < ranks; ++r) {
     const RankHeader& h = headers[static_cast<std::size_t>(r)];
-    // What was called first (a forward of logits or the head, and the head's mode): the
-    // token counts of the head's modes differ (a chunk's or all of them).
-    if (h.hidden_size != first.hidden_size) {
-      auto text = [](int64_t hidden) {
-        return hidden == 0 ? std::string("none (a forward of logits)") : std::to_string(hidden);
-      };
-      return disagree("the hidden size of the fused head", 0, text(first.hidden_size), r, text(h.hidden_size));
-    }
-    if (h.head_chunked != first.head_chunked) {
-      auto text = [](uint8_t chunked) {
-        return std::string(chunked != 0 ? "chunked (linear_cross_entropy_forward_backward)"
-                                        : "recompute (linear_cross_entropy_forward)");
-      };
-      return disagree("the fused head's mode", 0, text(first.head_chunked), r, text(h.head_chunked));
-    }
-    if (h.head_tokens != first.head_tokens) {  // (the chunked mode's chunks may agree where N does not)
-      return disagree("the number of tokens", 0, std::to_string(first.head_tokens), r, std::to_string(h.head_tokens));
-    }
-    if (h.head_grad_loss_bits != first.head_grad_loss_bits) {
-      auto text = [](uint32_t bits) { return number_text(std::bit_cast<float>(bits)); };
-      return disagree("grad_loss (the chunked mode's upstream gradient)", 0, text(first.head_grad_loss_bits), r,
-                      text(h.head_grad_loss_bits));
-    }
+    // What was called first (which operation, its mode and its own values): the token counts
+    // of the head's modes differ (a chunk's or all of them).
+    if (Status s = check_operation(first, h); !s.ok()) return s;
     if (h.num_tokens != first.num_tokens) {
       return disagree("the number of tokens", 0, std::to_string(first.num_tokens), r,
                       std::to_string(h.num_tokens));

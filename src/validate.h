@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "common/token_math.h"
-#include "vpce/loss.h"
+#include "vpce/options.h"
 #include "vpce/status.h"
 #include "vpce/tensor.h"
 
@@ -96,7 +96,7 @@ Status check_device(const TensorView& t, const char* name, Device expected);
 
 // Whether this build and machine can compute on `device`: the CPU always; CUDA when vpce
 // was built with it and the device exists (kUnsupported naming `name`.device otherwise).
-// Defined in cuda/dispatch.cu, or in device_cpu_only.cc for builds without CUDA.
+// Defined in cuda/dispatch.cu, or in cuda/without_cuda.cc for builds without CUDA.
 Status device_supported(Device device, const char* name);
 
 // For CUDA tensors: `data` is memory of `device` (or managed), not host memory.

@@ -1,12 +1,12 @@
 // workspace.h: what a vpce::Workspace holds (its definition is private to the library), for
-// the forward (forward.cc), the fused head (head/) and their device paths.
+// the forward (loss/forward.cc), the fused head (head/) and their device paths.
 #pragma once
 
 #include <cstddef>
 #include <memory>
 #include <vector>
 
-#include "vpce/loss.h"
+#include "vpce/workspace.h"
 
 namespace vpce {
 namespace detail {

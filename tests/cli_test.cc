@@ -13,6 +13,7 @@
 
 #include "npy.h"
 #include "reference/reference.h"
+#include "vpce/version.h"
 
 namespace vpce::test {
 namespace {
@@ -277,6 +278,7 @@ TEST_F(Cli, PerfChecksItsOptionsBeforeRunning) {
   expect_usage_error(run_cli("perf -b 16 -e 16 -f nan", dir_), "a finite f > 1", dir_);
 }
 
+#if VPCE_WITH_HEAD
 TEST_F(Cli, PerfHeadPrintsItsTableWithNothingWrong) {
   const Command c = run_cli("perf --head -b 40 -e 80 -H 24 -V 700,333 -t 2 -d all -n 1 -w 0 --token-block 16 "
                             "--vocab-block 64 --chunk-tokens 32", dir_);
@@ -293,6 +295,13 @@ TEST_F(Cli, PerfHeadPrintsItsTableWithNothingWrong) {
   expect_usage_error(run_cli("perf --head --mode both2", dir_), "--mode", dir_);
   expect_usage_error(run_cli("perf --head -H 0", dir_), "--hidden: expected an integer in [1, 65536], got 0", dir_);
 }
+#else
+TEST_F(Cli, PerfHeadSaysThisBuildHasNoHead) {
+  const Command c = run_cli("perf --head -b 40 -e 80 -H 24 -V 700", dir_);
+  EXPECT_NE(c.status, 0);
+  EXPECT_NE(c.err.find("--head: this build of vpce has no fused head"), std::string::npos) << c.err;
+}
+#endif
 
 TEST_F(Cli, OverflowingNpyDimensionSaysItOverflows) {
   write_npy(dir_ / "huge.npy", "<f4", "(99999999999999999999, 37)", logits_.data(), 16);

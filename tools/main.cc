@@ -154,7 +154,13 @@ int main(int argc, char** argv) {
     } else if (run_cmd->parsed()) {
       status = vpce::tools::run_command(run);
     } else if (perf_cmd->parsed()) {
+#if VPCE_WITH_HEAD
       status = perf.head ? vpce::tools::perf_head_command(perf) : vpce::tools::perf_command(perf);
+#else
+      status = perf.head ? vpce::Status{vpce::Code::kUnsupported, "--head: this build of vpce has no fused head "
+                                                                   "(built with VPCE_WITH_HEAD=OFF)"}
+                         : vpce::tools::perf_command(perf);
+#endif
     } else {
       status = vpce::tools::gen_command(gen);
     }

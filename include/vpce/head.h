@@ -45,9 +45,10 @@
 #include <cstdint>
 
 #include "vpce/communicator.h"
-#include "vpce/loss.h"
+#include "vpce/options.h"
 #include "vpce/status.h"
 #include "vpce/tensor.h"
+#include "vpce/workspace.h"
 
 namespace vpce {
 

@@ -4,8 +4,10 @@
 #include "vpce/communicator.h"  // IWYU pragma: export
 #include "vpce/head.h"          // IWYU pragma: export
 #include "vpce/loss.h"          // IWYU pragma: export
+#include "vpce/options.h"       // IWYU pragma: export
 #include "vpce/rows.h"          // IWYU pragma: export
 #include "vpce/status.h"        // IWYU pragma: export
 #include "vpce/tensor.h"        // IWYU pragma: export
 #include "vpce/threads.h"       // IWYU pragma: export
 #include "vpce/version.h"       // IWYU pragma: export
+#include "vpce/workspace.h"     // IWYU pragma: export

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "vpce/loss.h"
+#include "vpce/options.h"
 
 #if defined(__CUDACC__)
 #define VPCE_HD __host__ __device__

@@ -1,6 +1,6 @@
 // cpu/kernels.h: the CPU kernels of vpce's four stages, on validated arguments.
 //
-// Callers (src/loss.cc, src/forward.cc) validate everything first; the kernels trust their
+// Callers (src/loss/, src/head/) validate everything first; the kernels trust their
 // arguments, never allocate, never communicate, and compute each token's row on one
 // thread in a fixed order, so their results do not depend on the number of threads.
 #pragma once

@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "../common/token_math.h"
+#include "vpce/status.h"
 
 namespace vpce::detail::cuda_common {
 

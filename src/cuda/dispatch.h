@@ -1,6 +1,6 @@
 // cuda/dispatch.h: the device path of forward() and backward(), as plain C++ (no CUDA
-// headers), for src/forward.cc and src/loss.cc. Defined in cuda/dispatch.cu, or by
-// device_cpu_only.cc in builds without CUDA (where device_supported() already refused).
+// headers), for src/loss/ and src/head/. Defined in cuda/dispatch.cu, or by
+// cuda/without_cuda.cc in builds without CUDA (where device_supported() already refused).
 #pragma once
 
 #include <cstddef>

@@ -310,9 +310,11 @@ __global__ void check_group_kernel(const char* gathered, int64_t stride, int ran
             h->z_loss_bits == first->z_loss_bits && h->logit_scale_bits == first->logit_scale_bits &&
             h->softcap_bits == first->softcap_bits && h->valid_vocab_size == first->valid_vocab_size &&
             h->reduction == first->reduction && h->has_weights == first->has_weights &&
-            h->stats_width == first->stats_width && h->inputs_hash == first->inputs_hash &&
-            h->hidden_size == first->hidden_size && h->head_chunked == first->head_chunked &&
-            h->head_tokens == first->head_tokens && h->head_grad_loss_bits == first->head_grad_loss_bits;
+            h->stats_width == first->stats_width && h->inputs_hash == first->inputs_hash;
+  // The operation's block, byte for byte (its name, mode, values and labels).
+  const auto* mine = reinterpret_cast<const unsigned char*>(&h->operation);
+  const auto* theirs = reinterpret_cast<const unsigned char*>(&first->operation);
+  for (std::size_t k = 0; ok && k < sizeof(OperationBlock); ++k) ok = mine[k] == theirs[k];
   // Ranges: each non-empty one inside [0, V), overlapping no other; together they cover V.
   const int64_t begin = h->vocab_begin;
   const int64_t end = h->vocab_end;

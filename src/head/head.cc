@@ -60,12 +60,9 @@ detail::ExchangeCall exchange_call(const HeadArgs& a, int64_t tokens, int64_t wi
   call.width = width;
   call.shard = shard;
   call.dtype = inputs.hidden.dtype;
-  call.hidden_size = a.hidden_size();
   call.options = options;
   call.has_weights = has_weights;
-  call.head_chunked = chunked;
-  call.head_tokens = head_tokens;
-  call.head_grad_loss = grad_loss;
+  call.operation = detail::head_operation(a.hidden_size(), chunked, head_tokens, grad_loss);
   call.inputs_hash = a.inputs_hash;
   return call;
 }

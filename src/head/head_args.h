@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../protocol.h"
 #include "../validate.h"
 #include "vpce/head.h"
 
@@ -59,6 +60,11 @@ int64_t agreed_vocab_rows(const VocabShard& shard, int ranks);
 // on what the group agrees on (V, the rank count and the options), not on this rank's range or
 // on whether its arguments passed, so every rank makes gathers of the same sizes.
 int64_t agreed_chunk_tokens(const HeadOptions& head, const VocabShard& shard, int ranks);
+
+// The head's block of each gather's header (protocol.h): its mode, the hidden size H, and
+// in the chunked mode all its tokens (each gather carries a chunk's) and its upstream
+// gradient, bit for bit (0 in the recompute mode).
+OperationBlock head_operation(int64_t hidden_size, bool chunked, int64_t head_tokens, float grad_loss);
 
 // The regions of hidden, weight, bias, targets and token weights.
 std::vector<NamedRegion> input_regions(const HeadArgs& args);

@@ -211,4 +211,13 @@ Status check_head_gradients(const HeadGradients& gradients, const HeadArgs& args
   return {};
 }
 
+OperationBlock head_operation(int64_t hidden_size, bool chunked, int64_t head_tokens, float grad_loss) {
+  return operation_block("fused head",
+                         chunked ? "chunked (linear_cross_entropy_forward_backward)"
+                                 : "recompute (linear_cross_entropy_forward)",
+                         {{"the hidden size of the fused head", hidden_size},
+                          {"the number of tokens", chunked ? head_tokens : 0},
+                          float_value("grad_loss (the chunked mode's upstream gradient)", chunked ? grad_loss : 0.0f)});
+}
+
 }  // namespace vpce::detail

@@ -1,6 +1,6 @@
 // head/cuda/device_head.cc: the fused head on CUDA tensors (see head/device_head.h): cuBLAS
 // GEMMs per tile into an fp32 buffer, head_kernels.cu's epilogues, and the forward's exact
-// protocol of cuda/dispatch.cu (the same RankHeader with hidden_size = H, the same device
+// protocol of cuda/dispatch.cu (the same RankHeader with the head's operation block, the same device
 // gather, group check, merge and loss, the same asynchronous errors read by
 // Workspace::device_status()).
 //
@@ -663,23 +663,14 @@ Status finish_gradients(const Call& c, const HeadGradientArgs& g, const PanelGra
 
 // ---- the forward's protocol -------------------------------------------------------------
 
-// The header of this rank's gathers (hidden_size = H), its message ready for an error the
+// The header of this rank's gathers (the head's block), its message ready for an error the
 // device finds.
 RankHeader head_header(const Communicator& comm, int64_t n, int64_t width, int64_t hidden, const VocabShard& shard,
                        DataType dtype, const LossOptions& options, bool has_weights, bool chunked, float grad_loss,
                        const Status& local) {
-  RankHeader header = make_header(comm.rank(), comm.size(), n, width, shard, dtype, options, has_weights, 0, local);
-  header.hidden_size = hidden;
-  header.head_chunked = chunked ? 1 : 0;
-  header.head_tokens = chunked ? n : 0;
-  header.head_grad_loss_bits = chunked ? std::bit_cast<uint32_t>(grad_loss) : 0;
-  if (local.ok()) {
-    std::snprintf(header.message, sizeof(header.message),
-                  "targets or weights: expected targets in [0, %lld) or %lld and finite weights >= 0, got another value "
-                  "(found on the device)",
-                  static_cast<long long>(options.valid_vocab_size > 0 ? options.valid_vocab_size : shard.vocab_size),
-                  static_cast<long long>(options.ignore_index));
-  }
+  RankHeader header = make_header(comm.rank(), comm.size(), n, width, shard, dtype, options, has_weights, 0,
+                                  head_operation(hidden, chunked, n, grad_loss), local);
+  set_device_found_message(header, shard, options);
   return header;
 }
 

@@ -1,4 +1,4 @@
-// loss.cc: the staged API (local stats, merge, loss, gradient) and the backward.
+// loss/loss.cc: the staged API (local stats, merge, loss, gradient) and the backward.
 //
 // Each entry validates every argument, then runs its kernel; on any error it returns
 // before writing anything.

@@ -1,10 +1,8 @@
-// forward.cc: the one-call forward: local stats, one all-gather, agreement check, merge,
+// loss/forward.cc: the one-call forward: local stats, one all-gather, agreement check, merge,
 // loss. Outputs are written only after every rank's arguments have been checked.
 #include <cstring>
 #include <new>
 #include <vector>
-
-#include <cstdio>
 
 #include "cpu/kernels.h"
 #include "cuda/dispatch.h"
@@ -16,25 +14,14 @@
 
 namespace vpce {
 
-Workspace::Workspace() : buffers_(std::make_unique<Buffers>()) {}
-Workspace::~Workspace() = default;
-Workspace::Workspace(Workspace&&) noexcept = default;
-Workspace& Workspace::operator=(Workspace&&) noexcept = default;
-
-Status Workspace::device_status() { return buffers_ ? detail::device_status(buffers_->device.get()) : Status{}; }
-
-std::size_t Workspace::capacity() const {
-  if (!buffers_) return 0;
-  return buffers_->send.capacity() + buffers_->recv.capacity() + buffers_->merged.capacity() +
-         buffers_->head_tiles.bytes() +
-         buffers_->head_logits.bytes();
-}
-
 namespace {
 
 using detail::LossInputs;
 using detail::RowMatrix;
 using detail::TokenVector;
+
+// The loss's block of the forward's header: its name and mode; nothing else to agree on.
+detail::OperationBlock loss_operation() { return detail::operation_block("loss on logits", "forward"); }
 
 // Every tensor of a device forward, for the check that each is memory of its device.
 struct DeviceTensors {
@@ -68,15 +55,8 @@ Status device_forward(Communicator& comm, const LossInputs& in, const detail::Lo
   Workspace own;  // only when the caller gave none: that is this rank's error, but it still joins
   Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
   detail::RankHeader header = detail::make_header(comm.rank(), comm.size(), n, width, shard, dtype, options,
-                                                  extras.weights != nullptr, 0, local);
-  if (local.ok()) {
-    // What the device reports, through this header's status, if it finds a bad value.
-    std::snprintf(header.message, sizeof(header.message),
-                  "targets or weights: expected targets in [0, %lld) or %lld and finite weights >= 0, got another value "
-                  "(found on the device)",
-                  static_cast<long long>(options.valid_vocab_size > 0 ? options.valid_vocab_size : shard.vocab_size),
-                  static_cast<long long>(options.ignore_index));
-  }
+                                                  extras.weights != nullptr, 0, loss_operation(), local);
+  detail::set_device_found_message(header, shard, options);
   detail::DeviceForwardArgs args{in,
                                  out,
                                  header,
@@ -133,6 +113,7 @@ Status forward(Communicator& comm, const TensorView& logits, const TensorView& t
   call.options = options;
   call.has_weights = extras.weights != nullptr;
   call.inputs_hash = in.inputs_hash;
+  call.operation = loss_operation();
   const detail::LossParams params = detail::loss_params(options, shard.vocab_size);
   RowMatrix merged;
   Status group = detail::exchange_stats(

@@ -1,6 +1,6 @@
-// device_cpu_only.cc: the device entry points of a build without CUDA. device_supported()
+// cuda/without_cuda.cc: the device entry points of a build without CUDA. device_supported()
 // refuses every device but the CPU, so the others are never reached with device tensors.
-#include "cuda/dispatch.h"
+#include "dispatch.h"
 
 namespace vpce::detail {
 

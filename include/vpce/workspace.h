@@ -1,0 +1,36 @@
+// vpce/workspace.h: the scratch memory a forward keeps between calls (host buffers, and
+// the device buffers and asynchronous error of device tensors), shared by every operation.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "vpce/status.h"
+
+namespace vpce {
+
+// Scratch memory for the forwards (forward(), the fused head's), kept between calls so that the hot path does not
+// allocate once it has grown to the largest size seen.
+class Workspace {
+ public:
+  Workspace();
+  ~Workspace();
+  Workspace(Workspace&&) noexcept;  // the moved-from one is empty, and usable as a new one
+  Workspace& operator=(Workspace&&) noexcept;
+  // Bytes currently held (host memory).
+  std::size_t capacity() const;
+
+  // Device tensors: errors only the device can see (a target out of range on some rank,
+  // ranks that disagree) are asynchronous, as CUDA's own are: forward() returns success,
+  // the outputs are NaN, and this call, which waits for the stream of the last forward that
+  // used this workspace, returns the error (the same on every rank). Success on the CPU.
+  Status device_status();
+
+  struct Buffers;  // opaque
+
+ private:
+  friend struct WorkspaceAccess;
+  std::unique_ptr<Buffers> buffers_;
+};
+
+}  // namespace vpce

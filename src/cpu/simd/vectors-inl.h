@@ -1,0 +1,265 @@
+// cpu/simd/vectors-inl.h: the SIMD kernels' vectors: the fp32 vector type, loads that widen
+// bf16 and fp16, stores that round to them (to nearest even: AVX512-BF16, or in software),
+// and the max of 16-bit logits on their bit patterns.
+// A Highway per-target header: included by each src/cpu/simd_*.cc after
+// <hwy/foreach_target.h>, once per target (the guard toggles with HWY_TARGET_TOGGLE).
+#if defined(VPCE_CPU_SIMD_VECTORS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef VPCE_CPU_SIMD_VECTORS_INL_H_
+#undef VPCE_CPU_SIMD_VECTORS_INL_H_
+#else
+#define VPCE_CPU_SIMD_VECTORS_INL_H_
+#endif
+
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "cpu/dtype.h"
+#include "cpu/simd_rows.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace vpce::detail {
+namespace HWY_NAMESPACE {
+
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+constexpr int kIdentity = 0;
+constexpr int kScaled = 1;
+constexpr int kSoftCapped = 2;
+constexpr size_t kMaxLanes = 64;  // more than any target's fp32 lanes
+
+// ---- loads and stores of one vector of `count` (<= lanes) elements --------------------
+
+HWY_INLINE VF LoadFull(DF d, const float* p) { return hn::LoadU(d, p); }
+HWY_INLINE VF LoadFull(DF d, const BFloat16* p) {
+  const hn::Rebind<hwy::bfloat16_t, DF> dbf;
+  return hn::PromoteTo(d, hn::LoadU(dbf, reinterpret_cast<const hwy::bfloat16_t*>(p)));
+}
+HWY_INLINE VF LoadFull(DF d, const Float16* p) {
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  const VF v = hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p)));
+#if HWY_TARGET <= HWY_AVX2
+  return v;  // F16C: exact, inf and NaN included
+#else
+  // Highway's emulated conversion takes fp16's exponent 31 (inf, NaN) for a normal one and
+  // gives 2^16 (1 + m): finite values no fp16 can hold. Their fp32 exponent field is then
+  // 143; setting all its bits makes the infinity or NaN with the same sign and mantissa.
+  const hn::RebindToUnsigned<DF> du;
+  const auto special = hn::Ge(hn::Abs(v), hn::Set(d, 65536.0f));
+  return hn::IfThenElse(special, hn::BitCast(d, hn::Or(hn::BitCast(du, v), hn::Set(du, 0x7F800000u))), v);
+#endif
+}
+
+// The first `count` elements; the other lanes are 0.
+template <class T>
+HWY_INLINE VF LoadPartial(DF d, const T* p, size_t count) {
+  T buffer[kMaxLanes] = {};
+  std::memcpy(buffer, p, count * sizeof(T));
+  return LoadFull(d, buffer);
+}
+
+// 2 * lanes consecutive elements as two vectors, in an order that only sums and maxima may
+// rely on: bf16 as the even and the odd positions, from one load and two integer
+// operations (PromoteTo needs a shuffle and a shift per vector); other types in order.
+template <class T>
+HWY_INLINE void LoadTwo(DF d, const T* p, VF& first, VF& second) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    const hn::RebindToUnsigned<DF> du;
+    const auto words = hn::LoadU(du, reinterpret_cast<const uint32_t*>(p));  // (odd << 16) | even
+    first = hn::BitCast(d, hn::ShiftLeft<16>(words));
+    second = hn::BitCast(d, hn::And(words, hn::Set(du, 0xFFFF0000u)));
+  } else {
+    first = LoadFull(d, p);
+    second = LoadFull(d, p + hn::Lanes(d));
+  }
+}
+
+HWY_INLINE void StoreFull(DF d, VF v, float* p) { hn::StoreU(v, d, p); }
+
+#if HWY_TARGET == HWY_AVX3
+// fp32 -> bf16 with AVX512-BF16's VCVTNEPS2BF16 (round to nearest even in hardware; NaN
+// stays NaN; denormal inputs and outputs are flushed to zero), for CPUs that have it. Inline
+// assembly: the AVX3 target that this code is compiled for lacks that extension.
+HWY_INLINE void StoreBf16Hardware(VF v, BFloat16* p) {
+  __m256i half;
+  asm("vcvtneps2bf16 %1, %0" : "=v"(half) : "v"(v.raw));
+  std::memcpy(p, &half, sizeof(half));
+}
+
+// Even- and odd-position fp32 values (as LoadTwo gives them) -> 2 * 16 bf16 in order: one
+// VCVTNE2PS2BF16 (even values in the low half, odd in the high) and one word permutation.
+HWY_INLINE void StoreBf16PairsHardware(VF even, VF odd, BFloat16* p) {
+  __m512i packed;
+  asm("vcvtne2ps2bf16 %[low], %[high], %[out]" : [out] "=v"(packed) : [high] "v"(odd.raw), [low] "v"(even.raw));
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(kInterleave);
+  _mm512_storeu_si512(p, _mm512_permutexvar_epi16(order, packed));
+}
+
+// Even- and odd-position values already on bf16's grid (BinadeShift, or rounded by
+// StoreBf16PairsSoftware): the odd values' upper halves and the even values' upper halves
+// shifted down, merged by one VPTERNLOGD, 2 vector operations per 32 values. (A result
+// below 2^-126, off the grid after VSCALEFPS, loses its lower half: truncated.)
+HWY_INLINE void StoreBf16PairsRounded(VF even, VF odd, BFloat16* p) {
+  const __m512i e = _mm512_castps_si512(even.raw), o = _mm512_castps_si512(odd.raw);
+  // (o & 0xFFFF0000) | (e >> 16): 0xE4 selects the first operand where the third has a 1
+  // bit, the second elsewhere.
+  const __m512i packed = _mm512_ternarylogic_epi32(o, _mm512_srli_epi32(e, 16),
+                                                   _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)), 0xE4);
+  _mm512_storeu_si512(p, packed);
+}
+
+// The same from any fp32 values, without AVX512-BF16 (Skylake-SP to Ice Lake), rounded in
+// integer arithmetic with the bits StoreFull gives: each value plus 0x7FFF plus its bit 16
+// (round to nearest even), except NaN lanes, which keep their upper half (a NaN from
+// arithmetic is quiet, so that half is a NaN); then packed as above. No shuffle: 12 vector
+// operations per 32 values, against about 22 for two StoreFull calls.
+HWY_INLINE void StoreBf16PairsSoftware(VF even, VF odd, BFloat16* p) {
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  auto round = [&](VF v) {
+    const __m512i bits = _mm512_castps_si512(v.raw);
+    const __mmask16 ordered = _mm512_cmp_ps_mask(v.raw, v.raw, _CMP_ORD_Q);
+    const __m512i increment = _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one));
+    return VF{_mm512_castsi512_ps(_mm512_mask_add_epi32(bits, ordered, bits, increment))};
+  };
+  StoreBf16PairsRounded(round(even), round(odd), p);
+}
+
+inline bool HasAvx512Bf16() { return cpu_has_avx512_bf16() && bf16_instructions_allowed(); }
+#endif
+
+// Even- and odd-position fp32 values (as LoadTwo gives them) -> 2 * lanes bf16 in order,
+// each rounded to nearest even in the FPU: (v + M) - M with M = 1.5 x 2^(e + 16), 2^e the
+// binade of v (2^-126's for a subnormal or 0), rounds v to bf16's spacing there, 2^(e - 7)
+// (2^-133 for bf16's subnormals; a value that rounds up to 2^(e + 1) takes it, as bf16
+// does); NaN and inf pass unchanged (M is then finite). For |v| below 2^111 only (M must
+// stay finite): the caller checks. Then the upper halves, packed: 5 vector operations per
+// vector and 3 per pair, where StoreFull takes about 11 per vector (integer rounding, a NaN
+// blend, a narrowing and a lane permutation).
+HWY_INLINE void StoreBf16PairsNearest(DF d, VF even, VF odd, BFloat16* p) {
+  const hn::RebindToUnsigned<DF> du;
+  auto round = [&](VF v) {
+    const auto binade = hn::Max(hn::And(hn::BitCast(du, v), hn::Set(du, 0x7F800000u)), hn::Set(du, 0x00800000u));
+    const VF m = hn::BitCast(d, hn::Add(binade, hn::Set(du, 0x08400000u)));  // + 16 in the exponent, mantissa 1.5
+    return hn::BitCast(du, hn::Sub(hn::Add(v, m), m));
+  };
+  const auto packed = hn::Or(hn::And(round(odd), hn::Set(du, 0xFFFF0000u)), hn::ShiftRight<16>(round(even)));
+  hn::StoreU(packed, du, reinterpret_cast<uint32_t*>(p));
+}
+
+// fp32 -> bf16, rounding to nearest even; NaN stays a (quiet) NaN.
+HWY_INLINE void StoreFull(DF /* d */, VF v, BFloat16* p) {
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint16_t, DF> du16;
+  const auto bits = hn::BitCast(du, v);
+  const auto odd = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
+  const auto rounded = hn::ShiftRight<16>(hn::Add(bits, hn::Add(hn::Set(du, 0x7fffu), odd)));
+  const auto quiet = hn::Or(hn::ShiftRight<16>(bits), hn::Set(du, 0x40u));
+  const auto nan = hn::RebindMask(du, hn::Ne(v, v));
+  const auto half = hn::DemoteTo(du16, hn::BitCast(di, hn::IfThenElse(nan, quiet, rounded)));
+  hn::StoreU(half, du16, reinterpret_cast<uint16_t*>(p));
+}
+
+// fp32 -> fp16, rounding to nearest even: F16C where the target has it (AVX2, AVX-512),
+// else the exact scalar conversion (Highway's emulation truncates). On AVX-512, VCVTPS2PH
+// writes memory itself: on Intel's AVX-512 cores that takes one slot of the 512-bit ports
+// where converting into a register and storing it takes two (bench/port_probe.cc; the
+// compiler does not fuse the two), and LLVM's Zen 4 model gives both forms the same cost.
+// Immediate 8: to nearest even, exceptions suppressed, as Highway's DemoteTo.
+HWY_INLINE void StoreFull(DF d, VF v, Float16* p) {
+#if HWY_TARGET == HWY_AVX3
+  // The output as 16 uint16_t, which alias neither the loop's floats nor its flags (a char
+  // array would make the compiler reload them after every store).
+  (void)d;
+  asm("vcvtps2ph $8, %1, %0" : "=m"(*reinterpret_cast<uint16_t(*)[16]>(p)) : "v"(v.raw));
+#elif HWY_TARGET <= HWY_AVX2
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  hn::StoreU(hn::DemoteTo(dh, v), dh, reinterpret_cast<hwy::float16_t*>(p));
+#else
+  float values[kMaxLanes];
+  hn::StoreU(v, d, values);
+  const size_t lanes = hn::Lanes(d);
+  for (size_t i = 0; i < lanes; ++i) p[i] = from_float<Float16>(values[i]);
+#endif
+}
+
+template <class G>
+HWY_INLINE void StorePartial(DF d, VF v, G* p, size_t count) {
+  G buffer[kMaxLanes];
+  StoreFull(d, v, buffer);
+  std::memcpy(p, buffer, count * sizeof(G));
+}
+
+// ---- block gradient -----------------------------------------------------------------------
+
+// One full vector of gradient; kHardwareBf16 rounds a bf16 one with VCVTNEPS2BF16.
+template <bool kHardwareBf16, class G>
+HWY_INLINE void StoreGradient(DF d, VF v, G* p) {
+#if HWY_TARGET == HWY_AVX3
+  if constexpr (kHardwareBf16) return StoreBf16Hardware(v, p);
+#endif
+  StoreFull(d, v, p);
+}
+
+// The largest transformed logit of a block: the transform of the logits' max (the logit
+// scale and the soft cap are increasing), -inf for none (every logit -inf, or NaN, which
+// x86's MAXPS drops: such a row's lse is NaN, and so is every gradient of it). bf16 and fp16
+
+// ---- the max of bf16 and fp16 logits on their bit patterns --------------------------------
+
+// The max of groups * 4 * lanes bf16 or fp16 values at p (2 * lanes per 16-bit vector), read
+// as signed 16-bit integers: one integer max per 2 * lanes logits, no widening. Sign and
+// magnitude order them: among patterns with the sign clear (+0 up to +inf, then NaN) the
+// integer order is the values' order, and every one of them exceeds every pattern with the
+// sign set; so when the largest integer has the sign clear it is the max (or a NaN, which
+// then becomes the max and reaches the sums), and when it has the sign set every value is
+// negative and the max is the smallest magnitude, the smallest integer (a second pass; a
+// NaN with the sign set has the largest magnitude and is never picked unless all are NaN).
+// Returns the groups read (all of them); *max the max as fp32, -inf for none.
+#if HWY_TARGET != HWY_SCALAR
+template <class T>
+HWY_INLINE int64_t RawMax16(const T* p, int64_t groups, float* max) {
+  const hn::Repartition<int16_t, DF> d16;
+  const auto lanes16 = static_cast<int64_t>(hn::Lanes(d16));
+  const auto* bits = reinterpret_cast<const int16_t*>(p);
+  auto decode = [](int16_t pattern) {
+    T value;
+    std::memcpy(&value, &pattern, sizeof(value));
+    return to_float(value);
+  };
+  if (groups == 0) return 0;
+  const auto lowest = hn::Set(d16, std::numeric_limits<int16_t>::min());
+  auto max0 = lowest, max1 = lowest;
+  for (int64_t g = 0; g < groups; ++g) {
+    max0 = hn::Max(max0, hn::LoadU(d16, bits + 2 * g * lanes16));
+    max1 = hn::Max(max1, hn::LoadU(d16, bits + (2 * g + 1) * lanes16));
+  }
+  const int16_t top = hn::GetLane(hn::MaxOfLanes(d16, hn::Max(max0, max1)));
+  if (top >= 0) {
+    *max = decode(top);
+    return groups;
+  }
+  const auto highest = hn::Set(d16, std::numeric_limits<int16_t>::max());
+  auto min0 = highest, min1 = highest;
+  for (int64_t g = 0; g < groups; ++g) {
+    min0 = hn::Min(min0, hn::LoadU(d16, bits + 2 * g * lanes16));
+    min1 = hn::Min(min1, hn::LoadU(d16, bits + (2 * g + 1) * lanes16));
+  }
+  *max = decode(hn::GetLane(hn::MinOfLanes(d16, hn::Min(min0, min1))));
+  return groups;
+}
+#endif
+
+}  // namespace HWY_NAMESPACE
+}  // namespace vpce::detail
+HWY_AFTER_NAMESPACE();
+
+#endif  // VPCE_CPU_SIMD_VECTORS_INL_H_

@@ -1,0 +1,266 @@
+// cpu/simd_gradient.cc: a block's gradient (simd_rows.h's block_gradient), written once with
+// Google Highway and compiled for every target it attains; the best one the CPU supports is
+// chosen at run time. It reads each logit once and writes each gradient element once, as
+// g = k e^(z - m) - u (exp-inl.h), rounded once to the gradient's dtype (vectors-inl.h).
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/simd_gradient.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
+#include <hwy/cache_control.h>
+#include <hwy/highway.h>
+
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include "cpu/simd/exp-inl.h"
+#include "cpu/simd/transform-inl.h"
+#include "cpu/simd/vectors-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace vpce::detail {
+namespace HWY_NAMESPACE {
+
+template <class T, int kKind>
+float BlockMax(const T* row, int64_t cols, const TransformParams& t) {
+  const DF d;
+  const auto lanes = static_cast<int64_t>(hn::Lanes(d));
+  const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+  VF max0 = neg_inf, max1 = neg_inf, max2 = neg_inf, max3 = neg_inf;
+  int64_t v = 0;
+  float raw_max = -std::numeric_limits<float>::infinity();
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (!std::is_same_v<T, float>) v = RawMax16(row, cols / (4 * lanes), &raw_max) * 4 * lanes;
+#endif
+  for (; v + 4 * lanes <= cols; v += 4 * lanes) {
+    VF x0, x1, x2, x3;
+    LoadTwo(d, row + v, x0, x1);
+    LoadTwo(d, row + v + 2 * lanes, x2, x3);
+    max0 = hn::Max(max0, x0);
+    max1 = hn::Max(max1, x1);
+    max2 = hn::Max(max2, x2);
+    max3 = hn::Max(max3, x3);
+  }
+  for (; v + lanes <= cols; v += lanes) max0 = hn::Max(max0, LoadFull(d, row + v));
+  if (v < cols) {
+    const auto tail = static_cast<size_t>(cols - v);
+    max1 = hn::Max(max1, hn::IfThenElse(hn::FirstN(d, tail), LoadPartial(d, row + v, tail), neg_inf));
+  }
+  const float lanes_max = hn::GetLane(hn::MaxOfLanes(d, hn::Max(hn::Max(max0, max1), hn::Max(max2, max3))));
+  const float max = raw_max > lanes_max || std::isnan(raw_max) ? raw_max : lanes_max;
+  if constexpr (kKind == kIdentity) return max;
+  return hn::GetLane(Transform<kKind>(d, hn::Set(d, max), t));
+}
+
+// row: [cols] of T -> grad: [cols] of G, as g = k e^(z - m) - u with the shift m (whose
+// rounding's factor is in k already).
+// kHardwareBf16: full vectors of a bf16 gradient are rounded by VCVTNEPS2BF16 (AVX3 only).
+// kFolded: no uniform term (u = 0), so the gradient is k e^(z - m), and k rides in the exp's
+// polynomial (ExpPolynomial).
+// kBinade (AVX3, bf16 in and out, kFolded, no AVX512-BF16): the gradient rounded to bf16
+// inside the exp with `binade_shift`, the caller's valid BinadeShift of m and its factor.
+template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded, bool kBinade = false>
+void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t, const LaneShift& shift, double k,
+                  float u, [[maybe_unused]] const BinadeShift* binade_shift = nullptr) {
+  static_assert(!kBinade || (kFolded && !kHardwareBf16 && kKind == kIdentity && std::is_same_v<T, BFloat16> &&
+                             std::is_same_v<G, BFloat16> && HWY_TARGET == HWY_AVX3));
+  const DF d;
+  const auto lanes = static_cast<int64_t>(hn::Lanes(d));
+#if HWY_TARGET == HWY_AVX3
+  BinadeShift binade{};
+  if constexpr (kBinade) binade = *binade_shift;
+#endif
+  // The shift's value and kind as locals, so that they stay in registers across the loops'
+  // stores (after the fp16 store's asm the compiler would read a struct's fields again).
+  const ShiftLanes lanes_shift = shift.lanes;
+  const bool subtract_first = shift.subtract_first;
+  const VF scaled_coefficient = hn::Set(d, static_cast<float>(k));
+  const VF scaled_uniform = hn::Set(d, u);
+  // Every gradient takes the full exp, also one rounded to bf16 or fp16 afterwards: a
+  // cheaper exp's error, though within one unit of the dtype, leans one way and takes a
+  // rounding the wrong way a hundred times as often (docs/design.md).
+  const ShiftedPolynomial<ExpPrecision::kFull, kFolded> poly(d, kFolded ? k : 1.0);
+  auto element = [&](VF x) {
+    VF slope;
+    const VF z = TransformWithSlope<kKind>(d, x, t, &slope);
+    VF g;
+    if constexpr (kBinade) {
+#if HWY_TARGET == HWY_AVX3
+      g = ExpShiftedBf16(d, z, binade, poly);
+#endif
+    } else {
+      // (z is at most lse, or 88 above a wrong one, given to the staged API)
+      g = HWY_UNLIKELY(subtract_first) ? ExpShiftedAs<true, false, true>(d, z, lanes_shift, poly)
+                                       : ExpShiftedAs<false, false, true>(d, z, lanes_shift, poly);
+      if constexpr (!kFolded) g = hn::MulSub(g, scaled_coefficient, scaled_uniform);
+    }
+    if constexpr (kKind != kIdentity) g = hn::Mul(g, slope);
+    return g;
+  };
+  constexpr int64_t kAhead = 1024;  // elements prefetched ahead of the loads
+  int64_t v = 0;
+  // An fp32 gradient in its own buffer is written with non-temporal stores, which skip
+  // reading each line before writing it; they need aligned addresses, so the first
+  // elements up to an aligned one are stored normally (one partial vector at most). (In
+  // place, the lines are in cache; a gradient not aligned to its 4 bytes, which the public
+  // entries refuse, never reaches an aligned address and takes the ordinary stores.)
+  const bool stream = std::is_same_v<G, float> && static_cast<const void*>(grad) != static_cast<const void*>(row) &&
+                      reinterpret_cast<uintptr_t>(grad) % sizeof(float) == 0 && streaming_stores_allowed();
+  if (stream) {
+    const auto misalignment = reinterpret_cast<uintptr_t>(grad) % (lanes * sizeof(float));
+    int64_t peel = misalignment == 0 ? 0 : (static_cast<int64_t>(lanes * sizeof(float) - misalignment) / 4);
+    peel = std::min(peel, cols);
+    if (peel > 0) StorePartial(d, element(LoadPartial(d, row, static_cast<size_t>(peel))), grad, static_cast<size_t>(peel));
+    v = peel;
+    for (; v + lanes <= cols; v += lanes) {
+      hwy::Prefetch(row + v + kAhead);
+      if constexpr (std::is_same_v<G, float>) hn::Stream(element(LoadFull(d, row + v)), d, grad + v);
+    }
+    hwy::FlushStream();
+  } else {
+#if HWY_TARGET == HWY_AVX3
+    if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16>) {  // bf16 pairs in and out
+      for (; v + 2 * lanes <= cols; v += 2 * lanes) {
+        hwy::Prefetch(row + v + kAhead);
+        VF even, odd;
+        LoadTwo(d, row + v, even, odd);
+        if constexpr (kHardwareBf16) {
+          StoreBf16PairsHardware(element(even), element(odd), grad + v);
+        } else if constexpr (kBinade) {
+          StoreBf16PairsRounded(element(even), element(odd), grad + v);
+        } else {
+          StoreBf16PairsSoftware(element(even), element(odd), grad + v);
+        }
+      }
+    }
+#else
+    // bf16 pairs in and out, rounded in the FPU where every gradient is below 2^111.
+    if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16>) {
+      const double largest = (std::fabs(k) + static_cast<double>(std::fabs(u))) * std::fabs(static_cast<double>(t.scale));
+      if (largest < 0x1p110) {
+        for (; v + 2 * lanes <= cols; v += 2 * lanes) {
+          hwy::Prefetch(row + v + kAhead);
+          VF even, odd;
+          LoadTwo(d, row + v, even, odd);
+          StoreBf16PairsNearest(d, element(even), element(odd), grad + v);
+        }
+      }
+    }
+#endif
+    for (; v + lanes <= cols; v += lanes) {
+      hwy::Prefetch(row + v + kAhead);
+      StoreGradient<kHardwareBf16>(d, element(LoadFull(d, row + v)), grad + v);
+    }
+  }
+  if (v < cols) {
+    const auto tail = static_cast<size_t>(cols - v);
+    StorePartial(d, element(LoadPartial(d, row + v, tail)), grad + v, tail);
+  }
+}
+
+// Whether a gradient's factor can ride in the exp's polynomial: a factor of moderate size,
+// so that the polynomial's coefficients times it neither overflow nor lose bits to underflow
+// (otherwise the multiply-subtract, as with smoothing; NaN fails too).
+inline bool Foldable(double k) { return std::fabs(k) >= 0x1p-60 && std::fabs(k) <= 0x1p60; }
+
+// The gradient of a block for the transform's kind: g = upstream (1 + 2 zl lse) e^(z - lse)
+// - upstream s / Vv, the first term's factor in fp64 once per block.
+//   With FMA, elsewhere than AVX-512 (kExactArgument), the lanes take e^(z - lse) with z
+//   itself as the exponential's argument (ExponentialScaled), so the result's error does not
+//   grow with |z - lse|.
+//   AVX-512 (Exp2: t = z log2(e) - c, whose rounding grows with |z - s|) and the targets
+//   without FMA shift by the block's max m instead of lse, e^(z - m) e^(m - lse): a pass over
+//   the block for its max (which then stays in cache for the next), the argument's rounding
+//   2^-24 |z - m| relative, no larger than in Megatron's exp(z - max), where |z - lse|
+//   exceeds |z - max| by up to log Vv.
+template <class T, class G, int kKind, bool kHardwareBf16>
+void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
+  const DF d;
+  const double upstream = c.exact_upstream * c.z_loss_factor;
+  const auto u = static_cast<float>(c.exact_upstream * c.exact_uniform);
+  if constexpr (kExactArgument) {
+    const LaneShift shift = MakeLaneShift(d, c.exact_lse);
+    const double k = upstream * shift.correction;
+    if (u == 0.0f && Foldable(k)) {
+      return GradientLoop<T, G, kKind, kHardwareBf16, true>(row, grad, cols, t, shift, k, 0.0f);
+    }
+    return GradientLoop<T, G, kKind, kHardwareBf16, false>(row, grad, cols, t, shift, k, u);
+  } else {
+    const float max = BlockMax<T, kKind>(row, cols, t);
+    // A block of -inf (every p 0) takes the shift 0, where e^(-inf - 0) is 0.
+    const float m = max == -std::numeric_limits<float>::infinity() ? 0.0f : max;
+    const LaneShift shift = MakeLaneShift(d, m);
+    // (0 for a block of -inf, NaN for a row whose lse is NaN or +inf, or -inf)
+    const double factor = upstream * std::exp(static_cast<double>(max) - c.exact_lse);
+    const double k = factor * shift.correction;
+    if (u == 0.0f && Foldable(k)) {
+#if HWY_TARGET == HWY_AVX3
+      if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16> && !kHardwareBf16 &&
+                    kKind == kIdentity) {
+        if (const BinadeShift binade = MakeBinadeShift(d, m, factor); binade.valid) {
+          return GradientLoop<T, G, kKind, false, true, true>(row, grad, cols, t, binade.shift, binade.coefficient,
+                                                              0.0f, &binade);
+        }
+      }
+#endif
+      return GradientLoop<T, G, kKind, kHardwareBf16, true>(row, grad, cols, t, shift, k, 0.0f);
+    }
+    return GradientLoop<T, G, kKind, kHardwareBf16, false>(row, grad, cols, t, shift, k, u);
+  }
+}
+
+template <class T, class G, bool kHardwareBf16>
+void GradientForTransform(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
+  if (t.cap > 0.0f) return GradientForKind<T, G, kSoftCapped, kHardwareBf16>(row, grad, cols, t, c);
+  if (t.scale != 1.0f) return GradientForKind<T, G, kScaled, kHardwareBf16>(row, grad, cols, t, c);
+  return GradientForKind<T, G, kIdentity, kHardwareBf16>(row, grad, cols, t, c);
+}
+
+template <class T, class G>
+void GradientForTypes(const void* row, void* grad, int64_t cols, const TransformParams& t,
+                      const GradientConstants& c) {
+  const T* r = static_cast<const T*>(row);
+  G* g = static_cast<G*>(grad);
+#if HWY_TARGET == HWY_AVX3
+  if constexpr (std::is_same_v<G, BFloat16>) {
+    if (HasAvx512Bf16()) return GradientForTransform<T, G, true>(r, g, cols, t, c);
+  }
+#endif
+  GradientForTransform<T, G, false>(r, g, cols, t, c);
+}
+
+template <class T>
+void GradientForInput(const void* row, int32_t out, void* grad, int64_t cols, const TransformParams& t,
+                      const GradientConstants& c) {
+  switch (static_cast<StorageType>(out)) {
+    case StorageType::kFloat32: return GradientForTypes<T, float>(row, grad, cols, t, c);
+    case StorageType::kBFloat16: return GradientForTypes<T, BFloat16>(row, grad, cols, t, c);
+    case StorageType::kFloat16: return GradientForTypes<T, Float16>(row, grad, cols, t, c);
+  }
+}
+
+void BlockGradientImpl(const void* row, int32_t in, void* grad, int32_t out, int64_t cols,
+                       const TransformParams& t, const GradientConstants& c) {
+  switch (static_cast<StorageType>(in)) {
+    case StorageType::kFloat32: return GradientForInput<float>(row, out, grad, cols, t, c);
+    case StorageType::kBFloat16: return GradientForInput<BFloat16>(row, out, grad, cols, t, c);
+    case StorageType::kFloat16: return GradientForInput<Float16>(row, out, grad, cols, t, c);
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace vpce::detail
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace vpce::detail {
+
+HWY_EXPORT(BlockGradientImpl);
+
+void block_gradient(const void* row, StorageType in, void* grad, StorageType out, int64_t cols,
+                    const TransformParams& t, const GradientConstants& c) {
+  HWY_DYNAMIC_DISPATCH(BlockGradientImpl)(row, static_cast<int32_t>(in), grad, static_cast<int32_t>(out), cols, t, c);
+}
+
+}  // namespace vpce::detail
+#endif  // HWY_ONCE
