@@ -232,20 +232,12 @@ void GradientForTypes(const void* row, void* grad, int64_t cols, const Transform
 template <class T>
 void GradientForInput(const void* row, int32_t out, void* grad, int64_t cols, const TransformParams& t,
                       const GradientConstants& c) {
-  switch (static_cast<StorageType>(out)) {
-    case StorageType::kFloat32: return GradientForTypes<T, float>(row, grad, cols, t, c);
-    case StorageType::kBFloat16: return GradientForTypes<T, BFloat16>(row, grad, cols, t, c);
-    case StorageType::kFloat16: return GradientForTypes<T, Float16>(row, grad, cols, t, c);
-  }
+  WithStorageType(out, [&](auto* tag) { GradientForTypes<T, TagType<decltype(tag)>>(row, grad, cols, t, c); });
 }
 
 void BlockGradientImpl(const void* row, int32_t in, void* grad, int32_t out, int64_t cols,
                        const TransformParams& t, const GradientConstants& c) {
-  switch (static_cast<StorageType>(in)) {
-    case StorageType::kFloat32: return GradientForInput<float>(row, out, grad, cols, t, c);
-    case StorageType::kBFloat16: return GradientForInput<BFloat16>(row, out, grad, cols, t, c);
-    case StorageType::kFloat16: return GradientForInput<Float16>(row, out, grad, cols, t, c);
-  }
+  WithStorageType(in, [&](auto* tag) { GradientForInput<TagType<decltype(tag)>>(row, out, grad, cols, t, c); });
 }
 
 }  // namespace HWY_NAMESPACE

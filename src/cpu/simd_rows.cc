@@ -59,12 +59,9 @@ float RowMax(const T* row, int64_t cols, float* widened) {
 }
 
 float RowMaxImpl(const void* row, int32_t type, int64_t cols, float* widened) {
-  switch (static_cast<StorageType>(type)) {
-    case StorageType::kFloat32: return RowMax(static_cast<const float*>(row), cols, widened);
-    case StorageType::kBFloat16: return RowMax(static_cast<const BFloat16*>(row), cols, widened);
-    case StorageType::kFloat16: return RowMax(static_cast<const Float16*>(row), cols, widened);
-  }
-  return 0.0f;
+  return WithStorageType(type, [&](auto* tag) {
+    return RowMax(static_cast<const TagType<decltype(tag)>*>(row), cols, widened);
+  });
 }
 
 // row: [cols] fp32, in place: row[v] <- exp(row[v] - shift), the difference rounded to fp32
@@ -192,11 +189,7 @@ void StoreLanesImpl(const float* x, int32_t type, void* out, int64_t n) {
     }
     if (v < n) StorePartial(d, LoadPartial(d, x + v, static_cast<size_t>(n - v)), typed + v, static_cast<size_t>(n - v));
   };
-  switch (static_cast<StorageType>(type)) {
-    case StorageType::kFloat32: return store(static_cast<float*>(out));
-    case StorageType::kBFloat16: return store(static_cast<BFloat16*>(out));
-    case StorageType::kFloat16: return store(static_cast<Float16*>(out));
-  }
+  WithStorageType(type, [&](auto* tag) { store(static_cast<decltype(tag)>(out)); });
 }
 
 void StreamCopyImpl(void* destination, const void* source, int64_t bytes) {

@@ -277,11 +277,9 @@ void StatsForType(const void* row, int64_t cols, const TransformParams& t, bool 
 
 void BlockStatsImpl(const void* row, int32_t type, int64_t cols, const TransformParams& t,
                     bool with_sum_logits, bool with_weighted, BlockStats* out) {
-  switch (static_cast<StorageType>(type)) {
-    case StorageType::kFloat32: return StatsForType<float>(row, cols, t, with_sum_logits, with_weighted, out);
-    case StorageType::kBFloat16: return StatsForType<BFloat16>(row, cols, t, with_sum_logits, with_weighted, out);
-    case StorageType::kFloat16: return StatsForType<Float16>(row, cols, t, with_sum_logits, with_weighted, out);
-  }
+  WithStorageType(type, [&](auto* tag) {
+    StatsForType<TagType<decltype(tag)>>(row, cols, t, with_sum_logits, with_weighted, out);
+  });
 }
 
 }  // namespace HWY_NAMESPACE

@@ -47,6 +47,12 @@ Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int
 Status reduce_loss(const double* terms, int64_t rows, const TokenVector& targets, const TokenVector& weights,
                    const LossParams& params, float* loss, const DeviceError* error, cudaStream_t stream);
 
+// The upstream gradient shared by every token of a reduced loss, into *out (device memory):
+// (grad_loss given ? *grad_loss : value), divided by the counted weight of all `rows` tokens
+// for kMean. For the loss's gradient and the fused head's.
+Status shared_upstream(const float* grad_loss, float value, const TokenVector& targets, const TokenVector& weights,
+                       int64_t rows, const LossParams& params, double* out, cudaStream_t stream);
+
 // logits [N, Vr] -> grad [N, Vr] (may be the logits); `shared_upstream` holds one double
 // for a reduced loss.
 Status gradient(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights,

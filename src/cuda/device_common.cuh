@@ -103,6 +103,50 @@ __device__ __forceinline__ void combine(Part& a, const Part& b) {
   a.max = max;
 }
 
+// One element of the gradient on the general path (any transform), the loss's rows and the
+// head's tiles alike: x the logit (the head's with its bias), is_target whether its column
+// is the target's, target_term (1 - s) (token_math.h's target_weight):
+//   upstream (e^(z - lse) coefficient - uniform - [target] target_term) dz/dx.
+__device__ __forceinline__ float gradient_element(const GradientConstants& c, const Transform& t, float x,
+                                                  bool is_target, float target_term) {
+  float e = expf(t.apply(x) - c.lse) * c.coefficient - c.uniform;
+  if (is_target) e -= target_term;
+  return e * c.upstream * t.slope(x);
+}
+
+// The counted weight of every token (for kMean), summed in a fixed tree by one block.
+__device__ inline double counted_weight(const void* targets, bool wide_targets, int64_t target_stride,
+                                        const float* weights, int64_t weight_stride, int64_t rows,
+                                        const LossParams& params);
+
+// The online-softmax fold of one transformed logit z, at global column v, into a thread's
+// Part (the loss's rows and the head's tiles alike): the sum of z when asked (label
+// smoothing), then, for a finite z, a new max rescales the sums in fp64, or e^(z - max) adds
+// to them (with the extras, e^(z - max) (z - max) to the weighted sum); the argmax keeps the
+// smallest column holding the max.
+__device__ __forceinline__ void fold_element(Part& p, float z, int32_t v, bool sum_logits, bool extras) {
+  if (sum_logits) p.sum_logits += z;
+  if (z == -INFINITY) return;
+  if (z > p.max) {
+    if (p.max == -INFINITY) {  // sum_exp is 0, or NaN from an earlier NaN, which stays
+      p.sum_exp += 1.0;
+    } else {
+      const double shift = static_cast<double>(p.max) - z;
+      const double scale = exp(shift);
+      p.weighted = scale * (p.weighted + shift * p.sum_exp);
+      p.sum_exp = p.sum_exp * scale + 1.0;
+    }
+    p.max = z;
+    p.argmax = v;
+  } else {
+    const float offset = z - p.max;
+    const float e = expf(offset);
+    p.sum_exp += e;
+    if (extras) p.weighted += static_cast<double>(e) * offset;
+    if (z == p.max && v < p.argmax) p.argmax = v;
+  }
+}
+
 __device__ inline Part shuffle_down(const Part& p, int offset) {
   Part q = empty_part();
   q.max = __shfl_down_sync(0xffffffffu, p.max, offset);
@@ -320,6 +364,18 @@ __device__ inline double block_sum(double value) {
     for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
   }
   return value;
+}
+
+__device__ inline double counted_weight(const void* targets, bool wide_targets, int64_t target_stride,
+                                        const float* weights, int64_t weight_stride, int64_t rows,
+                                        const LossParams& params) {
+  double mine = 0.0;
+  for (int64_t i = threadIdx.x; i < rows; i += kThreads) {
+    if (!params.ignored(target_of(targets, wide_targets, target_stride, i))) {
+      mine += weights != nullptr ? static_cast<double>(weights[i * weight_stride]) : 1.0;
+    }
+  }
+  return block_sum(mine);
 }
 
 // ---- host side of the launches ----

@@ -59,27 +59,7 @@ __global__ void __launch_bounds__(kThreads) local_stats_kernel(const T* logits, 
     p = fold_row_plain(row, valid);
   } else {
     for_each_element(row, valid, [&](int64_t v, float x) {
-    const float z = t.apply(x);
-    if (sum_logits) p.sum_logits += z;
-    if (z == -INFINITY) return;
-    if (z > p.max) {
-      if (p.max == -INFINITY) {  // sum_exp is 0, or NaN from an earlier NaN, which stays
-        p.sum_exp += 1.0;
-      } else {
-        const double shift = static_cast<double>(p.max) - z;
-        const double scale = exp(shift);
-        p.weighted = scale * (p.weighted + shift * p.sum_exp);
-        p.sum_exp = p.sum_exp * scale + 1.0;
-      }
-      p.max = z;
-      p.argmax = static_cast<int32_t>(v);
-    } else {
-      const float offset = z - p.max;
-      const float e = expf(offset);
-      p.sum_exp += e;
-      if (extras) p.weighted += static_cast<double>(e) * offset;
-      if (z == p.max && static_cast<int32_t>(v) < p.argmax) p.argmax = static_cast<int32_t>(v);
-    }
+      fold_element(p, t.apply(x), static_cast<int32_t>(v), sum_logits, extras);
     });
   }
   p = block_combine(p);
@@ -156,19 +136,6 @@ __global__ void loss_kernel(const float* merged, int64_t rows, int64_t width, co
   }
 }
 
-// The counted weight of every token (for kMean), summed in a fixed tree by one block.
-
-__device__ double counted_weight(const void* targets, bool wide_targets, int64_t target_stride, const float* weights,
-                                 int64_t weight_stride, int64_t rows, const LossParams& params) {
-  double mine = 0.0;
-  for (int64_t i = threadIdx.x; i < rows; i += kThreads) {
-    if (!params.ignored(target_of(targets, wide_targets, target_stride, i))) {
-      mine += weights != nullptr ? static_cast<double>(weights[i * weight_stride]) : 1.0;
-    }
-  }
-  return block_sum(mine);
-}
-
 // One block: the reduced loss from the per-token terms, in a fixed order.
 __global__ void __launch_bounds__(kThreads) reduce_loss_kernel(const double* terms, int64_t rows, const void* targets,
                                                                bool wide_targets, int64_t target_stride,
@@ -190,17 +157,19 @@ __global__ void __launch_bounds__(kThreads) reduce_loss_kernel(const double* ter
   }
 }
 
-// One block: the upstream gradient shared by every token of a reduced loss.
-__global__ void __launch_bounds__(kThreads) shared_upstream_kernel(const float* grad_loss, const void* targets,
-                                                                   bool wide_targets, int64_t target_stride,
-                                                                   const float* weights, int64_t weight_stride,
-                                                                   int64_t rows, LossParams params, double* out) {
+// One block: the upstream gradient shared by every token of a reduced loss, from grad_loss
+// (device memory) or, when it is null, `value`.
+__global__ void __launch_bounds__(kThreads) shared_upstream_kernel(const float* grad_loss, float value,
+                                                                   const void* targets, bool wide_targets,
+                                                                   int64_t target_stride, const float* weights,
+                                                                   int64_t weight_stride, int64_t rows,
+                                                                   LossParams params, double* out) {
   double denominator = 1.0;
   if (params.reduction == Reduction::kMean) {
     denominator = counted_weight(targets, wide_targets, target_stride, weights, weight_stride, rows, params);
   }
   if (threadIdx.x == 0) {
-    const double g = static_cast<double>(grad_loss[0]);
+    const double g = static_cast<double>(grad_loss != nullptr ? grad_loss[0] : value);
     *out = params.reduction == Reduction::kMean ? (denominator != 0.0 ? g / denominator : 0.0) : g;
   }
 }
@@ -286,10 +255,7 @@ __global__ void __launch_bounds__(kThreads) gradient_kernel(const TIn* logits, i
           g[j] = 0.0f;
           continue;
         }
-        const float z = t.apply(x[j]);
-        float e = expf(z - c.lse) * c.coefficient - c.uniform;
-        if (v == target_column) e -= target_term;
-        g[j] = e * c.upstream * t.slope(x[j]);
+        g[j] = gradient_element(c, t, x[j], v == target_column, target_term);
       }
     });
   }
@@ -397,6 +363,14 @@ Status reduce_loss(const double* terms, int64_t rows, const TokenVector& targets
   return launched("reduction");
 }
 
+Status shared_upstream(const float* grad_loss, float value, const TokenVector& targets, const TokenVector& weights,
+                       int64_t rows, const LossParams& params, double* out, cudaStream_t stream) {
+  shared_upstream_kernel<<<1, kThreads, 0, stream>>>(grad_loss, value, targets.base, targets.dtype == kInt64,
+                                                     targets.stride, reinterpret_cast<const float*>(weights.base),
+                                                     weights.stride, rows, params, out);
+  return launched("upstream gradient");
+}
+
 Status gradient(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights,
                 const TokenVector& lse, const TokenVector& grad_loss, int64_t vocab_begin, const LossParams& params,
                 const RowMatrix& grad, double* shared_upstream, cudaStream_t stream) {
@@ -405,10 +379,11 @@ Status gradient(const RowMatrix& logits, const TokenVector& targets, const Token
   const bool wide = targets.dtype == kInt64;
   double* shared = nullptr;
   if (params.reduction != Reduction::kNone) {
-    shared_upstream_kernel<<<1, kThreads, 0, stream>>>(reinterpret_cast<const float*>(grad_loss.base), targets.base,
-                                                      wide, targets.stride, w, weights.stride, logits.rows, params,
-                                                      shared_upstream);
-    if (Status s = launched("upstream gradient"); !s.ok()) return s;
+    if (Status s = cuda::shared_upstream(reinterpret_cast<const float*>(grad_loss.base), 0.0f, targets, weights,
+                                         logits.rows, params, shared_upstream, stream);
+        !s.ok()) {
+      return s;
+    }
     shared = shared_upstream;
   }
   const int64_t valid = valid_columns(vocab_begin, logits.cols, params);

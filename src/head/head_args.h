@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "../protocol.h"
@@ -73,6 +74,12 @@ std::vector<NamedRegion> input_regions(const HeadArgs& args);
 // written over, float32 when added into; overlapping neither each other nor `inputs`.
 Status check_head_gradients(const HeadGradients& gradients, const HeadArgs& args,
                             const std::vector<NamedRegion>& inputs, HeadGradientArgs* out);
+// The same rules for any device: check_place(tensor, name) checks where a gradient lives (the
+// CPU above; hidden's CUDA device, as device memory, on the device path).
+Status check_head_gradients(const HeadGradients& gradients, const HeadArgs& args,
+                            const std::vector<NamedRegion>& inputs,
+                            const std::function<Status(const TensorView&, const char*)>& check_place,
+                            HeadGradientArgs* out);
 
 
 }  // namespace vpce::detail

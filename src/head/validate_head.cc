@@ -144,48 +144,55 @@ std::vector<NamedRegion> input_regions(const HeadArgs& args) {
 
 Status check_head_gradients(const HeadGradients& gradients, const HeadArgs& args,
                             const std::vector<NamedRegion>& inputs, HeadGradientArgs* out) {
+  return check_head_gradients(
+      gradients, args, inputs, [](const TensorView& t, const char* name) { return check_device(t, name, Device{}); },
+      out);
+}
+
+Status check_head_gradients(const HeadGradients& gradients, const HeadArgs& args,
+                            const std::vector<NamedRegion>& inputs,
+                            const std::function<Status(const TensorView&, const char*)>& check_place,
+                            HeadGradientArgs* out) {
   HeadGradientArgs g;
   const DataType dtype = args.hidden.dtype;
-  auto check_dtype_of = [&](const char* name, const GradientOutput& o) -> Status {
-    if (Status s = check_device(*o.tensor, name, Device{}); !s.ok()) return s;
+  auto check_one = [&](const char* name, const GradientOutput& o) -> Status {
+    if (Status s = check_place(*o.tensor, name); !s.ok()) return s;
     if (o.accumulate) return check_dtype(name, o.tensor->dtype, {kFloat32}, "float32 (accumulate adds into fp32)");
     if (o.tensor->dtype == kFloat32 || o.tensor->dtype == dtype) return {};
     return {Code::kInvalidArgument,
             expected_got((std::string(name) + ".dtype").c_str(), "float32 or " + to_string(dtype) + " (the input's)",
                          to_string(o.tensor->dtype))};
   };
-  if (gradients.hidden.tensor != nullptr) {
-    const TensorView& t = *gradients.hidden.tensor;
-    if (Status s = check_dtype_of("grad_hidden", gradients.hidden); !s.ok()) return s;
-    if (Status s = as_row_matrix(t, "grad_hidden", &g.hidden.matrix); !s.ok()) return s;
-    if (g.hidden.matrix.rows != args.hidden.rows || g.hidden.matrix.cols != args.hidden.cols) {
-      return {Code::kInvalidArgument,
-              expected_got("grad_hidden.shape",
-                           std::to_string(args.hidden.rows) + " x " + std::to_string(args.hidden.cols) + " (hidden's)",
-                           std::to_string(g.hidden.matrix.rows) + " x " + std::to_string(g.hidden.matrix.cols))};
+  // grad_hidden and grad_weight: [rows, cols] like `like`, the input named `of`.
+  auto check_matrix = [&](const char* name, const GradientOutput& o, const RowMatrix& like, const char* of,
+                          GradientArgs* m) -> Status {
+    if (Status s = check_one(name, o); !s.ok()) return s;
+    if (Status s = as_row_matrix(*o.tensor, name, &m->matrix); !s.ok()) return s;
+    if (m->matrix.rows != like.rows || m->matrix.cols != like.cols) {
+      auto text = [](int64_t rows, int64_t cols) { return std::to_string(rows) + " x " + std::to_string(cols); };
+      return {Code::kInvalidArgument, expected_got((std::string(name) + ".shape").c_str(),
+                                                   text(like.rows, like.cols) + " (" + of + "'s)",
+                                                   text(m->matrix.rows, m->matrix.cols))};
     }
-    g.hidden.accumulate = gradients.hidden.accumulate;
+    m->accumulate = o.accumulate;
+    return {};
+  };
+  if (gradients.hidden.tensor != nullptr) {
+    if (Status s = check_matrix("grad_hidden", gradients.hidden, args.hidden, "hidden", &g.hidden); !s.ok()) return s;
   }
   if (gradients.weight.tensor != nullptr) {
-    const TensorView& t = *gradients.weight.tensor;
-    if (Status s = check_dtype_of("grad_weight", gradients.weight); !s.ok()) return s;
-    if (t.ndim != 2) {
-      return {Code::kInvalidArgument, expected_got("grad_weight.ndim", "2 (weight's)", std::to_string(t.ndim))};
-    }
-    if (Status s = as_row_matrix(t, "grad_weight", &g.weight.matrix); !s.ok()) return s;
-    if (g.weight.matrix.rows != args.weight.rows || g.weight.matrix.cols != args.weight.cols) {
+    if (gradients.weight.tensor->ndim != 2) {
+      if (Status s = check_one("grad_weight", gradients.weight); !s.ok()) return s;
       return {Code::kInvalidArgument,
-              expected_got("grad_weight.shape",
-                           std::to_string(args.weight.rows) + " x " + std::to_string(args.weight.cols) + " (weight's)",
-                           std::to_string(g.weight.matrix.rows) + " x " + std::to_string(g.weight.matrix.cols))};
+              expected_got("grad_weight.ndim", "2 (weight's)", std::to_string(gradients.weight.tensor->ndim))};
     }
-    g.weight.accumulate = gradients.weight.accumulate;
+    if (Status s = check_matrix("grad_weight", gradients.weight, args.weight, "weight", &g.weight); !s.ok()) return s;
   }
   if (gradients.bias.tensor != nullptr) {
     if (!args.has_bias) {
       return {Code::kInvalidArgument, expected_got("grad_bias", "null (there is no bias)", "a tensor")};
     }
-    if (Status s = check_dtype_of("grad_bias", gradients.bias); !s.ok()) return s;
+    if (Status s = check_one("grad_bias", gradients.bias); !s.ok()) return s;
     TokenVector v;
     const TensorView& t = *gradients.bias.tensor;
     if (t.ndim >= 0 && t.ndim <= TensorView::kMaxDims && t.numel() != args.weight.rows) {

@@ -33,20 +33,28 @@ def _options(label_smoothing, options):
     return result
 
 
+def _check_float_tensor(name, tensor, dims=None, shape=""):
+    """A floating-point operand as vpce.torch takes it (the logits, the head's hidden, weight
+    and bias): a dense CPU or CUDA tensor of float32, bfloat16, float16 or float64 with
+    dims[0] to dims[1] dimensions (any when dims is None; `shape` says which, as " ([..., V/R])"),
+    else TypeError or ValueError naming what was expected and what it is."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{name}.layout: expected torch.strided (a dense tensor), got {tensor.layout}")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}.device: expected cpu or cuda, got {tensor.device}")
+    if tensor.dtype not in _LOGITS_DTYPES:
+        raise TypeError(f"{name}.dtype: expected float32, bfloat16, float16 or float64, got {tensor.dtype}")
+    if dims is not None and not dims[0] <= tensor.dim() <= dims[1]:
+        wanted = str(dims[0]) if dims[0] == dims[1] else f"{dims[0]} to {dims[1]} dimensions"
+        raise ValueError(f"{name}.dim(): expected {wanted}{shape}, got {tensor.dim()}")
+
+
 def _check_logits(logits):
     """vocab_parallel_logits as vpce.torch takes them, else TypeError or ValueError naming
     what was expected and what they are."""
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"vocab_parallel_logits: expected a torch.Tensor, got {type(logits).__name__}")
-    if logits.layout != torch.strided:
-        raise TypeError(f"vocab_parallel_logits.layout: expected torch.strided (a dense tensor), got {logits.layout}")
-    if logits.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"vocab_parallel_logits.device: expected cpu or cuda, got {logits.device}")
-    if logits.dtype not in _LOGITS_DTYPES:
-        raise TypeError("vocab_parallel_logits.dtype: expected float32, bfloat16, float16 or float64, got "
-                        f"{logits.dtype}")
-    if not 1 <= logits.dim() <= 8:
-        raise ValueError(f"vocab_parallel_logits.dim(): expected 1 to 8 dimensions ([..., V/R]), got {logits.dim()}")
+    _check_float_tensor("vocab_parallel_logits", logits, (1, 8), " ([..., V/R])")
 
 
 def _as_targets(target, logits):

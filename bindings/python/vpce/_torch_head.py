@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from . import _vpce
-from ._torch_arguments import (_GRADIENT_DTYPES, _LSE_DTYPES, _OPTION_NAMES, _TARGET_DTYPES, _WIDENED_TARGET_DTYPES,
-                               _as_float32, _as_rows, _as_targets, _check_op_tensors, _first_derivative_only, _options,
-                               _real)
+from ._torch_arguments import (_GRADIENT_DTYPES, _LOGITS_DTYPES, _LSE_DTYPES, _OPTION_NAMES, _TARGET_DTYPES,
+                               _WIDENED_TARGET_DTYPES, _as_float32, _as_rows, _as_targets, _check_float_tensor,
+                               _check_op_tensors, _first_derivative_only, _options, _real)
 from ._torch_collective import _BLOCK_HEADER, _HIDDEN_GRADIENT, _HIDDEN_STATES, _calling, _Collective
 from ._torch_compile import _CUSTOM_OPS, _compiling
 from ._torch_groups import _group
@@ -37,7 +37,7 @@ _HEAD_OPTION_NAMES = ("token_block", "vocab_block", "chunk_tokens", "bf16_logit_
 _OWN_OPTION_NAMES = ("mode", "reduction", "gradient_accumulation_fusion", "vocab_range")
 _MODES = ("recompute", "chunked")
 _REDUCTIONS = {"none": _vpce.Reduction.NONE, "sum": _vpce.Reduction.SUM, "mean": _vpce.Reduction.MEAN}
-_OPERAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_OPERAND_DTYPES = _LOGITS_DTYPES  # the head's hidden, weight and bias
 
 
 # ---- arguments ------------------------------------------------------------------------------
@@ -92,20 +92,6 @@ class _Arguments:
         return rank * rows, (rank + 1) * rows, size * rows
 
 
-def _check_operand(name, tensor, dims=None):
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.layout != torch.strided:
-        raise TypeError(f"{name}.layout: expected torch.strided (a dense tensor), got {tensor.layout}")
-    if tensor.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{name}.device: expected cpu or cuda, got {tensor.device}")
-    if tensor.dtype not in _OPERAND_DTYPES:
-        raise TypeError(f"{name}.dtype: expected float32, bfloat16, float16 or float64, got {tensor.dtype}")
-    if dims is not None and not dims[0] <= tensor.dim() <= dims[1]:
-        wanted = str(dims[0]) if dims[0] == dims[1] else f"{dims[0]} to {dims[1]} dimensions"
-        raise ValueError(f"{name}.dim(): expected {wanted}, got {tensor.dim()}")
-
-
 def _autocast_enabled(device_type):
     try:
         return torch.is_autocast_enabled(device_type)
@@ -118,12 +104,12 @@ def _check_operands(hidden, weight, bias, target, sequence_parallel, size):
         kind = type(sequence_parallel)
         name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
         raise TypeError(f"sequence_parallel: expected a bool, got {name} {sequence_parallel!r}")
-    _check_operand("hidden", hidden, dims=(1, 8) if not sequence_parallel else (2, 8))
-    _check_operand("weight", weight, dims=(2, 2))
+    _check_float_tensor("hidden", hidden, dims=(1, 8) if not sequence_parallel else (2, 8))
+    _check_float_tensor("weight", weight, dims=(2, 2))
     for name, other in (("weight", weight), ("bias", bias)):
         if other is None:
             continue
-        _check_operand(name, other)
+        _check_float_tensor(name, other)
         if other.dtype != hidden.dtype:
             hint = (" (torch.autocast does not cast for vpce: pass the operands in one dtype)"
                     if _autocast_enabled(hidden.device.type) else "")
@@ -302,6 +288,24 @@ def _output_shapes(target, args):
     return (tuple(target.shape) if args.reduction == "none" else ()), tuple(target.shape)
 
 
+def _forward_operands(group, rank, size, gather, hidden, weight, bias, target, label_smoothing, options,
+                      sequence_parallel, need_weight):
+    """A forward's checked operands: (args, targets, the hidden states (all the group's with
+    sequence parallelism, through `gather`), weight, bias, shard). need_weight: weight.main_grad,
+    which the gradients go into, is checked too, before any gather, so that a bad one fails
+    every rank alike."""
+    _check_group(group, size, hidden)
+    _check_operands(hidden, weight, bias, target, sequence_parallel, size)
+    args = _Arguments(label_smoothing, options)
+    if need_weight:
+        _main_grad(weight, args)
+    y = _as_targets(target, hidden)
+    h = _operand(hidden, "hidden")
+    total = gather.gather(h) if gather is not None else h
+    w, b = _operand(weight, "weight"), _operand(bias, "bias")
+    return args, y, total, w, b, args.shard(w.shape[0], rank, size)
+
+
 def _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel, options,
                   need_hidden, need_weight=False):
     """The recompute forward: (loss, lse, shard), every collective's errors agreed across
@@ -313,20 +317,13 @@ def _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, seque
     with _calling(group, size) as call:
         gather, collective = _forward_collectives(call, rank, size, sequence_parallel, need_hidden)
         try:
-            _check_group(group, size, hidden)
-            _check_operands(hidden, weight, bias, target, sequence_parallel, size)
-            args = _Arguments(label_smoothing, options)
-            if need_weight:
-                _main_grad(weight, args)
-            y = _as_targets(target, hidden)
-            h = _operand(hidden, "hidden")
-            total = gather.gather(h) if gather is not None else h
-            w, b = _operand(weight, "weight"), _operand(bias, "bias")
-            shard = args.shard(w.shape[0], rank, size)
+            args, y, total, w, b, shard = _forward_operands(
+                group, rank, size, gather, hidden, weight, bias, target, label_smoothing, options, sequence_parallel,
+                need_weight)
             loss_shape, lse_shape = _output_shapes(target, args)
-            loss = torch.empty(loss_shape, dtype=torch.float32, device=h.device)
+            loss = torch.empty(loss_shape, dtype=torch.float32, device=total.device)
             # float64: the backward's gradient keeps fp32's accuracy up to |lse| ~ 1e9
-            lse = torch.empty(lse_shape, dtype=torch.float64, device=h.device)
+            lse = torch.empty(lse_shape, dtype=torch.float64, device=total.device)
             _vpce.linear_cross_entropy_forward(total, w, _present(b), y, *shard, args.loss, args.head, loss, lse,
                                                rank=rank, size=size, all_gather=collective)
         except Exception as error:
@@ -392,18 +389,11 @@ def _head_chunked(hidden, weight, bias, target, label_smoothing, tp_group, seque
     with _calling(group, size) as call:
         gather, collective = _forward_collectives(call, rank, size, sequence_parallel, needs[0])
         try:
-            _check_group(group, size, hidden)
-            _check_operands(hidden, weight, bias, target, sequence_parallel, size)
-            args = _Arguments(label_smoothing, options)
             need_hidden, need_weight, need_bias = needs
-            if need_weight:  # before the gathers, so that a bad one fails every rank alike
-                _main_grad(weight, args)
-            y = _as_targets(target, hidden)
-            h = _operand(hidden, "hidden")
-            total = gather.gather(h) if gather is not None else h
-            w, b = _operand(weight, "weight"), _operand(bias, "bias")
-            shard = args.shard(w.shape[0], rank, size)
-            device = h.device
+            args, y, total, w, b, shard = _forward_operands(
+                group, rank, size, gather, hidden, weight, bias, target, label_smoothing, options, sequence_parallel,
+                need_weight)
+            device = total.device
             loss = torch.empty((), dtype=torch.float32, device=device)
             lse = torch.empty(tuple(target.shape), dtype=torch.float64, device=device)
             grad_hidden = torch.empty(total.shape, dtype=torch.float32, device=device) if need_hidden else None

@@ -78,30 +78,20 @@ class VocabParallelCrossEntropy:
         sum_exp_logits, exp_logits). vocab_parallel_logits is overwritten in place with
         exp(logits - logits_max) and returned as exp_logits."""
         x = vocab_parallel_logits
+        # The target's logit - max first (the same bits as Megatron's in-place shift, then
+        # its read: one rounding either way), then the exponentials in place.
+        target_mask, masked_target_1d, predicted_logits = VocabParallelCrossEntropy.gather_predicted_logits(
+            x, target, logits_max, vocab_start_index, vocab_end_index)
         if _row_kernel_fits(x, (torch.float32,)) and _shift_fits(logits_max, x) and target.shape == x.shape[:-1]:
-            target_mask, masked_target_1d, predicted_logits = VocabParallelCrossEntropy.gather_predicted_logits(
-                x, target, logits_max, vocab_start_index, vocab_end_index)
             # The sums as torch sums them (Megatron's order), so that they agree within an ulp:
             # the kernel's one-pass sums accumulate in float32 within a chunk, up to 3.5 ulps
             # from exact at K = 1200 where torch's are 2.6 (docs/performance.md).
             _vpce.exp_rows_in_place(x, logits_max)
-            sum_exp_logits = x.sum(dim=-1)
-            return target_mask, masked_target_1d, predicted_logits, sum_exp_logits, x
-        vocab_parallel_logits -= logits_max.unsqueeze(dim=-1)
-        target_mask = (target < vocab_start_index) | (target >= vocab_end_index)
-        masked_target = target.clone() - vocab_start_index
-        masked_target[target_mask] = 0
-        partition_vocab_size = vocab_parallel_logits.size()[-1]
-        logits_2d = vocab_parallel_logits.view(-1, partition_vocab_size)
-        masked_target_1d = masked_target.view(-1)
-        arange_1d = torch.arange(start=0, end=logits_2d.size()[0], device=logits_2d.device)
-        predicted_logits_1d = logits_2d[arange_1d, masked_target_1d]
-        predicted_logits_1d = predicted_logits_1d.clone().contiguous()
-        predicted_logits = predicted_logits_1d.view_as(target)
-        predicted_logits[target_mask] = 0.0
-        exp_logits = vocab_parallel_logits
-        torch.exp(vocab_parallel_logits, out=exp_logits)
-        sum_exp_logits = exp_logits.sum(dim=-1)
+        else:
+            x -= logits_max.unsqueeze(dim=-1)
+            torch.exp(x, out=x)
+        sum_exp_logits = x.sum(dim=-1)
+        exp_logits = x
         return target_mask, masked_target_1d, predicted_logits, sum_exp_logits, exp_logits
 
     @staticmethod

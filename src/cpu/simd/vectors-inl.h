@@ -34,6 +34,22 @@ constexpr int kScaled = 1;
 constexpr int kSoftCapped = 2;
 constexpr size_t kMaxLanes = 64;  // more than any target's fp32 lanes
 
+// f(tag) with tag a null pointer to the storage type `type` names (float, BFloat16 or
+// Float16): the one switch from a run-time dtype to the kernels' templates.
+template <class F>
+HWY_INLINE decltype(auto) WithStorageType(int32_t type, F&& f) {
+  switch (static_cast<StorageType>(type)) {
+    case StorageType::kBFloat16: return f(static_cast<BFloat16*>(nullptr));
+    case StorageType::kFloat16: return f(static_cast<Float16*>(nullptr));
+    case StorageType::kFloat32: break;
+  }
+  return f(static_cast<float*>(nullptr));
+}
+
+// The type a WithStorageType tag points to.
+template <class Tag>
+using TagType = std::remove_pointer_t<Tag>;
+
 // ---- loads and stores of one vector of `count` (<= lanes) elements --------------------
 
 HWY_INLINE VF LoadFull(DF d, const float* p) { return hn::LoadU(d, p); }

@@ -328,69 +328,19 @@ Status check_output_device(const TensorView* t, const char* name, Device d) {
   return check_device_pointer(*t, name);
 }
 
-// The gradients asked for (check_head_gradients' rules, on the device).
+// The gradients asked for (check_head_gradients' rules, on hidden's device), with strides
+// that cuBLAS takes.
 Status check_gradients(const HeadGradients& gradients, const HeadArgs& a, Device d,
                        const std::vector<NamedRegion>& inputs, HeadGradientArgs* out) {
   HeadGradientArgs g;
-  const DataType dtype = a.hidden.dtype;
-  auto check_one = [&](const char* name, const GradientOutput& o) -> Status {
-    if (Status s = check_output_device(o.tensor, name, d); !s.ok()) return s;
-    if (o.accumulate) return check_dtype(name, o.tensor->dtype, {kFloat32}, "float32 (accumulate adds into fp32)");
-    if (o.tensor->dtype == kFloat32 || o.tensor->dtype == dtype) return {};
-    return {Code::kInvalidArgument,
-            expected_got((std::string(name) + ".dtype").c_str(), "float32 or " + to_string(dtype) + " (the input's)",
-                         to_string(o.tensor->dtype))};
-  };
-  auto shape_text = [](int64_t rows, int64_t cols) { return std::to_string(rows) + " x " + std::to_string(cols); };
-  if (gradients.hidden.tensor != nullptr) {
-    if (Status s = check_one("grad_hidden", gradients.hidden); !s.ok()) return s;
-    if (Status s = as_row_matrix(*gradients.hidden.tensor, "grad_hidden", &g.hidden.matrix); !s.ok()) return s;
-    if (g.hidden.matrix.rows != a.tokens() || g.hidden.matrix.cols != a.hidden_size()) {
-      return {Code::kInvalidArgument,
-              expected_got("grad_hidden.shape", shape_text(a.tokens(), a.hidden_size()) + " (hidden's)",
-                           shape_text(g.hidden.matrix.rows, g.hidden.matrix.cols))};
-    }
-    g.hidden.accumulate = gradients.hidden.accumulate;
-  }
-  if (gradients.weight.tensor != nullptr) {
-    if (Status s = check_one("grad_weight", gradients.weight); !s.ok()) return s;
-    if (gradients.weight.tensor->ndim != 2) {
-      return {Code::kInvalidArgument,
-              expected_got("grad_weight.ndim", "2 (weight's)", std::to_string(gradients.weight.tensor->ndim))};
-    }
-    if (Status s = as_row_matrix(*gradients.weight.tensor, "grad_weight", &g.weight.matrix); !s.ok()) return s;
-    if (g.weight.matrix.rows != a.vocab_rows() || g.weight.matrix.cols != a.hidden_size()) {
-      return {Code::kInvalidArgument,
-              expected_got("grad_weight.shape", shape_text(a.vocab_rows(), a.hidden_size()) + " (weight's)",
-                           shape_text(g.weight.matrix.rows, g.weight.matrix.cols))};
-    }
-    g.weight.accumulate = gradients.weight.accumulate;
-  }
-  if (gradients.bias.tensor != nullptr) {
-    if (!a.has_bias) {
-      return {Code::kInvalidArgument, expected_got("grad_bias", "null (there is no bias)", "a tensor")};
-    }
-    if (Status s = check_one("grad_bias", gradients.bias); !s.ok()) return s;
-    TokenVector v;
-    if (Status s = as_token_vector(*gradients.bias.tensor, "grad_bias", a.vocab_rows(), &v); !s.ok()) return s;
-    if (v.n > 1 && v.stride < 1) {
-      return {Code::kInvalidArgument, expected_got("grad_bias.strides", "a positive stride (each element its own memory)",
-                                                   std::to_string(v.stride))};
-    }
-    g.bias.matrix = RowMatrix{v.base, v.dtype, v.n, 1, v.stride};
-    g.bias.accumulate = gradients.bias.accumulate;
-  }
+  const auto on_device = [d](const TensorView& t, const char* name) { return check_output_device(&t, name, d); };
+  if (Status s = check_head_gradients(gradients, a, inputs, on_device, &g); !s.ok()) return s;
   for (const GradientArgs* m : {&g.hidden, &g.weight}) {
     if (m->present() && m->matrix.row_stride > INT32_MAX) {
       return {Code::kUnsupported, expected_got("a gradient's row stride", "at most 2^31 - 1 (cuBLAS's strides)",
                                                std::to_string(m->matrix.row_stride))};
     }
   }
-  const std::vector<NamedRegion> outputs = {
-      {"grad_hidden", g.hidden.matrix.begin_byte(), g.hidden.matrix.end_byte()},
-      {"grad_weight", g.weight.matrix.begin_byte(), g.weight.matrix.end_byte()},
-      {"grad_bias", g.bias.matrix.begin_byte(), g.bias.matrix.end_byte()}};
-  if (Status s = check_no_overlap(outputs, inputs); !s.ok()) return s;
   *out = g;
   return {};
 }
@@ -687,6 +637,26 @@ struct ForwardCall {
   int device = 0;
 };
 
+// A forward's call, as announced even when its arguments are bad (H from hidden's shape).
+ForwardCall forward_call(Communicator& comm, const HeadInputs& inputs, const TensorView& targets,
+                         const VocabShard& shard, const LossOptions& options, const HeadOptions& head,
+                         const ForwardExtras& extras, Workspace* workspace) {
+  ForwardCall f;
+  f.comm = &comm;
+  f.shard = &shard;
+  f.options = &options;
+  f.head = &head;
+  f.targets = &targets;
+  f.extras = &extras;
+  f.workspace = workspace;
+  f.dtype = inputs.hidden.dtype;
+  f.hidden_size = inputs.hidden.ndim >= 1 && inputs.hidden.ndim <= TensorView::kMaxDims
+                      ? inputs.hidden.shape[inputs.hidden.ndim - 1]
+                      : 0;
+  f.device = inputs.hidden.device.id;
+  return f;
+}
+
 // Grows every buffer of a forward of chunks of `chunk` tokens (the logits of a whole chunk
 // kept when `g` is given) and of its gradients.
 Status prepare_forward(Call& c, const HeadGradientArgs* g, int64_t chunk, PanelGradients* pg) {
@@ -758,7 +728,7 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   if (Status s = cuda::write_header(mine, header, stream); !s.ok()) return local.ok() ? s : local;
   const bool reduced = options.reduction != Reduction::kNone;
   if (local.ok() && g != nullptr) {
-    if (Status s = shared_upstream(nullptr, grad_loss, a.targets, a.weights, n, c.params, c.b->as<double>(c.b->upstream),
+    if (Status s = cuda::shared_upstream(nullptr, grad_loss, a.targets, a.weights, n, c.params, c.b->as<double>(c.b->upstream),
                                    c.stream);
         !s.ok()) {
       return s;
@@ -849,7 +819,7 @@ Status run_backward(Call& c, const HeadGradientArgs& g, const TokenVector& lse, 
   if (Status s = gradient_targets(c, g, n, &pg); !s.ok()) return s;
   if (c.params.reduction != Reduction::kNone) {
     pg.upstream = b.as<double>(b.upstream);
-    if (Status s = shared_upstream(reinterpret_cast<const float*>(grad_loss.base), 0.0f, c.a.targets, c.a.weights, n,
+    if (Status s = cuda::shared_upstream(reinterpret_cast<const float*>(grad_loss.base), 0.0f, c.a.targets, c.a.weights, n,
                                    c.params, b.as<double>(b.upstream), c.stream);
         !s.ok()) {
       return s;
@@ -882,19 +852,8 @@ Status device_linear_cross_entropy_forward(Communicator& comm, const HeadInputs&
   LossOutputs out;
   Status local = head_cuda::check_inputs(inputs, targets, extras.weights, shard, options, head, &a);
   if (local.ok()) local = head_cuda::check_forward_outputs(a, inputs.hidden.device, options, loss, lse, extras, &out);
-  ForwardCall f;
-  f.comm = &comm;
-  f.shard = &shard;
-  f.options = &options;
-  f.head = &head;
-  f.targets = &targets;
-  f.extras = &extras;
-  f.workspace = workspace;
-  f.dtype = inputs.hidden.dtype;
-  f.hidden_size = inputs.hidden.ndim >= 1 && inputs.hidden.ndim <= TensorView::kMaxDims
-                      ? inputs.hidden.shape[inputs.hidden.ndim - 1]
-                      : 0;
-  f.device = inputs.hidden.device.id;
+  const ForwardCall f =
+      head_cuda::forward_call(comm, inputs, targets, shard, options, head, extras, workspace);
   return head_cuda::run_forward(f, local, a, out, nullptr, 0.0f, nullptr);
 }
 
@@ -927,19 +886,8 @@ Status device_linear_cross_entropy_forward_backward(Communicator& comm, const He
     }
     local = head_cuda::check_gradients(gradients, a, inputs.hidden.device, regions, &g);
   }
-  ForwardCall f;
-  f.comm = &comm;
-  f.shard = &shard;
-  f.options = &options;
-  f.head = &head;
-  f.targets = &targets;
-  f.extras = &extras;
-  f.workspace = workspace;
-  f.dtype = inputs.hidden.dtype;
-  f.hidden_size = inputs.hidden.ndim >= 1 && inputs.hidden.ndim <= TensorView::kMaxDims
-                      ? inputs.hidden.shape[inputs.hidden.ndim - 1]
-                      : 0;
-  f.device = inputs.hidden.device.id;
+  const ForwardCall f =
+      head_cuda::forward_call(comm, inputs, targets, shard, options, head, extras, workspace);
   return head_cuda::run_forward(f, local, a, out, &g, grad_loss, collectives);
 }
 

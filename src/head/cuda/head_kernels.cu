@@ -65,29 +65,7 @@ __global__ void __launch_bounds__(kThreads)
   Part p = empty_part();
   if (plain) p = fold_row_plain(row, valid);
   for (int64_t c = plain ? valid : threadIdx.x; c < valid; c += kThreads) {
-    const float x = row[c] + bias.at(c);
-    const float zc = t.apply(x);
-    if (sum_logits) p.sum_logits += zc;
-    if (zc == -INFINITY) continue;
-    const auto v = static_cast<int32_t>(col0 + c);
-    if (zc > p.max) {
-      if (p.max == -INFINITY) {  // sum_exp is 0, or NaN from an earlier NaN, which stays
-        p.sum_exp += 1.0;
-      } else {
-        const double shift = static_cast<double>(p.max) - zc;
-        const double scale = exp(shift);
-        p.weighted = scale * (p.weighted + shift * p.sum_exp);
-        p.sum_exp = p.sum_exp * scale + 1.0;
-      }
-      p.max = zc;
-      p.argmax = v;
-    } else {
-      const float offset = zc - p.max;
-      const float e = expf(offset);
-      p.sum_exp += e;
-      if (extras) p.weighted += static_cast<double>(e) * offset;
-      if (zc == p.max && v < p.argmax) p.argmax = v;
-    }
+    fold_element(p, t.apply(row[c] + bias.at(c)), static_cast<int32_t>(col0 + c), sum_logits, extras);
   }
   p = block_combine(p);
   if (threadIdx.x != 0) return;
@@ -133,27 +111,6 @@ __global__ void finalize_kernel(const RunningStats* running, int64_t rows, const
 }
 
 
-// The counted weight of every token, for kMean, as cuda/kernels.cu sums it.
-__global__ void __launch_bounds__(kThreads)
-    shared_upstream_kernel(const float* grad_loss, float value, const void* targets, bool wide_targets,
-                           int64_t target_stride, const float* weights, int64_t weight_stride, int64_t rows,
-                           LossParams params, double* out) {
-  double denominator = 1.0;
-  if (params.reduction == Reduction::kMean) {
-    double mine = 0.0;
-    for (int64_t i = threadIdx.x; i < rows; i += kThreads) {
-      if (!params.ignored(target_of(targets, wide_targets, target_stride, i))) {
-        mine += weights != nullptr ? static_cast<double>(weights[i * weight_stride]) : 1.0;
-      }
-    }
-    denominator = block_sum(mine);
-  }
-  if (threadIdx.x == 0) {
-    const double g = static_cast<double>(grad_loss != nullptr ? grad_loss[0] : value);
-    *out = params.reduction == Reduction::kMean ? (denominator != 0.0 ? g / denominator : 0.0) : g;
-  }
-}
-
 // One block per tile row: z <- the gradient, in place (cuda/kernels.cu's gradient_kernel,
 // element for element), and optionally its two bf16 parts, or (lo null) its bf16 rounding,
 // which then replaces it in z too.
@@ -171,7 +128,6 @@ __global__ void __launch_bounds__(kThreads)
   const GradientConstants k = gradient_constants(y, upstream, weight, lse.get(r), params);
   const float target_term = target_weight(params);
   const int64_t target_column = y - vocab_begin - col0;
-  const bool identity = t.scale == 1.0f && t.cap <= 0.0f;
   float* row = z + r * ld;
   int64_t done = 0;  // columns the plain path took
   if (plain && k.upstream != 0.0f) {
@@ -203,12 +159,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t c = done + threadIdx.x; c < cols; c += kThreads) {
     float g = 0.0f;
     if (k.upstream != 0.0f && c < valid) {  // else a token that does not count, or padding
-      const float xc = row[c] + bias.at(c);
-      const float zc = t.apply(xc);
-      g = expf(zc - k.lse) * k.coefficient - k.uniform;
-      if (c == target_column) g -= target_term;
-      g *= k.upstream;
-      if (!identity) g *= t.slope(xc);
+      g = gradient_element(k, t, row[c] + bias.at(c), c == target_column, target_term);
     }
     if (hi != nullptr) {
       const __nv_bfloat16 h = __float2bfloat16_rn(g);
@@ -325,14 +276,6 @@ Status finalize_stats(const RunningStats* running, int64_t rows, const TokenVect
       running, rows, targets.base, targets.dtype == kInt64, targets.stride,
       reinterpret_cast<const float*>(weights.base), weights.stride, vocab_begin, params, width, stats, ld, header);
   return launched("head: statistics");
-}
-
-Status shared_upstream(const float* grad_loss, float value, const TokenVector& targets, const TokenVector& weights,
-                       int64_t rows, const LossParams& params, double* out, cudaStream_t stream) {
-  shared_upstream_kernel<<<1, kThreads, 0, stream>>>(grad_loss, value, targets.base, targets.dtype == kInt64,
-                                                     targets.stride, reinterpret_cast<const float*>(weights.base),
-                                                     weights.stride, rows, params, out);
-  return launched("head: upstream gradient");
 }
 
 Status tile_gradient(float* z, int64_t ld, int64_t rows, const TileColumns& columns, const TokenVector& targets,

@@ -58,11 +58,6 @@ Status finalize_stats(const RunningStats* running, int64_t rows, const TokenVect
                       const TokenVector& weights, int64_t vocab_begin, const LossParams& params, int64_t width,
                       float* stats, int64_t ld, RankHeader* header, cudaStream_t stream);
 
-// The upstream gradient shared by every token of a reduced loss, into *out: (grad_loss
-// given ? *grad_loss : value), divided by the counted weight of all `rows` tokens for kMean.
-Status shared_upstream(const float* grad_loss, float value, const TokenVector& targets, const TokenVector& weights,
-                       int64_t rows, const LossParams& params, double* out, cudaStream_t stream);
-
 // The logit gradient of a tile, in place: z [rows, cols] (row stride ld) <- dloss/dx, the
 // formula of src/cuda/kernels.cu's gradient kernel (0 on padding columns and for tokens
 // that do not count). The upstream gradient is shared (*shared, for a reduction) or per
