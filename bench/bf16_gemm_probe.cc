@@ -46,7 +46,8 @@ int main(int argc, char** argv) {
   std::vector<float> af(static_cast<size_t>(m * k)), bf(static_cast<size_t>(n * k)), c(static_cast<size_t>(m * n));
   std::vector<uint16_t> a(af.size()), b(bf.size());
   for (size_t i = 0; i < a.size(); ++i) a[i] = to_bf16(af[i] = static_cast<float>((i * 7919) % 1000) / 1000.0f - 0.5f);
-  for (size_t i = 0; i < b.size(); ++i) b[i] = to_bf16(bf[i] = static_cast<float>((i * 104729) % 1000) / 1000.0f - 0.5f);
+  for (size_t i = 0; i < b.size(); ++i)
+    b[i] = to_bf16(bf[i] = static_cast<float>((i * 104729) % 1000) / 1000.0f - 0.5f);
   dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   dnnl::stream stream(engine);
   const memory::desc cd({m, n}, memory::data_type::f32, memory::dims{n, 1});

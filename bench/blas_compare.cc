@@ -19,19 +19,22 @@
 #if defined(VPCE_BENCH_OPENBLAS)
 #include <cblas.h>
 static const char* kLibrary = "OpenBLAS";
-static void set_threads(int n) { openblas_set_num_threads(n); omp_set_num_threads(n); }
+static void set_threads(int n) {
+  openblas_set_num_threads(n);
+  omp_set_num_threads(n);
+}
 // C[m, n] = alpha op(A) op(B) + beta C, row-major.
-static void sgemm(bool ta, bool tb, int m, int n, int k, const float* a, int lda, const float* b, int ldb,
-                  float beta, float* c, int ldc) {
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k, 1.0f, a, lda,
-              b, ldb, beta, c, ldc);
+static void sgemm(bool ta, bool tb, int m, int n, int k, const float* a, int lda, const float* b, int ldb, float beta,
+                  float* c, int ldc) {
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k, 1.0f, a, lda, b,
+              ldb, beta, c, ldc);
 }
 #elif defined(VPCE_BENCH_BLIS)
 #include <blis.h>
 static const char* kLibrary = "BLIS";
 static void set_threads(int n) { bli_thread_set_num_threads(n); }
-static void sgemm(bool ta, bool tb, int m, int n, int k, const float* a, int lda, const float* b, int ldb,
-                  float beta, float* c, int ldc) {
+static void sgemm(bool ta, bool tb, int m, int n, int k, const float* a, int lda, const float* b, int ldb, float beta,
+                  float* c, int ldc) {
   float alpha = 1.0f;
   bli_sgemm(ta ? BLIS_TRANSPOSE : BLIS_NO_TRANSPOSE, tb ? BLIS_TRANSPOSE : BLIS_NO_TRANSPOSE, m, n, k, &alpha,
             const_cast<float*>(a), lda, 1, const_cast<float*>(b), ldb, 1, &beta, c, ldc, 1);
@@ -40,8 +43,8 @@ static void sgemm(bool ta, bool tb, int m, int n, int k, const float* a, int lda
 #include <dnnl.h>
 static const char* kLibrary = "oneDNN";
 static void set_threads(int n) { omp_set_num_threads(n); }
-static void sgemm(bool ta, bool tb, int m, int n, int k, const float* a, int lda, const float* b, int ldb,
-                  float beta, float* c, int ldc) {
+static void sgemm(bool ta, bool tb, int m, int n, int k, const float* a, int lda, const float* b, int ldb, float beta,
+                  float* c, int ldc) {
   dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
 }
 #else
@@ -92,12 +95,9 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc && i <= 5; ++i) p[i - 1] = std::atol(argv[i]);
   const long N = p[0], V = p[1], H = p[2], Nb = p[3], Vb = p[4];
   const Shape shapes[] = {
-      {"step: logits h W^T", false, true, N, V, H},
-      {"step: grad_hidden dz W", false, false, N, H, V},
-      {"step: grad_weight dz^T h", true, false, V, H, N},
-      {"tile: h_i W_j^T", false, true, Nb, Vb, H},
-      {"tile: dz_ij W_j", false, false, Nb, H, Vb},
-      {"tile: dz_ij^T h_i", true, false, Vb, H, Nb},
+      {"step: logits h W^T", false, true, N, V, H},       {"step: grad_hidden dz W", false, false, N, H, V},
+      {"step: grad_weight dz^T h", true, false, V, H, N}, {"tile: h_i W_j^T", false, true, Nb, Vb, H},
+      {"tile: dz_ij W_j", false, false, Nb, H, Vb},       {"tile: dz_ij^T h_i", true, false, Vb, H, Nb},
   };
   std::printf("%-9s %-26s %7s %7s %7s %8s %10s %9s\n", "library", "gemm", "M", "N", "K", "threads", "ms", "GFLOP/s");
   for (int threads : {1, 2}) {

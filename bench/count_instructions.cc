@@ -83,11 +83,11 @@ Kind classify(const Encoding& e) {
 // The slots of the 512-bit FMA ports a vector operation takes on Intel's AVX-512 cores, as
 // bench/port_probe.cc measured them (the weighted prediction's weights).
 double intel_slots(const Encoding& e) {
-  if (e.map == 2 && e.opcode == 0x13 && e.pp == 1) return 2.0;               // VCVTPH2PS (66)
+  if (e.map == 2 && e.opcode == 0x13 && e.pp == 1) return 2.0;                   // VCVTPH2PS (66)
   if (e.map == 3 && e.opcode == 0x1d && e.pp == 1) return e.memory ? 1.0 : 2.0;  // VCVTPS2PH (66)
-  if (e.map == 2 && e.opcode == 0x72 && e.pp == 2) return 3.0;               // VCVTNEPS2BF16 (F3)
-  if (e.map == 2 && e.opcode == 0x72 && e.pp == 3) return 3.5;               // VCVTNE2PS2BF16 (F2)
-  if (e.map == 2 && e.opcode == 0x8d && e.pp == 1 && e.w) return 2.0;        // VPERMW (66, W1)
+  if (e.map == 2 && e.opcode == 0x72 && e.pp == 2) return 3.0;                   // VCVTNEPS2BF16 (F3)
+  if (e.map == 2 && e.opcode == 0x72 && e.pp == 3) return 3.5;                   // VCVTNE2PS2BF16 (F2)
+  if (e.map == 2 && e.opcode == 0x8d && e.pp == 1 && e.w) return 2.0;            // VPERMW (66, W1)
   return 1.0;
 }
 
@@ -135,9 +135,14 @@ Counts steps(const std::function<void()>& work, const char* trace_path = nullptr
         c.vector_ops += 1;
         c.weighted += intel_slots(encoding);
         break;
-      case kVectorMemory: c.memory += 1; break;
-      case kVectorMove: c.moves += 1; break;
-      case kOther: break;
+      case kVectorMemory:
+        c.memory += 1;
+        break;
+      case kVectorMove:
+        c.moves += 1;
+        break;
+      case kOther:
+        break;
     }
   }
   if (trace != nullptr) std::fclose(trace);
@@ -178,10 +183,11 @@ int run(const char* only) {
   const StorageType types[4] = {StorageType::kFloat32, StorageType::kBFloat16, StorageType::kFloat16,
                                 StorageType::kBFloat16};
   const char* names[4] = {"fp32", "bf16", "fp16", "bf16'"};
-  std::printf("# per logit (forward = block_stats, backward = block_gradient, 16384 columns) and per element of the "
-              "bound's exp (E): all instructions retired / vector operations (VEX or EVEX, not loads, stores or register "
-              "moves); predicted %%bound on an exp-bound machine = 2 E / (forward + backward), from vector operations "
-              "(pred), and from them weighted by the slots of Intel's 512-bit ports each takes (wpred; bench/port_probe.cc)\n");
+  std::printf(
+      "# per logit (forward = block_stats, backward = block_gradient, 16384 columns) and per element of the "
+      "bound's exp (E): all instructions retired / vector operations (VEX or EVEX, not loads, stores or register "
+      "moves); predicted %%bound on an exp-bound machine = 2 E / (forward + backward), from vector operations "
+      "(pred), and from them weighted by the slots of Intel's 512-bit ports each takes (wpred; bench/port_probe.cc)\n");
   std::printf("# %-6s %5s %13s %13s %13s %13s %8s %8s %8s %8s\n", "target", "dtype", "E", "forward", "bwd to fp32",
               "bwd in place", "pred out", "pred in", "wpred out", "wpred in");
   auto show = [](const Counts& c) {
@@ -207,8 +213,8 @@ int run(const char* only) {
       const Counts smoothed = per_element([&] { block_stats(rows[k], type, kCols, identity, true, false); }, kCols,
                                           name + "-forward-smoothed");
       const Counts out = per_element(
-          [&] { block_gradient(rows[k], type, grad32.data(), StorageType::kFloat32, kCols, identity, constants); }, kCols,
-          name + "-to-fp32");
+          [&] { block_gradient(rows[k], type, grad32.data(), StorageType::kFloat32, kCols, identity, constants); },
+          kCols, name + "-to-fp32");
       // In place: in the child's copy of the row.
       const Counts in = per_element(
           [&] { block_gradient(rows[k], type, const_cast<void*>(rows[k]), type, kCols, identity, constants); }, kCols,
@@ -217,16 +223,19 @@ int run(const char* only) {
       const char* b = show(fwd);
       const char* c = show(out);
       const char* dd = show(in);
-      std::printf("  %-6s %5s %13s %13s %13s %13s %7.1f%% %7.1f%% %8.1f%% %7.1f%%\n", hwy::TargetName(target), names[k], a,
-                  b, c, dd, 200.0 * e.vector_ops / (fwd.vector_ops + out.vector_ops),
+      std::printf("  %-6s %5s %13s %13s %13s %13s %7.1f%% %7.1f%% %8.1f%% %7.1f%%\n", hwy::TargetName(target), names[k],
+                  a, b, c, dd, 200.0 * e.vector_ops / (fwd.vector_ops + out.vector_ops),
                   200.0 * e.vector_ops / (fwd.vector_ops + in.vector_ops),
-                  200.0 * e.weighted / (fwd.weighted + out.weighted), 200.0 * e.weighted / (fwd.weighted + in.weighted));
-      std::printf("  %-6s %5s %13s   (forward with label smoothing)\n", hwy::TargetName(target), names[k], show(smoothed));
+                  200.0 * e.weighted / (fwd.weighted + out.weighted),
+                  200.0 * e.weighted / (fwd.weighted + in.weighted));
+      std::printf("  %-6s %5s %13s   (forward with label smoothing)\n", hwy::TargetName(target), names[k],
+                  show(smoothed));
     }
   }
   set_bf16_instructions_allowed(true);
   hwy::SetSupportedTargetsForTest(0);
-  if (cpu_has_avx512_bf16()) std::printf("# bf16': AVX512-BF16's instructions turned off (the rounding of AVX-512 CPUs without them)\n");
+  if (cpu_has_avx512_bf16())
+    std::printf("# bf16': AVX512-BF16's instructions turned off (the rounding of AVX-512 CPUs without them)\n");
   return 0;
 }
 

@@ -39,22 +39,22 @@ namespace {
     }                                                                                             \
   } while (0)
 
-#define CHECK_CUBLAS(call)                                                                             \
-  do {                                                                                                 \
-    const cublasStatus_t e_ = (call);                                                                  \
-    if (e_ != CUBLAS_STATUS_SUCCESS) {                                                                 \
+#define CHECK_CUBLAS(call)                                                                           \
+  do {                                                                                               \
+    const cublasStatus_t e_ = (call);                                                                \
+    if (e_ != CUBLAS_STATUS_SUCCESS) {                                                               \
       std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cublasGetStatusString(e_)); \
-      std::exit(1);                                                                                    \
-    }                                                                                                  \
+      std::exit(1);                                                                                  \
+    }                                                                                                \
   } while (0)
 
-#define CHECK_VPCE(call)                                                 \
-  do {                                                                   \
-    const vpce::Status s_ = (call);                                      \
-    if (!s_.ok()) {                                                      \
-      std::fprintf(stderr, "%s: %s\n", #call, s_.to_string().c_str());   \
-      std::exit(1);                                                      \
-    }                                                                    \
+#define CHECK_VPCE(call)                                               \
+  do {                                                                 \
+    const vpce::Status s_ = (call);                                    \
+    if (!s_.ok()) {                                                    \
+      std::fprintf(stderr, "%s: %s\n", #call, s_.to_string().c_str()); \
+      std::exit(1);                                                    \
+    }                                                                  \
   } while (0)
 
 class Loopback final : public vpce::Communicator {
@@ -132,13 +132,15 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("# vpce_cuda_head_perf: %s, %d SMs, %.0f GiB; bf16 operands, fp32 accumulation; median of %d after 2\n",
               prop.name, prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0, iterations);
-  std::printf("# fused = forward + backward (recompute), chunked = forward_backward, gemms = the 3 GEMMs of an "
-              "unfused step\n");
-  std::printf("#  tokens hidden  V/rank fused(ms) fused16(ms) chunked(ms)  dx16(ms) gemms(ms) fused/gemms "
-              "fused16/gemms  gemm TF/s  held(MiB) logits(MiB) #wrong\n");
+  std::printf(
+      "# fused = forward + backward (recompute), chunked = forward_backward, gemms = the 3 GEMMs of an "
+      "unfused step\n");
+  std::printf(
+      "#  tokens hidden  V/rank fused(ms) fused16(ms) chunked(ms)  dx16(ms) gemms(ms) fused/gemms "
+      "fused16/gemms  gemm TF/s  held(MiB) logits(MiB) #wrong\n");
   // The first row is the bar's shape: 8192 tokens, H 4096, V 131072 on one rank.
-  std::vector<Row> rows = {{8192, 4096, 131072}, {4096, 4096, 32064}, {16384, 4096, 32064}, {16384, 4096, 64128},
-                           {8192, 8192, 32064}};
+  std::vector<Row> rows = {
+      {8192, 4096, 131072}, {4096, 4096, 32064}, {16384, 4096, 32064}, {16384, 4096, 64128}, {8192, 8192, 32064}};
   if (quick) rows.resize(2);
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreate(&stream));
@@ -208,7 +210,8 @@ int main(int argc, char** argv) {
         const int64_t i = (s * 7919) % n;
         CHECK_CUDA(cudaMemcpy(h_host.data(), hidden + i * h, h * 2, cudaMemcpyDeviceToHost));
         std::vector<double> hrow(static_cast<std::size_t>(h));
-        for (int64_t k = 0; k < h; ++k) hrow[static_cast<std::size_t>(k)] = bf16_value(h_host[static_cast<std::size_t>(k)]);
+        for (int64_t k = 0; k < h; ++k)
+          hrow[static_cast<std::size_t>(k)] = bf16_value(h_host[static_cast<std::size_t>(k)]);
         std::vector<double> z(static_cast<std::size_t>(v));
         double top = -INFINITY;
         for (int64_t c = 0; c < v; ++c) {
@@ -220,14 +223,15 @@ int main(int argc, char** argv) {
         }
         double sum = 0.0;
         for (double x : z) sum += std::exp(x - top);
-        const double want = top + std::log(sum) - z[static_cast<std::size_t>(host_targets[static_cast<std::size_t>(i)])];
+        const double want =
+            top + std::log(sum) - z[static_cast<std::size_t>(host_targets[static_cast<std::size_t>(i)])];
         if (!(std::fabs(got[static_cast<std::size_t>(i)] - want) <= 1e-4 * std::max(1.0, std::fabs(want)))) ++wrong;
       }
     }
     const float fused = time_ms(stream, iterations, [&] {
       CHECK_VPCE(vpce::linear_cross_entropy_forward(comm, inputs, yv, shard, options, head, lv, ev, {}, &workspace));
-      CHECK_VPCE(vpce::linear_cross_entropy_backward(inputs, yv, ev, gv, shard, options, head, grads, nullptr,
-                                                     &workspace));
+      CHECK_VPCE(
+          vpce::linear_cross_entropy_backward(inputs, yv, ev, gv, shard, options, head, grads, nullptr, &workspace));
     });
     vpce::LossOptions mean = options;
     mean.reduction = vpce::Reduction::kMean;
@@ -239,8 +243,8 @@ int main(int argc, char** argv) {
     dx16.bf16_logit_gradients = true;
     const float fused_dx16 = time_ms(stream, iterations, [&] {
       CHECK_VPCE(vpce::linear_cross_entropy_forward(comm, inputs, yv, shard, options, dx16, lv, ev, {}, &workspace));
-      CHECK_VPCE(vpce::linear_cross_entropy_backward(inputs, yv, ev, gv, shard, options, dx16, grads, nullptr,
-                                                     &workspace));
+      CHECK_VPCE(
+          vpce::linear_cross_entropy_backward(inputs, yv, ev, gv, shard, options, dx16, grads, nullptr, &workspace));
     });
     const float chunked_dx16 = time_ms(stream, iterations, [&] {
       CHECK_VPCE(vpce::linear_cross_entropy_forward_backward(comm, inputs, yv, shard, mean, dx16, 1.0f, lm, ev, grads,
@@ -274,9 +278,8 @@ int main(int argc, char** argv) {
     const double flops = 3.0 * 2.0 * static_cast<double>(n) * static_cast<double>(h) * static_cast<double>(v);
     std::printf("%9lld %6lld %7lld %9.3f %11.3f %11.3f %9.3f %9.3f %11.2f %13.2f %10.0f %10.0f %11.0f %6lld\n",
                 static_cast<long long>(n), static_cast<long long>(h), static_cast<long long>(v), fused, fused_dx16,
-                chunked, chunked_dx16, gemms, fused / gemms, fused_dx16 / gemms,
-                flops / (gemms * 1e-3) / 1e12, held_mib, static_cast<double>(n * v * 2) / 1048576.0,
-                static_cast<long long>(wrong));
+                chunked, chunked_dx16, gemms, fused / gemms, fused_dx16 / gemms, flops / (gemms * 1e-3) / 1e12,
+                held_mib, static_cast<double>(n * v * 2) / 1048576.0, static_cast<long long>(wrong));
     std::fflush(stdout);
     total_wrong += wrong;
     for (void* p : {static_cast<void*>(hidden), static_cast<void*>(weight), static_cast<void*>(grad_hidden),

@@ -20,13 +20,13 @@
 
 namespace {
 
-#define CHECK_CUDA(call)                                                                   \
-  do {                                                                                     \
-    const cudaError_t e_ = (call);                                                         \
-    if (e_ != cudaSuccess) {                                                               \
+#define CHECK_CUDA(call)                                                                          \
+  do {                                                                                            \
+    const cudaError_t e_ = (call);                                                                \
+    if (e_ != cudaSuccess) {                                                                      \
       std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
+      std::exit(1);                                                                               \
+    }                                                                                             \
   } while (0)
 
 // One rank on the device: the gather is a device-to-device copy on the stream.
@@ -108,13 +108,15 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const double copy_gbs = copy_bandwidth(std::size_t{4} << 30);
-  std::printf("# vpce_cuda_perf: %s, %d SMs, %.0f GiB; copy %.0f GB/s (device to device, 4 GiB, read + write, best of 5)\n",
-              prop.name, prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0, copy_gbs);
+  std::printf(
+      "# vpce_cuda_perf: %s, %d SMs, %.0f GiB; copy %.0f GB/s (device to device, 4 GiB, read + write, best of 5)\n",
+      prop.name, prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0, copy_gbs);
   std::printf("# one rank's shard; forward (with its gather) and in-place backward; median of %d after 2 warm-up\n",
               iterations);
   std::printf("#   tokens   V/rank dtype  fwd(ms)  bwd(ms)     GB/s  %%copy #wrong\n");
   std::vector<Row> rows;
-  const std::vector<int64_t> token_counts = quick ? std::vector<int64_t>{4096, 16384} : std::vector<int64_t>{4096, 16384, 65536};
+  const std::vector<int64_t> token_counts =
+      quick ? std::vector<int64_t>{4096, 16384} : std::vector<int64_t>{4096, 16384, 65536};
   const std::vector<int64_t> vocab_sizes = {32000, 128256 / 4, 128256 / 2, 128256, 256000};
   for (bool bf16 : {false, true}) {
     for (int64_t tokens : token_counts) {

@@ -66,8 +66,8 @@ void BM_BlockStats(benchmark::State& state) {
   const auto type = static_cast<StorageType>(state.range(0));
   const std::vector<std::byte> row = random_row(type, kBlockColumns);
   for (auto _ : state) {
-    benchmark::DoNotOptimize(block_stats(row.data(), type, kBlockColumns, TransformParams{}, state.range(1) != 0,
-                                         state.range(1) != 0));
+    benchmark::DoNotOptimize(
+        block_stats(row.data(), type, kBlockColumns, TransformParams{}, state.range(1) != 0, state.range(1) != 0));
   }
   state.SetItemsProcessed(state.iterations() * kBlockColumns);
 }
@@ -78,7 +78,8 @@ void BM_BlockGradient(benchmark::State& state) {
   const auto in = static_cast<StorageType>(state.range(0)), out = static_cast<StorageType>(state.range(1));
   std::vector<std::byte> row = random_row(in, kBlockColumns), grad(kBlockColumns * 4 + 4096);
   // A separate gradient 2 KiB away from the row modulo 4 KiB: no false aliasing of loads and stores.
-  const auto apart = static_cast<size_t>(reinterpret_cast<uintptr_t>(grad.data()) - reinterpret_cast<uintptr_t>(row.data()));
+  const auto apart =
+      static_cast<size_t>(reinterpret_cast<uintptr_t>(grad.data()) - reinterpret_cast<uintptr_t>(row.data()));
   std::byte* separate = grad.data() + (2048 + 4096 - apart % 4096) % 4096;
   void* target = in == out ? static_cast<void*>(row.data()) : static_cast<void*>(separate);
   const GradientConstants c = make_gradient_constants(1.0, 12.0, 1.0, 0.0);
@@ -140,10 +141,10 @@ void BM_LocalStats(benchmark::State& state) {
   LossOptions options;
   options.num_threads = 1;
   for (auto _ : state) {
-    const Status s = calculate_local_stats(TensorView::contiguous(logits.data(), dtype, {tokens, vocab}),
-                                           TensorView::contiguous(targets.data(), kInt64, {tokens}),
-                                           VocabShard{0, vocab, vocab}, options,
-                                           TensorView::contiguous(stats.data(), kFloat32, {tokens, 4}));
+    const Status s =
+        calculate_local_stats(TensorView::contiguous(logits.data(), dtype, {tokens, vocab}),
+                              TensorView::contiguous(targets.data(), kInt64, {tokens}), VocabShard{0, vocab, vocab},
+                              options, TensorView::contiguous(stats.data(), kFloat32, {tokens, 4}));
     if (!s.ok()) state.SkipWithError(s.message().c_str());
   }
   state.SetItemsProcessed(state.iterations() * tokens * vocab);
@@ -165,10 +166,10 @@ void BM_Gradient(benchmark::State& state) {
   const TensorView x = TensorView::contiguous(logits.data(), dtype, {tokens, vocab});
   const TensorView grad = dtype == kFloat32 ? TensorView::contiguous(separate.data(), kFloat32, {tokens, vocab}) : x;
   for (auto _ : state) {
-    const Status s = backward(x, TensorView::contiguous(targets.data(), kInt64, {tokens}),
-                              TensorView::contiguous(lse.data(), kFloat64, {tokens}),
-                              TensorView::contiguous(ones.data(), kFloat32, {tokens}), VocabShard{0, vocab, vocab},
-                              options, grad);
+    const Status s =
+        backward(x, TensorView::contiguous(targets.data(), kInt64, {tokens}),
+                 TensorView::contiguous(lse.data(), kFloat64, {tokens}),
+                 TensorView::contiguous(ones.data(), kFloat32, {tokens}), VocabShard{0, vocab, vocab}, options, grad);
     if (!s.ok()) state.SkipWithError(s.message().c_str());
   }
   state.SetItemsProcessed(state.iterations() * tokens * vocab);

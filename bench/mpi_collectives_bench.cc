@@ -83,9 +83,8 @@ int main(int argc, char** argv) {
     const double vpce_us = time_us(iterations, [&] {
       if (!comm->all_gather(send.data(), recv.data(), bytes).ok()) MPI_Abort(MPI_COMM_WORLD, 2);
     });
-    const double allgather_us = time_us(iterations, [&] {
-      MPI_Allgather(send.data(), count, MPI_BYTE, recv.data(), count, MPI_BYTE, MPI_COMM_WORLD);
-    });
+    const double allgather_us = time_us(
+        iterations, [&] { MPI_Allgather(send.data(), count, MPI_BYTE, recv.data(), count, MPI_BYTE, MPI_COMM_WORLD); });
     const double iallgather_us = time_us(iterations, [&] {
       MPI_Request request;
       MPI_Iallgather(send.data(), count, MPI_BYTE, recv.data(), count, MPI_BYTE, MPI_COMM_WORLD, &request);

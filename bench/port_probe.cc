@@ -25,9 +25,10 @@ namespace {
 
 // 12 FMAs on the registers of width R ("z": zmm, "y": ymm).
 #define VPCE_FMA(R, k) "vfmadd132ps %%" R "mm12, %%" R "mm13, %%" R "mm" #k "\n\t"
-#define VPCE_FMAS(R)                                                                              \
-  VPCE_FMA(R, 0) VPCE_FMA(R, 1) VPCE_FMA(R, 2) VPCE_FMA(R, 3) VPCE_FMA(R, 4) VPCE_FMA(R, 5)      \
-      VPCE_FMA(R, 6) VPCE_FMA(R, 7) VPCE_FMA(R, 8) VPCE_FMA(R, 9) VPCE_FMA(R, 10) VPCE_FMA(R, 11)
+#define VPCE_FMAS(R)                                                                                       \
+  VPCE_FMA(R, 0)                                                                                           \
+  VPCE_FMA(R, 1) VPCE_FMA(R, 2) VPCE_FMA(R, 3) VPCE_FMA(R, 4) VPCE_FMA(R, 5) VPCE_FMA(R, 6) VPCE_FMA(R, 7) \
+      VPCE_FMA(R, 8) VPCE_FMA(R, 9) VPCE_FMA(R, 10) VPCE_FMA(R, 11)
 #define VPCE_ONE(R, k) "vmovaps %%" R "mm12, %%" R "mm" #k "\n\t"
 
 // A loop of `iterations` (>= 1) times the FMAs and `probe`, on registers of width R. R12
@@ -35,16 +36,15 @@ namespace {
 // from `buffer` for the zmm conversions) and the probes write R15 (renamed at each write: no
 // dependency between the copies); `buffer` holds 256 bytes in L1 that the memory forms read
 // and write.
-#define VPCE_PROBE_LOOP_OF(R, probe)                                                                      \
-  asm volatile("vbroadcastss (%[one]), %%" R "mm12\n\t vxorps %%xmm13, %%xmm13, %%xmm13\n\t"             \
-               VPCE_ONE(R, 0) VPCE_ONE(R, 1) VPCE_ONE(R, 2) VPCE_ONE(R, 3) VPCE_ONE(R, 4) VPCE_ONE(R, 5)   \
-               VPCE_ONE(R, 6) VPCE_ONE(R, 7) VPCE_ONE(R, 8) VPCE_ONE(R, 9) VPCE_ONE(R, 10)                 \
-               VPCE_ONE(R, 11) VPCE_ONE(R, 14) VPCE_ONE(R, 15)                                              \
-               "1:\n\t" VPCE_FMAS(R) probe "dec %[n]\n\t jnz 1b\n\t vzeroupper\n\t"                        \
-               : [n] "+r"(iterations)                                                                     \
-               : [one] "r"(&kOne), [buffer] "r"(buffer)                                                   \
-               : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",   \
-                 "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
+#define VPCE_PROBE_LOOP_OF(R, probe)                                                                                \
+  asm volatile("vbroadcastss (%[one]), %%" R "mm12\n\t vxorps %%xmm13, %%xmm13, %%xmm13\n\t" VPCE_ONE(R, 0)         \
+                   VPCE_ONE(R, 1) VPCE_ONE(R, 2) VPCE_ONE(R, 3) VPCE_ONE(R, 4) VPCE_ONE(R, 5) VPCE_ONE(R, 6)        \
+                       VPCE_ONE(R, 7) VPCE_ONE(R, 8) VPCE_ONE(R, 9) VPCE_ONE(R, 10) VPCE_ONE(R, 11) VPCE_ONE(R, 14) \
+                           VPCE_ONE(R, 15) "1:\n\t" VPCE_FMAS(R) probe "dec %[n]\n\t jnz 1b\n\t vzeroupper\n\t"     \
+               : [n] "+r"(iterations)                                                                               \
+               : [one] "r"(&kOne), [buffer] "r"(buffer)                                                             \
+               : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",    \
+                 "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
 #define VPCE_PROBE_LOOP(probe) VPCE_PROBE_LOOP_OF("z", probe)
 #define VPCE_PROBE_LOOP_YMM(probe) VPCE_PROBE_LOOP_OF("y", probe)
 
@@ -67,56 +67,128 @@ enum Probe : int {
   kTernLogD,          // VPTERNLOGD, the software bf16 rounding's packing
   kMaxSw,             // VPMAXSW, the max of 32 fp16 or bf16 logits on their bit patterns
   // ymm (AVX2): what the AVX2 target's loops are made of
-  kFmaYmm,            // the yardstick
-  kMulPsYmm,          // one slot: the check
-  kAddPsYmm,          // VADDPS: the FPU rounding (v + M) - M of bf16 pairs, the sums
-  kSllDYmm,           // VPSLLD: bf16 -> fp32 widening (even elements), the exp's 2^n
-  kAndYmm,            // VPAND: bf16 -> fp32 widening (odd elements), the masks
-  kAddDYmm,           // VPADDD: the integer bf16 rounding, the exponent's E
-  kBlendVPsYmm,       // VBLENDVPS: the exp's special cases, the target column
-  kRoundPsYmm,        // VROUNDPS: the exp's n = round(z L)
-  kCvtPs2DqYmm,       // VCVTPS2DQ: n as an integer
-  kPackUsDwYmm,       // VPACKUSDW: bf16 pairs packed
-  kPermQYmm,          // VPERMQ: their lanes in order
-  kCvtPh2PsYmm,       // F16C fp16 -> fp32
-  kCvtPs2PhYmm,       // F16C fp32 -> fp16
+  kFmaYmm,       // the yardstick
+  kMulPsYmm,     // one slot: the check
+  kAddPsYmm,     // VADDPS: the FPU rounding (v + M) - M of bf16 pairs, the sums
+  kSllDYmm,      // VPSLLD: bf16 -> fp32 widening (even elements), the exp's 2^n
+  kAndYmm,       // VPAND: bf16 -> fp32 widening (odd elements), the masks
+  kAddDYmm,      // VPADDD: the integer bf16 rounding, the exponent's E
+  kBlendVPsYmm,  // VBLENDVPS: the exp's special cases, the target column
+  kRoundPsYmm,   // VROUNDPS: the exp's n = round(z L)
+  kCvtPs2DqYmm,  // VCVTPS2DQ: n as an integer
+  kPackUsDwYmm,  // VPACKUSDW: bf16 pairs packed
+  kPermQYmm,     // VPERMQ: their lanes in order
+  kCvtPh2PsYmm,  // F16C fp16 -> fp32
+  kCvtPs2PhYmm,  // F16C fp32 -> fp16
 };
 
-const char* const kNames[] = {"fma",       "vmulps",        "vcvtph2ps_m256", "vcvtph2ps_ymm",
-                              "vcvtps2ph_ymm", "vcvtps2ph_m256", "vcvtneps2bf16", "vreduceps",
-                              "vscalefps", "vcvtne2ps2bf16", "vpermw",     "vpternlogd", "vpmaxsw",
-                              "fma_ymm",   "vmulps_ymm",    "vaddps_ymm",     "vpslld_ymm", "vpand_ymm",
-                              "vpaddd_ymm", "vblendvps_ymm", "vroundps_ymm",  "vcvtps2dq_ymm", "vpackusdw_ymm",
-                              "vpermq_ymm", "vcvtph2ps_xmm_ymm", "vcvtps2ph_ymm_xmm"};
+const char* const kNames[] = {"fma",
+                              "vmulps",
+                              "vcvtph2ps_m256",
+                              "vcvtph2ps_ymm",
+                              "vcvtps2ph_ymm",
+                              "vcvtps2ph_m256",
+                              "vcvtneps2bf16",
+                              "vreduceps",
+                              "vscalefps",
+                              "vcvtne2ps2bf16",
+                              "vpermw",
+                              "vpternlogd",
+                              "vpmaxsw",
+                              "fma_ymm",
+                              "vmulps_ymm",
+                              "vaddps_ymm",
+                              "vpslld_ymm",
+                              "vpand_ymm",
+                              "vpaddd_ymm",
+                              "vblendvps_ymm",
+                              "vroundps_ymm",
+                              "vcvtps2dq_ymm",
+                              "vpackusdw_ymm",
+                              "vpermq_ymm",
+                              "vcvtph2ps_xmm_ymm",
+                              "vcvtps2ph_ymm_xmm"};
 
 void run(Probe probe, int64_t iterations, void* buffer) {
   switch (probe) {
-    case kFma: VPCE_PROBE_LOOP(""); break;
-    case kMulPs: VPCE_PROBE_LOOP(VPCE_FOUR("vmulps %%zmm12, %%zmm14, %%zmm15\n\t")); break;
-    case kCvtPh2PsMemory: VPCE_PROBE_LOOP(VPCE_FOUR("vcvtph2ps (%[buffer]), %%zmm15\n\t")); break;
-    case kCvtPh2PsRegister: VPCE_PROBE_LOOP(VPCE_FOUR("vcvtph2ps %%ymm14, %%zmm15\n\t")); break;
-    case kCvtPs2PhRegister: VPCE_PROBE_LOOP(VPCE_FOUR("vcvtps2ph $8, %%zmm14, %%ymm15\n\t")); break;
-    case kCvtPs2PhStore: VPCE_PROBE_LOOP(VPCE_FOUR("vcvtps2ph $8, %%zmm14, 128(%[buffer])\n\t")); break;
-    case kCvtNePs2Bf16: VPCE_PROBE_LOOP(VPCE_FOUR("vcvtneps2bf16 %%zmm14, %%ymm15\n\t")); break;
-    case kReducePs: VPCE_PROBE_LOOP(VPCE_FOUR("vreduceps $9, %%zmm14, %%zmm15\n\t")); break;
-    case kScalefPs: VPCE_PROBE_LOOP(VPCE_FOUR("vscalefps %%zmm14, %%zmm14, %%zmm15\n\t")); break;
-    case kCvtNe2Ps2Bf16: VPCE_PROBE_LOOP(VPCE_FOUR("vcvtne2ps2bf16 %%zmm14, %%zmm12, %%zmm15\n\t")); break;
-    case kPermW: VPCE_PROBE_LOOP(VPCE_FOUR("vpermw %%zmm14, %%zmm12, %%zmm15\n\t")); break;
-    case kTernLogD: VPCE_PROBE_LOOP(VPCE_FOUR("vmovaps %%zmm14, %%zmm15\n\t vpternlogd $0xE4, %%zmm12, %%zmm13, %%zmm15\n\t")); break;
-    case kMaxSw: VPCE_PROBE_LOOP(VPCE_FOUR("vpmaxsw %%zmm14, %%zmm12, %%zmm15\n\t")); break;
-    case kFmaYmm: VPCE_PROBE_LOOP_YMM(""); break;
-    case kMulPsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vmulps %%ymm12, %%ymm14, %%ymm15\n\t")); break;
-    case kAddPsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vaddps %%ymm12, %%ymm14, %%ymm15\n\t")); break;
-    case kSllDYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpslld $16, %%ymm14, %%ymm15\n\t")); break;
-    case kAndYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpand %%ymm12, %%ymm14, %%ymm15\n\t")); break;
-    case kAddDYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpaddd %%ymm12, %%ymm14, %%ymm15\n\t")); break;
-    case kBlendVPsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vblendvps %%ymm13, %%ymm12, %%ymm14, %%ymm15\n\t")); break;
-    case kRoundPsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vroundps $8, %%ymm14, %%ymm15\n\t")); break;
-    case kCvtPs2DqYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcvtps2dq %%ymm14, %%ymm15\n\t")); break;
-    case kPackUsDwYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpackusdw %%ymm12, %%ymm14, %%ymm15\n\t")); break;
-    case kPermQYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpermq $0xD8, %%ymm14, %%ymm15\n\t")); break;
-    case kCvtPh2PsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcvtph2ps %%xmm14, %%ymm15\n\t")); break;
-    case kCvtPs2PhYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcvtps2ph $8, %%ymm14, %%xmm15\n\t")); break;
+    case kFma:
+      VPCE_PROBE_LOOP("");
+      break;
+    case kMulPs:
+      VPCE_PROBE_LOOP(VPCE_FOUR("vmulps %%zmm12, %%zmm14, %%zmm15\n\t"));
+      break;
+    case kCvtPh2PsMemory:
+      VPCE_PROBE_LOOP(VPCE_FOUR("vcvtph2ps (%[buffer]), %%zmm15\n\t"));
+      break;
+    case kCvtPh2PsRegister:
+      VPCE_PROBE_LOOP(VPCE_FOUR("vcvtph2ps %%ymm14, %%zmm15\n\t"));
+      break;
+    case kCvtPs2PhRegister:
+      VPCE_PROBE_LOOP(VPCE_FOUR("vcvtps2ph $8, %%zmm14, %%ymm15\n\t"));
+      break;
+    case kCvtPs2PhStore:
+      VPCE_PROBE_LOOP(VPCE_FOUR("vcvtps2ph $8, %%zmm14, 128(%[buffer])\n\t"));
+      break;
+    case kCvtNePs2Bf16:
+      VPCE_PROBE_LOOP(VPCE_FOUR("vcvtneps2bf16 %%zmm14, %%ymm15\n\t"));
+      break;
+    case kReducePs:
+      VPCE_PROBE_LOOP(VPCE_FOUR("vreduceps $9, %%zmm14, %%zmm15\n\t"));
+      break;
+    case kScalefPs:
+      VPCE_PROBE_LOOP(VPCE_FOUR("vscalefps %%zmm14, %%zmm14, %%zmm15\n\t"));
+      break;
+    case kCvtNe2Ps2Bf16:
+      VPCE_PROBE_LOOP(VPCE_FOUR("vcvtne2ps2bf16 %%zmm14, %%zmm12, %%zmm15\n\t"));
+      break;
+    case kPermW:
+      VPCE_PROBE_LOOP(VPCE_FOUR("vpermw %%zmm14, %%zmm12, %%zmm15\n\t"));
+      break;
+    case kTernLogD:
+      VPCE_PROBE_LOOP(VPCE_FOUR("vmovaps %%zmm14, %%zmm15\n\t vpternlogd $0xE4, %%zmm12, %%zmm13, %%zmm15\n\t"));
+      break;
+    case kMaxSw:
+      VPCE_PROBE_LOOP(VPCE_FOUR("vpmaxsw %%zmm14, %%zmm12, %%zmm15\n\t"));
+      break;
+    case kFmaYmm:
+      VPCE_PROBE_LOOP_YMM("");
+      break;
+    case kMulPsYmm:
+      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vmulps %%ymm12, %%ymm14, %%ymm15\n\t"));
+      break;
+    case kAddPsYmm:
+      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vaddps %%ymm12, %%ymm14, %%ymm15\n\t"));
+      break;
+    case kSllDYmm:
+      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpslld $16, %%ymm14, %%ymm15\n\t"));
+      break;
+    case kAndYmm:
+      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpand %%ymm12, %%ymm14, %%ymm15\n\t"));
+      break;
+    case kAddDYmm:
+      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpaddd %%ymm12, %%ymm14, %%ymm15\n\t"));
+      break;
+    case kBlendVPsYmm:
+      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vblendvps %%ymm13, %%ymm12, %%ymm14, %%ymm15\n\t"));
+      break;
+    case kRoundPsYmm:
+      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vroundps $8, %%ymm14, %%ymm15\n\t"));
+      break;
+    case kCvtPs2DqYmm:
+      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcvtps2dq %%ymm14, %%ymm15\n\t"));
+      break;
+    case kPackUsDwYmm:
+      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpackusdw %%ymm12, %%ymm14, %%ymm15\n\t"));
+      break;
+    case kPermQYmm:
+      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpermq $0xD8, %%ymm14, %%ymm15\n\t"));
+      break;
+    case kCvtPh2PsYmm:
+      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcvtph2ps %%xmm14, %%ymm15\n\t"));
+      break;
+    case kCvtPs2PhYmm:
+      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcvtps2ph $8, %%ymm14, %%xmm15\n\t"));
+      break;
   }
 }
 

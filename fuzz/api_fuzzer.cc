@@ -34,8 +34,13 @@ struct Arena {
 };
 
 DataType fuzz_dtype(FuzzedDataProvider& in, DataType usual) {
-  static const DataType kOthers[] = {vpce::kFloat32, vpce::kBFloat16, vpce::kFloat16, vpce::kFloat64,
-                                     vpce::kInt32,   vpce::kInt64,    DataType{vpce::TypeCode::kUInt, 8, 1},
+  static const DataType kOthers[] = {vpce::kFloat32,
+                                     vpce::kBFloat16,
+                                     vpce::kFloat16,
+                                     vpce::kFloat64,
+                                     vpce::kInt32,
+                                     vpce::kInt64,
+                                     DataType{vpce::TypeCode::kUInt, 8, 1},
                                      DataType{vpce::TypeCode::kFloat, 32, 2}};
   return in.ConsumeIntegralInRange(0, 7) == 0 ? kOthers[in.ConsumeIntegralInRange(0, 7)] : usual;
 }
@@ -58,8 +63,10 @@ TensorView fuzz_view(FuzzedDataProvider& in, Arena& arena, DataType usual, std::
   for (int d = t.ndim - 1; d >= 0; --d) {
     t.shape[static_cast<size_t>(d)] = shape[static_cast<size_t>(d)];
     t.strides[static_cast<size_t>(d)] = stride;
-    if (in.ConsumeIntegralInRange(0, 6) == 0) t.strides[static_cast<size_t>(d)] = in.ConsumeIntegralInRange<int64_t>(-3, 50);
-    stride *= std::max<int64_t>(shape[static_cast<size_t>(d)], 1) + (in.ConsumeBool() ? 0 : in.ConsumeIntegralInRange(0, 3));
+    if (in.ConsumeIntegralInRange(0, 6) == 0)
+      t.strides[static_cast<size_t>(d)] = in.ConsumeIntegralInRange<int64_t>(-3, 50);
+    stride *=
+        std::max<int64_t>(shape[static_cast<size_t>(d)], 1) + (in.ConsumeBool() ? 0 : in.ConsumeIntegralInRange(0, 3));
   }
   if (in.ConsumeIntegralInRange(0, 15) == 0) t.device = vpce::Device{vpce::DeviceType::kCUDA, 0};
   t.byte_offset = in.ConsumeIntegralInRange(0, 7) == 0 ? in.ConsumeIntegralInRange<uint64_t>(0, 7) : 0;
@@ -70,7 +77,8 @@ TensorView fuzz_view(FuzzedDataProvider& in, Arena& arena, DataType usual, std::
   for (int d = 0; d < t.ndim; ++d) {
     if (t.shape[static_cast<size_t>(d)] <= 0) empty = true;
     if (t.shape[static_cast<size_t>(d)] < 0 || t.strides[static_cast<size_t>(d)] < 0) sane = false;
-    if (t.shape[static_cast<size_t>(d)] > 0) last += (t.shape[static_cast<size_t>(d)] - 1) * t.strides[static_cast<size_t>(d)];
+    if (t.shape[static_cast<size_t>(d)] > 0)
+      last += (t.shape[static_cast<size_t>(d)] - 1) * t.strides[static_cast<size_t>(d)];
   }
   const int64_t bytes = empty ? 0 : (last + 1) * t.dtype.bytes() + static_cast<int64_t>(t.byte_offset);
   if (!sane || bytes > kMaxBytes || in.ConsumeIntegralInRange(0, 20) == 0) {
@@ -111,7 +119,8 @@ vpce::LossOptions fuzz_options(FuzzedDataProvider& in) {
   vpce::LossOptions o;
   const float floats[] = {0.0f, 0.1f, 0.5f, 1.0f, -0.5f, 3.0f, 1e30f, __builtin_nanf("")};
   if (in.ConsumeBool()) o.label_smoothing = floats[in.ConsumeIntegralInRange(0, 7)];
-  o.smoothing_semantics = static_cast<vpce::SmoothingSemantics>(in.ConsumeIntegralInRange(0, 2) == 2 ? 7 : in.ConsumeIntegralInRange(0, 1));
+  o.smoothing_semantics =
+      static_cast<vpce::SmoothingSemantics>(in.ConsumeIntegralInRange(0, 2) == 2 ? 7 : in.ConsumeIntegralInRange(0, 1));
   o.ignore_index = in.ConsumeIntegralInRange<int64_t>(-101, 12);
   if (in.ConsumeBool()) o.z_loss_weight = floats[in.ConsumeIntegralInRange(0, 7)];
   if (in.ConsumeBool()) o.logit_scale = floats[in.ConsumeIntegralInRange(0, 7)];
@@ -160,7 +169,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const auto* logits_buffer = static_cast<const std::byte*>(logits.data);
   const std::vector<std::byte> logits_before(logits_buffer, logits_buffer + (logits_buffer ? logits_bytes : 0));
   auto outputs_before = snapshot(arena);
-  check(vpce::forward(group->communicator(0), logits, targets, shard, options, loss, lse, extras), outputs_before, arena);
+  check(vpce::forward(group->communicator(0), logits, targets, shard, options, loss, lse, extras), outputs_before,
+        arena);
   if (!logits_before.empty() && !in_place) {
     require(std::memcmp(logits_before.data(), logits_buffer, logits_before.size()) == 0);
   }
@@ -190,7 +200,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     default:
       outputs_before = snapshot(arena);
-      check(vpce::calculate_loss(gathered.ndim == 3 ? stats : gathered, targets, shard.vocab_size, options, loss, lse, extras),
+      check(vpce::calculate_loss(gathered.ndim == 3 ? stats : gathered, targets, shard.vocab_size, options, loss, lse,
+                                 extras),
             outputs_before, arena);
       break;
   }

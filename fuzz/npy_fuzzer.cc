@@ -14,7 +14,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (status.message().rfind("fuzz.npy: ", 0) != 0) __builtin_trap();  // every rejection names the file
     return 0;
   }
-  const auto expected = static_cast<uint64_t>(array.numel()) * static_cast<uint64_t>(vpce::npy::item_bytes(array.dtype));
+  const auto expected =
+      static_cast<uint64_t>(array.numel()) * static_cast<uint64_t>(vpce::npy::item_bytes(array.dtype));
   if (array.data.size() != expected) __builtin_trap();
   if (array.data.size() > (size_t{1} << 24)) return 0;  // parse only: keep the round trip cheap
   const std::vector<std::byte> image = vpce::npy::serialize(array.dtype, array.shape, array.data.data());

@@ -58,11 +58,11 @@ Status exchange_stats(Communicator& comm, Workspace::Buffers& buffers, const Exc
   }
 
   if (local.ok()) {
-    local = fill(RowMatrix{reinterpret_cast<char*>(buffers.send.data() + sizeof(RankHeader)), kFloat32, n, width,
-                           width});
+    local =
+        fill(RowMatrix{reinterpret_cast<char*>(buffers.send.data() + sizeof(RankHeader)), kFloat32, n, width, width});
   }
-  const RankHeader header = make_header(rank, ranks, n, width, call.shard, call.dtype, call.options,
-                                        call.has_weights, call.inputs_hash, call.operation, local);
+  const RankHeader header = make_header(rank, ranks, n, width, call.shard, call.dtype, call.options, call.has_weights,
+                                        call.inputs_hash, call.operation, local);
   std::memcpy(buffers.send.data(), &header, sizeof(header));
 
   Status gathered = comm.all_gather(buffers.send.data(), buffers.recv.data(), payload);
@@ -80,7 +80,8 @@ Status exchange_stats(Communicator& comm, Workspace::Buffers& buffers, const Exc
     for (int r = 0; r < ranks; ++r) {
       RankHeader h;
       std::memcpy(&h, recv + static_cast<std::size_t>(r) * payload, sizeof(h));
-      buffers.rank_columns[static_cast<std::size_t>(r)] = valid_columns(h.vocab_begin, h.vocab_end - h.vocab_begin, params);
+      buffers.rank_columns[static_cast<std::size_t>(r)] =
+          valid_columns(h.vocab_begin, h.vocab_end - h.vocab_begin, params);
     }
     columns = buffers.rank_columns.data();
   }

@@ -14,21 +14,17 @@ namespace vpce::detail {
 namespace {
 
 uint32_t dtype_word(DataType d) {
-  return static_cast<uint32_t>(d.code) | static_cast<uint32_t>(d.bits) << 8 |
-         static_cast<uint32_t>(d.lanes) << 16;
+  return static_cast<uint32_t>(d.code) | static_cast<uint32_t>(d.bits) << 8 | static_cast<uint32_t>(d.lanes) << 16;
 }
 
 std::string dtype_text(uint32_t word) {
-  return to_string(DataType{static_cast<TypeCode>(word & 0xff),
-                             static_cast<uint8_t>((word >> 8) & 0xff),
-                             static_cast<uint16_t>(word >> 16)});
+  return to_string(DataType{static_cast<TypeCode>(word & 0xff), static_cast<uint8_t>((word >> 8) & 0xff),
+                            static_cast<uint16_t>(word >> 16)});
 }
 
-Status disagree(const char* what, int rank_a, const std::string& a, int rank_b,
-                const std::string& b) {
-  return {Code::kInvalidUsage, "ranks disagree on " + std::string(what) + ": expected rank " +
-                                   std::to_string(rank_a) + "'s " + a + " on every rank, got " + b +
-                                   " on rank " + std::to_string(rank_b)};
+Status disagree(const char* what, int rank_a, const std::string& a, int rank_b, const std::string& b) {
+  return {Code::kInvalidUsage, "ranks disagree on " + std::string(what) + ": expected rank " + std::to_string(rank_a) +
+                                   "'s " + a + " on every rank, got " + b + " on rank " + std::to_string(rank_b)};
 }
 
 RankHeader read_header(const char* gathered, std::size_t stride, int r) {
@@ -51,13 +47,13 @@ Status check_partition(const std::vector<RankHeader>& headers) {
     const auto range = [](const OwnedRange& r) {
       return "[" + std::to_string(r.begin) + ", " + std::to_string(r.end) + ")";
     };
-    return {Code::kInvalidUsage, head + "rank " + std::to_string(fault->previous->rank) + " " + range(*fault->previous) +
-                                     " and rank " + std::to_string(fault->first->rank) + " " + range(*fault->first) +
-                                     " overlapping"};
+    return {Code::kInvalidUsage, head + "rank " + std::to_string(fault->previous->rank) + " " +
+                                     range(*fault->previous) + " and rank " + std::to_string(fault->first->rank) + " " +
+                                     range(*fault->first) + " overlapping"};
   }
   const int64_t unowned_end = fault->first ? fault->first->begin : vocab;
-  return {Code::kInvalidUsage, head + "columns [" + std::to_string(fault->covered) + ", " + std::to_string(unowned_end) +
-                                   ") owned by no rank"};
+  return {Code::kInvalidUsage, head + "columns [" + std::to_string(fault->covered) + ", " +
+                                   std::to_string(unowned_end) + ") owned by no rank"};
 }
 
 // `text` into `out` (of `size` bytes), truncated, NUL-terminated.
@@ -117,10 +113,9 @@ OperationValue float_value(const char* label, float value) {
   return {label, static_cast<int64_t>(std::bit_cast<uint32_t>(value)), true};
 }
 
-RankHeader make_header(int rank, int num_ranks, int64_t num_tokens, int64_t stats_width,
-                       const VocabShard& shard, DataType logits_dtype, const LossOptions& options,
-                       bool has_weights, uint64_t inputs_hash, const OperationBlock& operation,
-                       const Status& local) {
+RankHeader make_header(int rank, int num_ranks, int64_t num_tokens, int64_t stats_width, const VocabShard& shard,
+                       DataType logits_dtype, const LossOptions& options, bool has_weights, uint64_t inputs_hash,
+                       const OperationBlock& operation, const Status& local) {
   RankHeader h;
   h.rank = rank;
   h.num_ranks = num_ranks;
@@ -162,13 +157,11 @@ Status check_group(const char* gathered, std::size_t stride, int ranks, int self
 
   for (int r = 0; r < ranks; ++r) {
     const RankHeader& h = headers[static_cast<std::size_t>(r)];
-    if (h.magic != RankHeader::kMagic || h.version != RankHeader::kVersion || h.rank != r ||
-        h.num_ranks != ranks) {
-      return {Code::kInvalidUsage,
-              "all_gather: expected a vpce forward header (version " +
-                  std::to_string(RankHeader::kVersion) + ", rank " + std::to_string(r) + " of " +
-                  std::to_string(ranks) + ") from rank " + std::to_string(r) +
-                  ", got something else: is another collective running on the same communicator?"};
+    if (h.magic != RankHeader::kMagic || h.version != RankHeader::kVersion || h.rank != r || h.num_ranks != ranks) {
+      return {Code::kInvalidUsage, "all_gather: expected a vpce forward header (version " +
+                                       std::to_string(RankHeader::kVersion) + ", rank " + std::to_string(r) + " of " +
+                                       std::to_string(ranks) + ") from rank " + std::to_string(r) +
+                                       ", got something else: is another collective running on the same communicator?"};
     }
   }
   for (int r = 0; r < ranks; ++r) {
@@ -186,16 +179,13 @@ Status check_group(const char* gathered, std::size_t stride, int ranks, int self
     // of the head's modes differ (a chunk's or all of them).
     if (Status s = check_operation(first, h); !s.ok()) return s;
     if (h.num_tokens != first.num_tokens) {
-      return disagree("the number of tokens", 0, std::to_string(first.num_tokens), r,
-                      std::to_string(h.num_tokens));
+      return disagree("the number of tokens", 0, std::to_string(first.num_tokens), r, std::to_string(h.num_tokens));
     }
     if (h.vocab_size != first.vocab_size) {
-      return disagree("the vocabulary size", 0, std::to_string(first.vocab_size), r,
-                      std::to_string(h.vocab_size));
+      return disagree("the vocabulary size", 0, std::to_string(first.vocab_size), r, std::to_string(h.vocab_size));
     }
     if (h.logits_dtype != first.logits_dtype) {
-      return disagree("the logits' dtype", 0, dtype_text(first.logits_dtype), r,
-                      dtype_text(h.logits_dtype));
+      return disagree("the logits' dtype", 0, dtype_text(first.logits_dtype), r, dtype_text(h.logits_dtype));
     }
     const struct {
       const char* what;

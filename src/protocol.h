@@ -85,10 +85,9 @@ inline std::size_t payload_bytes(int64_t n, int64_t width) {
 }
 
 // Fills a header for this rank; `local` is the rank's own argument check.
-RankHeader make_header(int rank, int num_ranks, int64_t num_tokens, int64_t stats_width,
-                       const VocabShard& shard, DataType logits_dtype, const LossOptions& options,
-                       bool has_weights, uint64_t inputs_hash, const OperationBlock& operation,
-                       const Status& local);
+RankHeader make_header(int rank, int num_ranks, int64_t num_tokens, int64_t stats_width, const VocabShard& shard,
+                       DataType logits_dtype, const LossOptions& options, bool has_weights, uint64_t inputs_hash,
+                       const OperationBlock& operation, const Status& local);
 
 // For a forward on device tensors, whose targets and weights are checked on the device: the
 // message the header carries (while its status is still 0) for the device to report, through

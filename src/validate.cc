@@ -29,15 +29,15 @@ std::string dim_name(const char* name, const char* field, int d) {
 // no overflow of the element count. `min_ndim` is 1 for matrices and 0 for vectors.
 Status check_view_basics(const TensorView& t, const char* name, int min_ndim, int64_t* numel) {
   if (t.ndim < min_ndim || t.ndim > TensorView::kMaxDims) {
-    return {Code::kInvalidArgument,
-            expected_got((std::string(name) + ".ndim").c_str(),
-                         std::to_string(min_ndim) + " to " + std::to_string(TensorView::kMaxDims),
-                         t.ndim < 0 ? "a view with too many dimensions or mismatched strides"
-                                    : std::to_string(t.ndim))};
+    return {
+        Code::kInvalidArgument,
+        expected_got((std::string(name) + ".ndim").c_str(),
+                     std::to_string(min_ndim) + " to " + std::to_string(TensorView::kMaxDims),
+                     t.ndim < 0 ? "a view with too many dimensions or mismatched strides" : std::to_string(t.ndim))};
   }
   if (t.device.type != DeviceType::kCPU && t.device.type != DeviceType::kCUDA) {
-    return {Code::kUnsupported, expected_got((std::string(name) + ".device").c_str(), "cpu or cuda",
-                                             to_string(t.device))};
+    return {Code::kUnsupported,
+            expected_got((std::string(name) + ".device").c_str(), "cpu or cuda", to_string(t.device))};
   }
   int64_t count = 1;
   for (int d = 0; d < t.ndim; ++d) {
@@ -46,16 +46,14 @@ Status check_view_basics(const TensorView& t, const char* name, int min_ndim, in
               expected_got(dim_name(name, "shape", d).c_str(), ">= 0", std::to_string(t.shape[d]))};
     }
     if (__builtin_mul_overflow(count, t.shape[d], &count)) {
-      return {Code::kInvalidArgument,
-              expected_got((std::string(name) + ".shape").c_str(),
-                           "an element count that fits in 64 bits", "an overflowing product")};
+      return {Code::kInvalidArgument, expected_got((std::string(name) + ".shape").c_str(),
+                                                   "an element count that fits in 64 bits", "an overflowing product")};
     }
   }
   for (int d = 0; d < t.ndim && count > 0; ++d) {  // an empty tensor's strides do not matter
     if (t.shape[d] > 1 && t.strides[d] <= 0) {
       return {Code::kInvalidArgument,
-              expected_got(dim_name(name, "strides", d).c_str(), "a positive stride",
-                           std::to_string(t.strides[d]))};
+              expected_got(dim_name(name, "strides", d).c_str(), "a positive stride", std::to_string(t.strides[d]))};
     }
   }
   *numel = count;
@@ -65,17 +63,15 @@ Status check_view_basics(const TensorView& t, const char* name, int min_ndim, in
 Status check_address(const TensorView& t, const char* name, int64_t numel) {
   if (numel == 0) return {};
   if (t.data == nullptr) {
-    return {Code::kInvalidArgument,
-            expected_got((std::string(name) + ".data").c_str(), "a non-null pointer", "null")};
+    return {Code::kInvalidArgument, expected_got((std::string(name) + ".data").c_str(), "a non-null pointer", "null")};
   }
   const int bytes = t.dtype.bytes();
   const auto address = reinterpret_cast<uintptr_t>(t.first());
   if (bytes > 0 && address % static_cast<uintptr_t>(bytes) != 0) {
     return {Code::kInvalidArgument,
-            expected_got(name,
-                         "data + byte_offset aligned to " + std::to_string(bytes) + " bytes (" +
-                             to_string(t.dtype) + ")",
-                         "address " + hex_address(t.first()))};
+            expected_got(
+                name, "data + byte_offset aligned to " + std::to_string(bytes) + " bytes (" + to_string(t.dtype) + ")",
+                "address " + hex_address(t.first()))};
   }
   return {};
 }
@@ -83,8 +79,7 @@ Status check_address(const TensorView& t, const char* name, int64_t numel) {
 // Checks that the dimensions [0, end) with more than one element are nested (each
 // stride is the next one's stride times its size) and returns the innermost stride of
 // them, or `fallback` if none has more than one element.
-Status collapse(const TensorView& t, const char* name, int end, int64_t fallback,
-                int64_t* stride) {
+Status collapse(const TensorView& t, const char* name, int end, int64_t fallback, int64_t* stride) {
   int inner = -1;      // the next dimension inwards that is not of size 1
   int innermost = -1;  // the innermost such dimension: its stride is the collapsed one
   for (int d = end - 1; d >= 0; --d) {
@@ -92,8 +87,7 @@ Status collapse(const TensorView& t, const char* name, int end, int64_t fallback
     if (innermost < 0) innermost = d;
     if (inner >= 0) {
       int64_t expected = 0;
-      if (__builtin_mul_overflow(t.strides[inner], t.shape[inner], &expected) ||
-          t.strides[d] != expected) {
+      if (__builtin_mul_overflow(t.strides[inner], t.shape[inner], &expected) || t.strides[d] != expected) {
         return {Code::kInvalidArgument,
                 expected_got(dim_name(name, "strides", d).c_str(),
                              std::to_string(expected) + " (the leading dimensions must collapse "
@@ -153,8 +147,7 @@ Status as_row_matrix(const TensorView& t, const char* name, RowMatrix* out) {
   const int64_t cols = t.shape[last];
   if (numel > 0 && cols > 1 && t.strides[last] != 1) {
     return {Code::kInvalidArgument,
-            expected_got(dim_name(name, "strides", last).c_str(),
-                         "1 (the vocabulary dimension must be contiguous)",
+            expected_got(dim_name(name, "strides", last).c_str(), "1 (the vocabulary dimension must be contiguous)",
                          std::to_string(t.strides[last]))};
   }
   int64_t rows = 1;
@@ -166,13 +159,11 @@ Status as_row_matrix(const TensorView& t, const char* name, RowMatrix* out) {
   if (rows > 1 && row_stride < cols) {
     return {Code::kInvalidArgument,
             expected_got((std::string(name) + " row stride").c_str(),
-                         ">= " + std::to_string(cols) + " (rows must not overlap)",
-                         std::to_string(row_stride))};
+                         ">= " + std::to_string(cols) + " (rows must not overlap)", std::to_string(row_stride))};
   }
   int64_t extent = 0;
   if (numel > 0 && !extent_bytes(rows, row_stride, cols, t.dtype.bytes(), &extent)) {
-    return {Code::kInvalidArgument,
-            expected_got(name, "a memory extent that fits in 64 bits", "an overflowing one")};
+    return {Code::kInvalidArgument, expected_got(name, "a memory extent that fits in 64 bits", "an overflowing one")};
   }
   if (Status s = check_address(t, name, numel); !s.ok()) return s;
   *out = RowMatrix{static_cast<char*>(t.first()), t.dtype, rows, cols, row_stride};
@@ -184,8 +175,7 @@ Status as_token_vector(const TensorView& t, const char* name, int64_t n, TokenVe
   if (Status s = check_view_basics(t, name, 0, &numel); !s.ok()) return s;
   if (numel != n) {
     return {Code::kInvalidArgument,
-            expected_got((std::string(name) + ".shape").c_str(),
-                         std::to_string(n) + " elements (one per token)",
+            expected_got((std::string(name) + ".shape").c_str(), std::to_string(n) + " elements (one per token)",
                          std::to_string(numel) + " elements")};
   }
   int64_t stride = 1;
@@ -194,8 +184,7 @@ Status as_token_vector(const TensorView& t, const char* name, int64_t n, TokenVe
   }
   int64_t extent = 0;
   if (!extent_bytes(n, stride, 1, t.dtype.bytes(), &extent)) {
-    return {Code::kInvalidArgument,
-            expected_got(name, "a memory extent that fits in 64 bits", "an overflowing one")};
+    return {Code::kInvalidArgument, expected_got(name, "a memory extent that fits in 64 bits", "an overflowing one")};
   }
   if (Status s = check_address(t, name, numel); !s.ok()) return s;
   *out = TokenVector{static_cast<char*>(t.first()), t.dtype, n, stride};
@@ -213,22 +202,19 @@ Status check_dtype(const char* name, DataType actual, std::initializer_list<Data
 
 Status check_shard(const VocabShard& shard, int64_t logits_cols, const char* logits_name) {
   if (shard.vocab_size < 1 || shard.vocab_size > INT32_MAX) {
-    return {Code::kInvalidArgument, expected_got("shard.vocab_size", "a value in [1, 2^31 - 1]",
-                                                 std::to_string(shard.vocab_size))};
+    return {Code::kInvalidArgument,
+            expected_got("shard.vocab_size", "a value in [1, 2^31 - 1]", std::to_string(shard.vocab_size))};
   }
-  if (shard.vocab_begin < 0 || shard.vocab_begin > shard.vocab_end ||
-      shard.vocab_end > shard.vocab_size) {
+  if (shard.vocab_begin < 0 || shard.vocab_begin > shard.vocab_end || shard.vocab_end > shard.vocab_size) {
     return {Code::kInvalidArgument,
             expected_got("shard", "0 <= vocab_begin <= vocab_end <= vocab_size",
-                         "[" + std::to_string(shard.vocab_begin) + ", " +
-                             std::to_string(shard.vocab_end) + ") of " +
+                         "[" + std::to_string(shard.vocab_begin) + ", " + std::to_string(shard.vocab_end) + ") of " +
                              std::to_string(shard.vocab_size))};
   }
   if (logits_cols != shard.vocab_end - shard.vocab_begin) {
     return {Code::kInvalidArgument,
             expected_got((std::string(logits_name) + ".shape[-1]").c_str(),
-                         std::to_string(shard.vocab_end - shard.vocab_begin) +
-                             " (shard.vocab_end - shard.vocab_begin)",
+                         std::to_string(shard.vocab_end - shard.vocab_begin) + " (shard.vocab_end - shard.vocab_begin)",
                          std::to_string(logits_cols))};
   }
   return {};
@@ -246,26 +232,25 @@ Status check_options(const LossOptions& options, int64_t vocab_size) {
   }
   const auto semantics = static_cast<int32_t>(options.smoothing_semantics);
   if (semantics != 0 && semantics != 1) {
-    return {Code::kInvalidArgument, expected_got("options.smoothing_semantics",
-                                                 "kMegatron (0) or kPyTorch (1)",
-                                                 std::to_string(semantics))};
+    return {Code::kInvalidArgument,
+            expected_got("options.smoothing_semantics", "kMegatron (0) or kPyTorch (1)", std::to_string(semantics))};
   }
   const auto reduction = static_cast<int32_t>(options.reduction);
   if (reduction < 0 || reduction > 2) {
-    return {Code::kInvalidArgument, expected_got("options.reduction", "kNone (0), kSum (1) or kMean (2)",
-                                                 std::to_string(reduction))};
+    return {Code::kInvalidArgument,
+            expected_got("options.reduction", "kNone (0), kSum (1) or kMean (2)", std::to_string(reduction))};
   }
   if (!(options.z_loss_weight >= 0.0f) || !std::isfinite(options.z_loss_weight)) {
-    return {Code::kInvalidArgument, expected_got("options.z_loss_weight", "a finite value >= 0",
-                                                 number_text(options.z_loss_weight))};
+    return {Code::kInvalidArgument,
+            expected_got("options.z_loss_weight", "a finite value >= 0", number_text(options.z_loss_weight))};
   }
   if (!(options.logit_scale > 0.0f) || !std::isfinite(options.logit_scale)) {
-    return {Code::kInvalidArgument, expected_got("options.logit_scale", "a finite value > 0",
-                                                 number_text(options.logit_scale))};
+    return {Code::kInvalidArgument,
+            expected_got("options.logit_scale", "a finite value > 0", number_text(options.logit_scale))};
   }
   // A subnormal cap would make 1 / softcap overflow to inf (and the loss NaN).
-  const bool softcap_ok = options.softcap == 0.0f || (options.softcap >= std::numeric_limits<float>::min() &&
-                                                      std::isfinite(options.softcap));
+  const bool softcap_ok = options.softcap == 0.0f ||
+                          (options.softcap >= std::numeric_limits<float>::min() && std::isfinite(options.softcap));
   if (!softcap_ok) {
     return {Code::kInvalidArgument,
             expected_got("options.softcap",
@@ -274,32 +259,28 @@ Status check_options(const LossOptions& options, int64_t vocab_size) {
                          number_text(options.softcap))};
   }
   if (options.valid_vocab_size < 0 || options.valid_vocab_size > vocab_size) {
-    return {Code::kInvalidArgument,
-            expected_got("options.valid_vocab_size",
-                         "a value in [0, " + std::to_string(vocab_size) + "] (0: every column)",
-                         std::to_string(options.valid_vocab_size))};
+    return {Code::kInvalidArgument, expected_got("options.valid_vocab_size",
+                                                 "a value in [0, " + std::to_string(vocab_size) + "] (0: every column)",
+                                                 std::to_string(options.valid_vocab_size))};
   }
   const int64_t valid = options.valid_vocab_size > 0 ? options.valid_vocab_size : vocab_size;
   if (a > 0.0f && options.smoothing_semantics == SmoothingSemantics::kMegatron && valid < 2) {
     return {Code::kInvalidArgument,
-            expected_got("valid vocabulary size", ">= 2 when Megatron label smoothing is used",
-                         std::to_string(valid))};
+            expected_got("valid vocabulary size", ">= 2 when Megatron label smoothing is used", std::to_string(valid))};
   }
   if (Status s = check_thread_count("options.num_threads", options.num_threads); !s.ok()) return s;
   return {};
 }
 
-Status check_targets(const TokenVector& targets, int64_t valid_vocab, int64_t ignore_index,
-                     uint64_t* hash) {
+Status check_targets(const TokenVector& targets, int64_t valid_vocab, int64_t ignore_index, uint64_t* hash) {
   const bool wide = targets.dtype == kInt64;
   for (int64_t i = 0; i < targets.n; ++i) {
     const int64_t y = wide ? targets.at<int64_t>(i) : targets.at<int32_t>(i);
     if (y != ignore_index && (y < 0 || y >= valid_vocab)) {
-      return {Code::kInvalidArgument,
-              expected_got("targets",
-                           "values in [0, " + std::to_string(valid_vocab) + ") or ignore_index " +
-                               std::to_string(ignore_index),
-                           std::to_string(y) + " at token " + std::to_string(i))};
+      return {Code::kInvalidArgument, expected_got("targets",
+                                                   "values in [0, " + std::to_string(valid_vocab) +
+                                                       ") or ignore_index " + std::to_string(ignore_index),
+                                                   std::to_string(y) + " at token " + std::to_string(i))};
     }
   }
   *hash = extend_values_hash<int64_t>(*hash, targets.n, [&](int64_t i) {
@@ -324,8 +305,8 @@ Status check_weights(const TensorView* weights, int64_t n, TokenVector* out, uin
     const float value = w.at<float>(i);
     // Non-negative, so that a mean's denominator is 0 only when every counted weight is.
     if (!std::isfinite(value) || value < 0.0f) {
-      return {Code::kInvalidArgument, expected_got("weights", "finite values >= 0",
-                                                   number_text(value) + " at token " + std::to_string(i))};
+      return {Code::kInvalidArgument,
+              expected_got("weights", "finite values >= 0", number_text(value) + " at token " + std::to_string(i))};
     }
   }
   *out = w;
@@ -348,21 +329,18 @@ Status check_device(const TensorView& t, const char* name, Device expected) {
                                                to_string(expected) + " (the logits' device)", to_string(t.device))};
 }
 
-Status check_loss_inputs(const TensorView& logits, const TensorView& targets,
-                         const TensorView* weights, const VocabShard& shard,
-                         const LossOptions& options, LossInputs* out) {
+Status check_loss_inputs(const TensorView& logits, const TensorView& targets, const TensorView* weights,
+                         const VocabShard& shard, const LossOptions& options, LossInputs* out) {
   LossInputs in;
   if (Status s = device_supported(logits.device, "logits"); !s.ok()) return s;
-  if (Status s = check_dtype("logits", logits.dtype, {kFloat32, kBFloat16, kFloat16},
-                             "float32, bfloat16 or float16");
+  if (Status s = check_dtype("logits", logits.dtype, {kFloat32, kBFloat16, kFloat16}, "float32, bfloat16 or float16");
       !s.ok()) {
     return s;
   }
   if (Status s = as_row_matrix(logits, "logits", &in.logits); !s.ok()) return s;
   if (Status s = check_shard(shard, in.logits.cols, "logits"); !s.ok()) return s;
   if (Status s = check_options(options, shard.vocab_size); !s.ok()) return s;
-  if (Status s = check_dtype("targets", targets.dtype, {kInt32, kInt64}, "int32 or int64");
-      !s.ok()) {
+  if (Status s = check_dtype("targets", targets.dtype, {kInt32, kInt64}, "int32 or int64"); !s.ok()) {
     return s;
   }
   if (Status s = as_token_vector(targets, "targets", in.logits.rows, &in.targets); !s.ok()) {
@@ -390,19 +368,16 @@ Status check_loss_inputs(const TensorView& logits, const TensorView& targets,
   return {};
 }
 
-Status check_loss_output(const TensorView& loss, const char* name, int64_t n,
-                         Reduction reduction, TokenVector* out) {
+Status check_loss_output(const TensorView& loss, const char* name, int64_t n, Reduction reduction, TokenVector* out) {
   if (Status s = check_dtype(name, loss.dtype, {kFloat32}, "float32"); !s.ok()) return s;
   if (reduction != Reduction::kNone && loss.ndim >= 0 && loss.ndim <= TensorView::kMaxDims && loss.numel() != 1) {
-    return {Code::kInvalidArgument,
-            expected_got((std::string(name) + ".shape").c_str(), "1 element (a reduced loss)",
-                         std::to_string(loss.numel()) + " elements")};
+    return {Code::kInvalidArgument, expected_got((std::string(name) + ".shape").c_str(), "1 element (a reduced loss)",
+                                                 std::to_string(loss.numel()) + " elements")};
   }
   return as_token_vector(loss, name, reduction == Reduction::kNone ? n : 1, out);
 }
 
-Status as_stats_matrix(const TensorView& t, const char* name, int64_t rows, int64_t width,
-                       RowMatrix* out) {
+Status as_stats_matrix(const TensorView& t, const char* name, int64_t rows, int64_t width, RowMatrix* out) {
   RowMatrix m;
   if (Status s = check_dtype(name, t.dtype, {kFloat32}, "float32"); !s.ok()) return s;
   if (Status s = as_row_matrix(t, name, &m); !s.ok()) return s;
@@ -444,8 +419,8 @@ Status check_no_overlap(const std::vector<NamedRegion>& outputs, const std::vect
 }
 
 Status check_forward_outputs(int64_t n, Device device, const LossOptions& options, const TensorView& loss,
-                             const TensorView& lse, const ForwardExtras& extras,
-                             const std::vector<NamedRegion>& inputs, LossOutputs* out) {
+                             const TensorView& lse, const ForwardExtras& extras, const std::vector<NamedRegion>& inputs,
+                             LossOutputs* out) {
   const std::pair<const TensorView*, const char*> views[] = {
       {&loss, "loss"}, {&lse, "lse"}, {extras.target_is_argmax, "target_is_argmax"}, {extras.entropy, "entropy"}};
   for (const auto& [view, name] : views) {

@@ -67,8 +67,7 @@ Status check_options(const LossOptions& options, int64_t vocab_size);
 
 // Every target in [0, valid_vocab) or equal to ignore_index; also folds the targets'
 // values into the 64-bit hash `hash` (the same for int32 and int64 storage).
-Status check_targets(const TokenVector& targets, int64_t valid_vocab, int64_t ignore_index,
-                     uint64_t* hash);
+Status check_targets(const TokenVector& targets, int64_t valid_vocab, int64_t ignore_index, uint64_t* hash);
 
 // Optional per-token weights: absent (null) or float32, one per token, all finite; folds
 // their bits into `hash`. `out` gets base == nullptr when absent.
@@ -111,17 +110,14 @@ struct LossInputs {
 
 // logits [..., Vr] fp32/bf16/fp16 on the CPU, targets int32/int64 with one per row and
 // values in [0, Vv) or ignore_index, optional weights, the shard, and the options.
-Status check_loss_inputs(const TensorView& logits, const TensorView& targets,
-                         const TensorView* weights, const VocabShard& shard,
-                         const LossOptions& options, LossInputs* out);
+Status check_loss_inputs(const TensorView& logits, const TensorView& targets, const TensorView* weights,
+                         const VocabShard& shard, const LossOptions& options, LossInputs* out);
 
 // The loss output: float32 with n elements for Reduction::kNone, one element otherwise.
-Status check_loss_output(const TensorView& loss, const char* name, int64_t n,
-                         Reduction reduction, TokenVector* out);
+Status check_loss_output(const TensorView& loss, const char* name, int64_t n, Reduction reduction, TokenVector* out);
 
 // A float32 [rows, width] stats tensor (width 4, or 6 with the extras).
-Status as_stats_matrix(const TensorView& t, const char* name, int64_t rows, int64_t width,
-                       RowMatrix* out);
+Status as_stats_matrix(const TensorView& t, const char* name, int64_t rows, int64_t width, RowMatrix* out);
 
 // A float32 tensor of n elements, one per token.
 Status as_float_tokens(const TensorView& t, const char* name, int64_t n, TokenVector* out);
@@ -154,7 +150,7 @@ struct LossOutputs {
 // element for a reduction), lse and the extras one per token, overlapping neither each other
 // nor `inputs`.
 Status check_forward_outputs(int64_t n, Device device, const LossOptions& options, const TensorView& loss,
-                             const TensorView& lse, const ForwardExtras& extras,
-                             const std::vector<NamedRegion>& inputs, LossOutputs* out);
+                             const TensorView& lse, const ForwardExtras& extras, const std::vector<NamedRegion>& inputs,
+                             LossOutputs* out);
 
 }  // namespace vpce::detail

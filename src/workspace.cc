@@ -16,8 +16,7 @@ Status Workspace::device_status() { return buffers_ ? detail::device_status(buff
 std::size_t Workspace::capacity() const {
   if (!buffers_) return 0;
   return buffers_->send.capacity() + buffers_->recv.capacity() + buffers_->merged.capacity() +
-         buffers_->head_tiles.bytes() +
-         buffers_->head_logits.bytes();
+         buffers_->head_tiles.bytes() + buffers_->head_logits.bytes();
 }
 
 }  // namespace vpce

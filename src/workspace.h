@@ -36,9 +36,9 @@ class HostFloats {
 }  // namespace detail
 
 struct Workspace::Buffers {
-  std::vector<std::byte> send;    // this rank's payload: header + [N, W] stats
-  std::vector<std::byte> recv;    // every rank's payload, rank order
-  std::vector<std::byte> merged;  // [N, W] merged stats
+  std::vector<std::byte> send;        // this rank's payload: header + [N, W] stats
+  std::vector<std::byte> recv;        // every rank's payload, rank order
+  std::vector<std::byte> merged;      // [N, W] merged stats
   std::vector<int64_t> rank_columns;  // each rank's valid columns, from the headers (label smoothing)
   // The fused head's (head/tiles.cc): its tiles (the forward's per-thread tiles, then the
   // backward's logit gradients: one buffer for both), and the chunked mode's chunk of logits.

@@ -24,10 +24,10 @@ Problem adversarial_problem(DataType dtype) {
   for (int64_t i = 0; i < 10; ++i) p.targets[static_cast<size_t>(i)] = targets[i];
   for (int64_t v = 0; v < kVocab; ++v) {
     p.set(1, v, v % 5 == 1 ? -kInf : p.at(1, v) > 0 ? 1.0f : -1.0f);  // -inf columns, not the target
-    if (v >= 16 && v < 32) p.set(2, v, -kInf);                          // rank 1's whole shard
-    p.set(7, v, 0.25f);                                                  // uniform row
-    p.set(8, v, v == 50 ? 80.0f : -3.0f);                                 // one dominant column
-    p.set(9, v, v < 48 ? -kInf : static_cast<float>(v - 48));            // three shards of -inf
+    if (v >= 16 && v < 32) p.set(2, v, -kInf);                        // rank 1's whole shard
+    p.set(7, v, 0.25f);                                               // uniform row
+    p.set(8, v, v == 50 ? 80.0f : -3.0f);                             // one dominant column
+    p.set(9, v, v < 48 ? -kInf : static_cast<float>(v - 48));         // three shards of -inf
   }
   return p;
 }
@@ -91,8 +91,8 @@ TEST(Adversarial, AFloat64LseKeepsTheGradientAtFp32sAccuracyForLogitsUpTo1e9) {
     use_simd_variant(variant);
     for (double offset : {0.0, 300.0, 1e4, -1e4, 1e5, 3e6, -1e9}) {
       for (int option = 0; option < 3; ++option) {  // plain, label smoothing 0.1, z-loss 1e-4
-        const std::string where = variant.name + ", offset " + std::to_string(offset) + ", option " +
-                                  std::to_string(option);
+        const std::string where =
+            variant.name + ", offset " + std::to_string(offset) + ", option " + std::to_string(option);
         Problem problem = random_problem(12, 1201, kFloat32, 61, 3.0f);
         for (int64_t i = 0; i < problem.tokens; ++i) {
           for (int64_t v = 0; v < problem.vocab; ++v) problem.set(i, v, static_cast<float>(problem.at(i, v) + offset));
@@ -125,8 +125,8 @@ TEST(Adversarial, AFloat64LseKeepsTheGradientAtFp32sAccuracyForLogitsUpTo1e9) {
 // lse first and subtracts, loses 1e-4 to fp64's rounding at 1e12), and every gradient finite.
 // The gradient is p = e^(z - lse) of the returned lse, float64 here, whose rounding there
 // (2^-53 |lse|: 5e-7 at 5e9, 1e-4 at 1e12) bounds how well p can be known (design.md,
-// "Precision"); it is checked against that closed form, in fp64 from the same lse. (Label smoothing is left out: its sum of the logits runs
-// in fp32 lanes, so at such magnitudes it keeps its relative accuracy, not the loss's.)
+// "Precision"); it is checked against that closed form, in fp64 from the same lse. (Label smoothing is left out: its
+// sum of the logits runs in fp32 lanes, so at such magnitudes it keeps its relative accuracy, not the loss's.)
 TEST(Adversarial, LogitsBeyondTheExpShiftsFp32RangeStayFiniteOnEveryTarget) {
   constexpr int64_t kTokens = 6, kColumns = 300;
   for (const SimdVariant& variant : simd_variants()) {
@@ -230,7 +230,8 @@ TEST(Adversarial, SoftCappedGradientKeepsItsAccuracyWhereTanhSaturates) {
         reference::Options o;
         o.softcap = 30.0;
         o.logit_scale = scale;
-        const auto want = reference::cross_entropy(x, kTokens, kVocab, problem.targets, {}, widen(problem.grad_loss), o);
+        const auto want =
+            reference::cross_entropy(x, kTokens, kVocab, problem.targets, {}, widen(problem.grad_loss), o);
         EXPECT_LE(relative_error(widen(result.per_rank[0].loss), want.loss), 1e-6)
             << variant.name << " scale " << scale;
         double worst = 0.0;  // row by row: a row's gradient is as small as its slopes
@@ -289,11 +290,11 @@ TEST(Adversarial, MaxMovingAcrossChunksMatchesOracle) {
         Problem p = random_problem(kTokens, kColumns, dtype, 31, 1.0f);
         for (int64_t v = 0; v < kColumns; ++v) {
           const auto x = static_cast<float>(v);
-          p.set(0, v, x * 0.01f);                             // rising slowly: a new max in every chunk
-          p.set(1, v, x * 0.05f - 100.0f);                    // rising fast: rescaled by up to e^-205
-          p.set(2, v, v == kColumns - 3 ? 90.0f : p.at(2, v));  // the max 90 above the rest, at the end
-          p.set(3, v, v == 2 ? 40.0f : p.at(3, v));           // the max in the first chunk
-          p.set(4, v, 20.0f - x * 0.01f);                     // falling
+          p.set(0, v, x * 0.01f);                                  // rising slowly: a new max in every chunk
+          p.set(1, v, x * 0.05f - 100.0f);                         // rising fast: rescaled by up to e^-205
+          p.set(2, v, v == kColumns - 3 ? 90.0f : p.at(2, v));     // the max 90 above the rest, at the end
+          p.set(3, v, v == 2 ? 40.0f : p.at(3, v));                // the max in the first chunk
+          p.set(4, v, 20.0f - x * 0.01f);                          // falling
           if (smoothing == 0.0f && v < 10000) p.set(5, v, -kInf);  // chunks of -inf, then values
           if (smoothing == 0.0f && v >= 4096 && v < 12400) p.set(6, v, -kInf);  // values, -inf, values
         }
@@ -304,8 +305,7 @@ TEST(Adversarial, MaxMovingAcrossChunksMatchesOracle) {
         const RunResult result = run_ranks(p, shards_from_sizes({kColumns}), options);
         for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
         const auto want = reference::cross_entropy(x, kTokens, kColumns, p.targets, smoothing, widen(p.grad_loss));
-        const std::string where = variant.name + " " + to_string(dtype) +
-                                  " smoothing " + std::to_string(smoothing);
+        const std::string where = variant.name + " " + to_string(dtype) + " smoothing " + std::to_string(smoothing);
         EXPECT_LE(relative_error(widen(result.per_rank[0].loss), want.loss), 1e-6) << where;
         EXPECT_LE(relative_error(widen(result.per_rank[0].lse), want.lse), 1e-6) << where;
         EXPECT_LE(relative_error(result.grad, want.grad), 1e-6) << where;
@@ -407,18 +407,17 @@ TEST(Adversarial, NanLogitMakesItsTokenNanOnEveryTarget) {
       for (bool extras : {false, true}) {
         Problem p = random_problem(kTokens, kColumns, dtype, 41, 1.0f);
         p.targets = {7, 8, 9, 10, 11};
-        p.set(0, 1234, nan);           // mid-row, in the first rank's shard
-        p.set(1, kColumns - 1, nan);   // the last column: a partial vector
-        p.set(2, 0, nan);              // the first column, before any max
-        p.set(3, 2000, nan);           // the second rank's shard, after the max
+        p.set(0, 1234, nan);          // mid-row, in the first rank's shard
+        p.set(1, kColumns - 1, nan);  // the last column: a partial vector
+        p.set(2, 0, nan);             // the first column, before any max
+        p.set(3, 2000, nan);          // the second rank's shard, after the max
         p.set(3, 2001, 50.0f);
         const std::vector<double> x = p.as_double();
         RunOptions options;
         options.extras = extras;
         const RunResult result = run_ranks(p, shards_from_sizes({1500, 1500}), options);
         for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
-        const std::string where =
-            variant.name + " " + to_string(dtype) + (extras ? " extras" : "");
+        const std::string where = variant.name + " " + to_string(dtype) + (extras ? " extras" : "");
         for (int64_t i = 0; i < 4; ++i) EXPECT_TRUE(std::isnan(result.per_rank[0].loss[i])) << where << ", token " << i;
         const auto want = reference::cross_entropy(std::vector<double>(x.end() - kColumns, x.end()), 1, kColumns,
                                                    {p.targets[4]}, 0.0, {1.0});
@@ -441,8 +440,8 @@ TEST(Adversarial, NanVectorsChunksRowsAndShardsReachTheLoss) {
     int64_t vocab, begin, end;  // NaN in columns [begin, end) of token 0's row
     bool with_minus_inf;        // and -inf in the rest of that shard's columns
   };
-  const Span spans[] = {{1072, 1056, 1072, false}, {48, 32, 48, false},       {48, 24, 48, false},
-                        {2048, 1024, 2048, false}, {3000, 1000, 2024, false}, {64, 0, 64, false},
+  const Span spans[] = {{1072, 1056, 1072, false}, {48, 32, 48, false},          {48, 24, 48, false},
+                        {2048, 1024, 2048, false}, {3000, 1000, 2024, false},    {64, 0, 64, false},
                         {64, 32, 64, true},        {20000, 16384, 16400, false}, {12288, 4096, 8192, false},
                         {12288, 8192, 12288, true}};
   for (const SimdVariant& variant : simd_variants()) {
@@ -462,10 +461,9 @@ TEST(Adversarial, NanVectorsChunksRowsAndShardsReachTheLoss) {
             options.extras = extras;
             const RunResult result = run_ranks(p, shards_from_sizes(even_splits(span.vocab, ranks)), options);
             for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
-            const std::string where = variant.name + " " + to_string(dtype) + " V " +
-                                      std::to_string(span.vocab) + " NaN [" + std::to_string(span.begin) + ", " +
-                                      std::to_string(span.end) + ") R " + std::to_string(ranks) +
-                                      (extras ? " extras" : "");
+            const std::string where = variant.name + " " + to_string(dtype) + " V " + std::to_string(span.vocab) +
+                                      " NaN [" + std::to_string(span.begin) + ", " + std::to_string(span.end) + ") R " +
+                                      std::to_string(ranks) + (extras ? " extras" : "");
             for (int r = 0; r < ranks; ++r) {
               EXPECT_TRUE(std::isnan(result.per_rank[r].loss[0])) << where << ", rank " << r;
               EXPECT_TRUE(std::isnan(result.per_rank[r].lse[0])) << where << ", rank " << r;

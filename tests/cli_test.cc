@@ -90,8 +90,8 @@ class Cli : public testing::Test {
     ASSERT_EQ(grad.dtype, npy::Dtype::kFloat32);
     const std::vector<double> x(logits_.begin(), logits_.end());
     const std::vector<int64_t> y(targets_.begin(), targets_.end());
-    const std::vector<double> g = with_grad_output ? std::vector<double>(grad_output_.begin(), grad_output_.end())
-                                                   : std::vector<double>();
+    const std::vector<double> g =
+        with_grad_output ? std::vector<double>(grad_output_.begin(), grad_output_.end()) : std::vector<double>();
     const auto want = reference::cross_entropy(x, kS * kB, kV, y, smoothing, g);
     double grad_scale = 0.0;
     for (double w : want.grad) grad_scale = std::max(grad_scale, std::fabs(w));
@@ -138,14 +138,16 @@ TEST_F(Cli, ARunWithoutExtrasRemovesAnEarlierRunsExtras) {
 }
 
 TEST_F(Cli, UnevenSplitsSmoothingUpstreamGradientInPlaceBf16) {
-  const Command c = run_cli("run " + inputs() + " --vocab-splits 1,20,0,16 --label-smoothing 0.1 --grad-output " +
-                                (dir_ / "grad.npy").string() + " --in-place --dtype fp32 --out " + (dir_ / "out").string(),
-                            dir_);
+  const Command c =
+      run_cli("run " + inputs() + " --vocab-splits 1,20,0,16 --label-smoothing 0.1 --grad-output " +
+                  (dir_ / "grad.npy").string() + " --in-place --dtype fp32 --out " + (dir_ / "out").string(),
+              dir_);
   ASSERT_EQ(c.status, 0) << c.err;
   expect_matches_oracle(dir_ / "out", 0.1, true, 1e-6);
   // bf16: the inputs are rounded first, so compare loosely here (exactness in bf16 is
   // covered against the oracle on the same bf16 values in loss_test).
-  const Command b = run_cli("run " + inputs() + " --tp 3 --dtype bf16 --in-place --out " + (dir_ / "bf16").string(), dir_);
+  const Command b =
+      run_cli("run " + inputs() + " --tp 3 --dtype bf16 --in-place --out " + (dir_ / "bf16").string(), dir_);
   ASSERT_EQ(b.status, 0) << b.err;
   EXPECT_NE(b.out.find("dtype bfloat16"), std::string::npos) << b.out;
   expect_matches_oracle(dir_ / "bf16", 0.0, false, 1e-2);
@@ -160,12 +162,14 @@ TEST_F(Cli, EveryLossOptionMatchesOracle) {
   write_npy(dir_ / "w.npy", "<f4", "(3, 4)", weights.data(), 48);
   const float upstream = 2.0f;
   write_npy(dir_ / "g.npy", "<f4", "()", &upstream, 4);
-  const Command c = run_cli("run --logits " + (dir_ / "logits.npy").string() + " --targets " + (dir_ / "t.npy").string() +
-                                " --weights " + (dir_ / "w.npy").string() + " --grad-output " + (dir_ / "g.npy").string() +
-                                " --vocab-splits 10,10,17 --ignore-index -1 --reduction mean --label-smoothing 0.1"
-                                " --smoothing-semantics pytorch --z-loss 0.01 --logit-scale 0.8 --softcap 5"
-                                " --valid-vocab-size 33 --extras --out " + (dir_ / "out").string(),
-                            dir_);
+  const Command c =
+      run_cli("run --logits " + (dir_ / "logits.npy").string() + " --targets " + (dir_ / "t.npy").string() +
+                  " --weights " + (dir_ / "w.npy").string() + " --grad-output " + (dir_ / "g.npy").string() +
+                  " --vocab-splits 10,10,17 --ignore-index -1 --reduction mean --label-smoothing 0.1"
+                  " --smoothing-semantics pytorch --z-loss 0.01 --logit-scale 0.8 --softcap 5"
+                  " --valid-vocab-size 33 --extras --out " +
+                  (dir_ / "out").string(),
+              dir_);
   ASSERT_EQ(c.status, 0) << c.err;
   EXPECT_NE(c.out.find("mean loss"), std::string::npos) << c.out;
   reference::Options o;
@@ -210,29 +214,33 @@ TEST_F(Cli, BadInputsExitWithStatusTwoAndWriteNothing) {
   expect_usage_error(run_cli("run --logits " + (dir_ / "missing.npy").string() + " --targets x" + tail, dir_),
                      "missing.npy: cannot open", out);
   expect_usage_error(run_cli("run --logits " + (dir_ / "targets.npy").string() + " --targets " +
-                                 (dir_ / "targets.npy").string() + tail, dir_),
+                                 (dir_ / "targets.npy").string() + tail,
+                             dir_),
                      "dtype: expected float32 or float16", out);
   write_npy(dir_ / "short.npy", "<i4", "(3, 3)", targets_.data(), 36);
-  expect_usage_error(run_cli("run --logits " + (dir_ / "logits.npy").string() + " --targets " +
-                                 (dir_ / "short.npy").string() + tail, dir_),
-                     "shape: expected (3, 4)", out);
+  expect_usage_error(
+      run_cli("run --logits " + (dir_ / "logits.npy").string() + " --targets " + (dir_ / "short.npy").string() + tail,
+              dir_),
+      "shape: expected (3, 4)", out);
   std::vector<int32_t> bad = targets_;
   bad[5] = 37;
   write_npy(dir_ / "bad.npy", "<i4", "(3, 4)", bad.data(), 48);
   expect_usage_error(run_cli("run --logits " + (dir_ / "logits.npy").string() + " --targets " +
-                                 (dir_ / "bad.npy").string() + " --tp 2" + tail, dir_),
+                                 (dir_ / "bad.npy").string() + " --tp 2" + tail,
+                             dir_),
                      "got 37 at token 5", out);
   expect_usage_error(run_cli("run " + inputs() + " --label-smoothing 1.5" + tail, dir_), "label_smoothing", out);
   expect_usage_error(run_cli("run " + inputs() + " --vocab-splits 10,10" + tail, dir_), "summing to V = 37", out);
   expect_usage_error(run_cli("run " + inputs() + " --dtype fp64" + tail, dir_), "--dtype", out);
   expect_usage_error(run_cli("run " + inputs() + " --reduction average" + tail, dir_), "--reduction", out);
   expect_usage_error(run_cli("run " + inputs() + " --softcap -1" + tail, dir_), "options.softcap", out);
-  expect_usage_error(run_cli("run " + inputs() + " --valid-vocab-size 99" + tail, dir_), "options.valid_vocab_size", out);
+  expect_usage_error(run_cli("run " + inputs() + " --valid-vocab-size 99" + tail, dir_), "options.valid_vocab_size",
+                     out);
   expect_usage_error(run_cli("run " + inputs() + " --weights " + (dir_ / "targets.npy").string() + tail, dir_),
                      "expected float32 with shape (3, 4)", out);
   std::ofstream(dir_ / "garbage.npy") << "not a numpy file";
-  expect_usage_error(run_cli("run --logits " + (dir_ / "garbage.npy").string() + " --targets x" + tail, dir_),
-                     "magic", out);
+  expect_usage_error(run_cli("run --logits " + (dir_ / "garbage.npy").string() + " --targets x" + tail, dir_), "magic",
+                     out);
 }
 
 TEST_F(Cli, OutOfRangeIntegersNameTheFlagTheRangeAndTheValue) {
@@ -240,12 +248,14 @@ TEST_F(Cli, OutOfRangeIntegersNameTheFlagTheRangeAndTheValue) {
   const std::string tail = " --out " + out.string();
   expect_usage_error(run_cli("run " + inputs() + " --ignore-index 99999999999999999999" + tail, dir_),
                      "--ignore-index: expected an integer in [-9223372036854775808, 9223372036854775807], got "
-                     "99999999999999999999", out);
+                     "99999999999999999999",
+                     out);
   expect_usage_error(run_cli("run " + inputs() + " --valid-vocab-size 1.5" + tail, dir_),
                      "--valid-vocab-size: expected an integer in [0, 9223372036854775807], got 1.5", out);
   expect_usage_error(run_cli("run " + inputs() + " --vocab-splits 10,-1,28" + tail, dir_), "--vocab-splits: expected",
                      out);
-  expect_usage_error(run_cli("gen --seed -1" + tail, dir_), "--seed: expected an integer in [0, 2^64 - 1], got -1", out);
+  expect_usage_error(run_cli("gen --seed -1" + tail, dir_), "--seed: expected an integer in [0, 2^64 - 1], got -1",
+                     out);
   expect_usage_error(run_cli("gen --tokens 99999999999999999999" + tail, dir_),
                      "--tokens: expected an integer in [1, 16777216], got 99999999999999999999", out);
   expect_usage_error(run_cli("perf -n 0", dir_), "--iters: expected an integer in [1, 100000], got 0", out);
@@ -280,8 +290,10 @@ TEST_F(Cli, PerfChecksItsOptionsBeforeRunning) {
 
 #if VPCE_WITH_HEAD
 TEST_F(Cli, PerfHeadPrintsItsTableWithNothingWrong) {
-  const Command c = run_cli("perf --head -b 40 -e 80 -H 24 -V 700,333 -t 2 -d all -n 1 -w 0 --token-block 16 "
-                            "--vocab-block 64 --chunk-tokens 32", dir_);
+  const Command c = run_cli(
+      "perf --head -b 40 -e 80 -H 24 -V 700,333 -t 2 -d all -n 1 -w 0 --token-block 16 "
+      "--vocab-block 64 --chunk-tokens 32",
+      dir_);
   ASSERT_EQ(c.status, 0) << c.err;
   // 2 token counts x 2 vocabularies x 3 dtypes x 2 modes, each with a #wrong of 0 at the end.
   int rows = 0;
@@ -305,18 +317,18 @@ TEST_F(Cli, PerfHeadSaysThisBuildHasNoHead) {
 
 TEST_F(Cli, OverflowingNpyDimensionSaysItOverflows) {
   write_npy(dir_ / "huge.npy", "<f4", "(99999999999999999999, 37)", logits_.data(), 16);
-  expect_usage_error(run_cli("run --logits " + (dir_ / "huge.npy").string() + " --targets x --out " +
-                                 (dir_ / "out").string(), dir_),
-                     "shape: expected dimensions of at most 2^63 - 1, got 99999999999999999999, which overflows", dir_);
+  expect_usage_error(
+      run_cli("run --logits " + (dir_ / "huge.npy").string() + " --targets x --out " + (dir_ / "out").string(), dir_),
+      "shape: expected dimensions of at most 2^63 - 1, got 99999999999999999999, which overflows", dir_);
 }
 
 TEST_F(Cli, HelpListsEveryFlag) {
   const Command c = run_cli("run --help", dir_);
   EXPECT_EQ(c.status, 0);
-  for (const char* flag : {"--logits", "--targets", "--tp", "--vocab-splits", "--label-smoothing", "--grad-output",
-                           "--in-place", "--dtype", "--out", "--smoothing-semantics", "--ignore-index", "--reduction",
-                           "--z-loss", "--logit-scale", "--softcap", "--valid-vocab-size", "--weights", "--extras",
-                           "--threads", "--timeout"}) {
+  for (const char* flag : {"--logits",           "--targets",   "--tp",     "--vocab-splits", "--label-smoothing",
+                           "--grad-output",      "--in-place",  "--dtype",  "--out",          "--smoothing-semantics",
+                           "--ignore-index",     "--reduction", "--z-loss", "--logit-scale",  "--softcap",
+                           "--valid-vocab-size", "--weights",   "--extras", "--threads",      "--timeout"}) {
     EXPECT_NE(c.out.find(flag), std::string::npos) << flag;
   }
 }

@@ -96,7 +96,8 @@ TEST(DLPack, ConvertedTensorsRunThroughVpce) {
   DLTensor l{loss, {kDLCPU, 0}, 1, {kDLFloat, 32, 1}, token_shape, nullptr, 0};
   DLTensor e{lse, {kDLCPU, 0}, 1, {kDLFloat, 32, 1}, token_shape, nullptr, 0};
   TensorView xv, yv, lv, ev;
-  ASSERT_TRUE(from_dlpack(x, &xv).ok() && from_dlpack(y, &yv).ok() && from_dlpack(l, &lv).ok() && from_dlpack(e, &ev).ok());
+  ASSERT_TRUE(from_dlpack(x, &xv).ok() && from_dlpack(y, &yv).ok() && from_dlpack(l, &lv).ok() &&
+              from_dlpack(e, &ev).ok());
   std::unique_ptr<ThreadGroup> group;
   ASSERT_TRUE(ThreadGroup::create(1, &group).ok());
   ASSERT_TRUE(forward(group->communicator(0), xv, yv, VocabShard{0, 3, 3}, LossOptions{}, lv, ev).ok());

@@ -59,7 +59,8 @@ struct Fixture {
 
 void expect_error(const Status& s, Code code, std::initializer_list<const char*> fragments) {
   EXPECT_EQ(s.code(), code) << s.to_string();
-  for (const char* f : fragments) EXPECT_NE(s.message().find(f), std::string::npos) << "missing '" << f << "' in: " << s.message();
+  for (const char* f : fragments)
+    EXPECT_NE(s.message().find(f), std::string::npos) << "missing '" << f << "' in: " << s.message();
 }
 
 TEST(BadInput, TargetAtOrAboveVocabulary) {
@@ -170,15 +171,15 @@ TEST(BadInput, UnsupportedLogitsDtype) {
 
 TEST(BadInput, UnsupportedTargetsAndOutputDtypes) {
   Fixture f;
-  expect_error(f.run_forward(f.x(), TensorView::contiguous(f.logits.data(), kFloat32, {kTokens}), f.loss_view(),
-                             f.lse_view()),
-               Code::kInvalidArgument, {"targets.dtype", "int32 or int64", "got float32"});
+  expect_error(
+      f.run_forward(f.x(), TensorView::contiguous(f.logits.data(), kFloat32, {kTokens}), f.loss_view(), f.lse_view()),
+      Code::kInvalidArgument, {"targets.dtype", "int32 or int64", "got float32"});
   std::vector<uint16_t> half(kTokens);
   expect_error(f.run_forward(f.x(), f.y(), TensorView::contiguous(half.data(), kFloat16, {kTokens}), f.lse_view()),
                Code::kInvalidArgument, {"loss.dtype", "float32", "got float16"});
   std::vector<double> wide(kTokens * kVocab);
-  expect_error(f.run_backward(TensorView::contiguous(wide.data(), kFloat64, {kTokens, kVocab})),
-               Code::kInvalidArgument, {"grad_logits.dtype", "got float64"});
+  expect_error(f.run_backward(TensorView::contiguous(wide.data(), kFloat64, {kTokens, kVocab})), Code::kInvalidArgument,
+               {"grad_logits.dtype", "got float64"});
   // The lse: float64 or float32, in the forward, the staged loss and the backward.
   const TensorView half_lse = TensorView::contiguous(half.data(), kFloat16, {kTokens});
   expect_error(f.run_forward(f.x(), f.y(), f.loss_view(), half_lse), Code::kInvalidArgument,
@@ -216,17 +217,17 @@ TEST(BadInput, LabelSmoothingNeedsTwoClasses) {
 
 TEST(BadInput, NullPointers) {
   Fixture f;
-  expect_error(f.run_forward(TensorView::contiguous(nullptr, kFloat32, {kTokens, kVocab}), f.y(), f.loss_view(),
-                             f.lse_view()),
-               Code::kInvalidArgument, {"logits.data", "non-null", "got null"});
+  expect_error(
+      f.run_forward(TensorView::contiguous(nullptr, kFloat32, {kTokens, kVocab}), f.y(), f.loss_view(), f.lse_view()),
+      Code::kInvalidArgument, {"logits.data", "non-null", "got null"});
   expect_error(f.run_forward(f.x(), TensorView::contiguous(nullptr, kInt64, {kTokens}), f.loss_view(), f.lse_view()),
                Code::kInvalidArgument, {"targets.data", "got null"});
   expect_error(f.run_forward(f.x(), f.y(), TensorView::contiguous(nullptr, kFloat32, {kTokens}), f.lse_view()),
                Code::kInvalidArgument, {"loss.data", "got null"});
   expect_error(f.run_forward(f.x(), f.y(), f.loss_view(), TensorView::contiguous(nullptr, kFloat32, {kTokens})),
                Code::kInvalidArgument, {"lse.data", "got null"});
-  expect_error(f.run_backward(TensorView::contiguous(nullptr, kFloat32, {kTokens, kVocab})),
-               Code::kInvalidArgument, {"grad_logits.data", "got null"});
+  expect_error(f.run_backward(TensorView::contiguous(nullptr, kFloat32, {kTokens, kVocab})), Code::kInvalidArgument,
+               {"grad_logits.data", "got null"});
   expect_error(ThreadGroup::create(2, nullptr), Code::kInvalidArgument, {"group", "got null"});
   f.expect_nothing_written();
 }
@@ -242,7 +243,8 @@ TEST(BadInput, MisalignedPointer) {
 
 TEST(BadInput, DeviceThisBuildCannotServe) {
   Fixture f;
-  const TensorView x = TensorView::contiguous(f.logits.data(), kFloat32, {kTokens, kVocab}, Device{DeviceType::kCUDA, 0});
+  const TensorView x =
+      TensorView::contiguous(f.logits.data(), kFloat32, {kTokens, kVocab}, Device{DeviceType::kCUDA, 0});
   expect_error(f.run_forward(x, f.y(), f.loss_view(), f.lse_view()), Code::kUnsupported,
                {"logits.device", "expected cpu", "got cuda:0"});
   f.expect_nothing_written();
@@ -263,11 +265,12 @@ TEST(BadInput, GradientOverlapsLogitsWithoutBeingInPlace) {
   Fixture f;
   const TensorView shifted = TensorView::contiguous(f.logits.data() + 1, kFloat32, {kTokens - 1, kVocab});
   f.targets.pop_back();
-  expect_error(backward(TensorView::contiguous(f.logits.data(), kFloat32, {kTokens - 1, kVocab}),
-                        TensorView::contiguous(f.targets.data(), kInt64, {kTokens - 1}),
-                        TensorView::contiguous(f.lse.data(), kFloat32, {kTokens - 1}),
-                        TensorView::contiguous(f.grad_loss.data(), kFloat32, {kTokens - 1}), f.shard, f.options, shifted),
-               Code::kInvalidArgument, {"grad_logits", "does not overlap"});
+  expect_error(
+      backward(TensorView::contiguous(f.logits.data(), kFloat32, {kTokens - 1, kVocab}),
+               TensorView::contiguous(f.targets.data(), kInt64, {kTokens - 1}),
+               TensorView::contiguous(f.lse.data(), kFloat32, {kTokens - 1}),
+               TensorView::contiguous(f.grad_loss.data(), kFloat32, {kTokens - 1}), f.shard, f.options, shifted),
+      Code::kInvalidArgument, {"grad_logits", "does not overlap"});
   EXPECT_EQ(f.logits, f.logits_before);
 }
 
@@ -341,8 +344,8 @@ TEST(BadInput, SmoothedMergeNeedsTheRanksShards) {
   // An empty range owns nothing, wherever it starts (as the one-call forward's check has it).
   std::vector<float> three(3 * kTokens * 4, 1.0f);
   const VocabShard with_empty[] = {{0, 5, 10}, {5, 10, 10}, {7, 7, 10}};
-  EXPECT_TRUE(merge_stats(TensorView::contiguous(three.data(), kFloat32, {3, kTokens, 4}), options, out, with_empty)
-                  .ok());
+  EXPECT_TRUE(
+      merge_stats(TensorView::contiguous(three.data(), kFloat32, {3, kTokens, 4}), options, out, with_empty).ok());
 }
 
 TEST(BadInput, StagedApiChecksItsArguments) {

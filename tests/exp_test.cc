@@ -215,8 +215,8 @@ TEST(Exp, ForwardSumsOfHalfLogitsOnEveryTarget) {
         if (dtype == 2 && std::fabs(offset) > 1000.0f) continue;  // beyond fp16's range
         double want = 0.0;
         for (double x : z) want += std::exp(x - max);
-        const BlockStats got = block_stats(row.data(), static_cast<StorageType>(dtype), kBlockColumns, TransformParams{},
-                                           false, false);
+        const BlockStats got =
+            block_stats(row.data(), static_cast<StorageType>(dtype), kBlockColumns, TransformParams{}, false, false);
         EXPECT_EQ(static_cast<double>(got.max), max) << name;
         const double relative = std::fabs(got.sum_exp - want) / want;
         // Measured: at most 1.3e-7, and 3.4e-7 on AVX-512 for bf16 logits near 5000 (every term
@@ -239,7 +239,8 @@ TEST(Exp, HalfPrecisionGradientsWithinOneUlpOnEveryTarget) {
         const std::string where = name + ", lse " + std::to_string(lse) + ", upstream " + std::to_string(upstream) +
                                   ", coefficient " + std::to_string(coefficient);
         const HalfGradientResult results[4] = {
-            half_gradient<BFloat16, BFloat16>(StorageType::kBFloat16, StorageType::kBFloat16, lse, upstream, coefficient),
+            half_gradient<BFloat16, BFloat16>(StorageType::kBFloat16, StorageType::kBFloat16, lse, upstream,
+                                              coefficient),
             half_gradient<float, BFloat16>(StorageType::kFloat32, StorageType::kBFloat16, lse, upstream, coefficient),
             half_gradient<Float16, Float16>(StorageType::kFloat16, StorageType::kFloat16, lse, upstream, coefficient),
             half_gradient<float, Float16>(StorageType::kFloat32, StorageType::kFloat16, lse, upstream, coefficient)};
@@ -249,8 +250,8 @@ TEST(Exp, HalfPrecisionGradientsWithinOneUlpOnEveryTarget) {
         const double at_least[4] = {0.97, 0.97, 0.995, 0.995};
         for (int k = 0; k < 4; ++k) {
           const HalfGradientResult& r = results[k];
-          EXPECT_EQ(r.beyond, 0) << where << ", " << labels[k] << ": more than 1 ulp off, e.g. at z - lse = "
-                                 << r.worst_at;
+          EXPECT_EQ(r.beyond, 0) << where << ", " << labels[k]
+                                 << ": more than 1 ulp off, e.g. at z - lse = " << r.worst_at;
           const double fraction = static_cast<double>(r.exact) / static_cast<double>(r.count);
           EXPECT_GE(fraction, at_least[k]) << where << ", " << labels[k] << ": exactly rounded";
           if (lse == 7.25f && upstream == 1.0f) {
@@ -288,9 +289,11 @@ TEST(Exp, HalfPrecisionGradientsOfLargeLogitsOnEveryTarget) {
           const double want = static_cast<double>(upstream) * std::exp(z - static_cast<double>(lse));
           for (const BFloat16& g : row) tally(g, want, z - static_cast<double>(lse), r);
         }
-        const std::string where = name + ", logit " + std::to_string(to_float(z0)) + ", upstream " + std::to_string(upstream);
+        const std::string where =
+            name + ", logit " + std::to_string(to_float(z0)) + ", upstream " + std::to_string(upstream);
         EXPECT_EQ(r.beyond, 0) << where << ", e.g. at z - lse = " << r.worst_at;
-        EXPECT_GE(static_cast<double>(r.exact) / static_cast<double>(r.count), 0.97) << where;  // measured: 98.6 % at least
+        EXPECT_GE(static_cast<double>(r.exact) / static_cast<double>(r.count), 0.97)
+            << where;  // measured: 98.6 % at least
       }
     }
   }

@@ -121,12 +121,15 @@ std::vector<Option> options() {
 }
 
 TEST(GradientUlps, EveryElementAgainstItsCorrectRoundingOnEveryTarget) {
-  const Layout layouts[] = {{"fp32 -> fp32", kFloat32, false, kFloat32}, {"fp32 in place", kFloat32, true, kFloat32},
+  const Layout layouts[] = {{"fp32 -> fp32", kFloat32, false, kFloat32},   {"fp32 in place", kFloat32, true, kFloat32},
                             {"bf16 in place", kBFloat16, true, kBFloat16}, {"bf16 -> fp32", kBFloat16, false, kFloat32},
                             {"fp16 in place", kFloat16, true, kFloat16},   {"fp32 -> bf16", kFloat32, false, kBFloat16},
                             {"fp32 -> fp16", kFloat32, false, kFloat16}};
-  const Input inputs[] = {{"std 0.1", 0.1f, 0.0}, {"std 3", 3.0f, 0.0}, {"std 3 +100", 3.0f, 100.0},
-                          {"std 3 +1e4", 3.0f, 1e4}, {"std 3 -1e4", 3.0f, -1e4}};
+  const Input inputs[] = {{"std 0.1", 0.1f, 0.0},
+                          {"std 3", 3.0f, 0.0},
+                          {"std 3 +100", 3.0f, 100.0},
+                          {"std 3 +1e4", 3.0f, 1e4},
+                          {"std 3 -1e4", 3.0f, -1e4}};
   for (const SimdVariant& variant : simd_variants()) {
     use_simd_variant(variant);
     const bool exact_argument = detail::exp_argument_is_exact();
@@ -136,7 +139,8 @@ TEST(GradientUlps, EveryElementAgainstItsCorrectRoundingOnEveryTarget) {
         for (const Input& input : inputs) {
           // fp16 holds neither 1e4 + 3 sigma with its detail nor 1e4 itself once scaled.
           if ((layout.logits == kFloat16 || layout.gradient == kFloat16) && std::fabs(input.offset) > 1000.0) continue;
-          Problem p = random_problem(16, 3001, layout.logits, 1234 + static_cast<uint64_t>(input.stddev * 10), input.stddev);
+          Problem p =
+              random_problem(16, 3001, layout.logits, 1234 + static_cast<uint64_t>(input.stddev * 10), input.stddev);
           for (int64_t i = 0; i < p.tokens; ++i) {
             for (int64_t v = 0; v < p.vocab; ++v) p.set(i, v, static_cast<float>(p.at(i, v) + input.offset));
           }

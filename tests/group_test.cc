@@ -62,10 +62,11 @@ std::vector<Status> run_group(const std::function<void(int, RankArgs&)>& tweak, 
   return group->run([&](Communicator& comm) {
     RankArgs& a = args[static_cast<size_t>(comm.rank())];
     const int64_t cols = a.shard.vocab_end - a.shard.vocab_begin;
-    const Status s = forward(comm, TensorView::contiguous(a.logits.data(), a.dtype, {static_cast<int64_t>(a.targets.size()), cols}),
-                             TensorView::contiguous(a.targets.data(), kInt64, {static_cast<int64_t>(a.targets.size())}), a.shard,
-                             a.options, TensorView::contiguous(a.loss.data(), kFloat32, {static_cast<int64_t>(a.targets.size())}),
-                             TensorView::contiguous(a.lse.data(), kFloat32, {static_cast<int64_t>(a.targets.size())}));
+    const Status s =
+        forward(comm, TensorView::contiguous(a.logits.data(), a.dtype, {static_cast<int64_t>(a.targets.size()), cols}),
+                TensorView::contiguous(a.targets.data(), kInt64, {static_cast<int64_t>(a.targets.size())}), a.shard,
+                a.options, TensorView::contiguous(a.loss.data(), kFloat32, {static_cast<int64_t>(a.targets.size())}),
+                TensorView::contiguous(a.lse.data(), kFloat32, {static_cast<int64_t>(a.targets.size())}));
     if (!s.ok()) {
       for (float v : a.loss) EXPECT_EQ(v, -7.0f) << "loss written despite the error";
     }
@@ -164,11 +165,9 @@ TEST(Group, DifferentLabelSmoothing) {
 
 // Values one ulp apart print differently, so the message shows the difference.
 TEST(Group, OptionsOneUlpApartPrintDifferently) {
-  expect_all_fail(run_group([](int r, RankArgs& a) {
-                    a.options.label_smoothing = r == 1 ? std::nextafter(0.1f, 1.0f) : 0.1f;
-                  }),
-                  {"ranks disagree on options.label_smoothing", "expected rank 0's 0.1 on every rank",
-                   "got 0.10000001 on rank 1"});
+  expect_all_fail(
+      run_group([](int r, RankArgs& a) { a.options.label_smoothing = r == 1 ? std::nextafter(0.1f, 1.0f) : 0.1f; }),
+      {"ranks disagree on options.label_smoothing", "expected rank 0's 0.1 on every rank", "got 0.10000001 on rank 1"});
 }
 
 TEST(Group, DifferentTargets) {

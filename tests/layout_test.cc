@@ -52,10 +52,10 @@ struct Layout {
 void expect_matches_oracle(Layout& layout, int ranks, float label_smoothing) {
   const int64_t n = layout.s * layout.b;
   const std::vector<VocabShard> shards = shards_from_sizes(even_splits(layout.vocab, ranks));
-  const reference::Result want =
-      reference::cross_entropy(layout.as_rows(), n, layout.vocab, layout.targets, label_smoothing,
-                               widen(layout.grad_loss));
-  std::vector<std::vector<float>> loss(static_cast<std::size_t>(ranks), std::vector<float>(static_cast<std::size_t>(n)));
+  const reference::Result want = reference::cross_entropy(layout.as_rows(), n, layout.vocab, layout.targets,
+                                                          label_smoothing, widen(layout.grad_loss));
+  std::vector<std::vector<float>> loss(static_cast<std::size_t>(ranks),
+                                       std::vector<float>(static_cast<std::size_t>(n)));
   std::vector<std::vector<float>> lse = loss;
   std::vector<float> grad(static_cast<std::size_t>(n * layout.vocab), NAN);
   std::unique_ptr<ThreadGroup> group;

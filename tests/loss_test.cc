@@ -27,8 +27,8 @@ std::string dtype_name(DataType d) { return d == kFloat32 ? "fp32" : d == kBFloa
 std::string case_name(const testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   return dtype_name(c.dtype) + "_R" + std::to_string(c.ranks) + "_V" + std::to_string(c.vocab) + "_N" +
-         std::to_string(c.tokens) + (c.in_place ? "_inplace" : "_outofplace") +
-         (c.smoothing > 0 ? "_smooth" : "") + (c.staged ? "_staged" : "");
+         std::to_string(c.tokens) + (c.in_place ? "_inplace" : "_outofplace") + (c.smoothing > 0 ? "_smooth" : "") +
+         (c.staged ? "_staged" : "");
 }
 
 // Unit roundoff of a dtype: the largest relative error of rounding to it.
@@ -44,8 +44,7 @@ void expect_within_rounding(const std::vector<double>& got, const std::vector<do
   for (std::size_t i = 0; i < want.size(); ++i) {
     const double tolerance = unit_roundoff(dtype) * std::fabs(want[i]) + 1e-6 * scale;
     if (!(std::fabs(got[i] - want[i]) <= tolerance) && bad++ < 5) {
-      ADD_FAILURE() << what << "[" << i << "]: got " << got[i] << ", oracle " << want[i] << ", tolerance "
-                    << tolerance;
+      ADD_FAILURE() << what << "[" << i << "]: got " << got[i] << ", oracle " << want[i] << ", tolerance " << tolerance;
     }
   }
   EXPECT_EQ(bad, 0) << what << ": elements outside tolerance";
@@ -65,8 +64,8 @@ TEST_P(LossVsOracle, MatchesFp64OracleAndRanksAgreeBitwise) {
   const RunResult result = run_ranks(problem, shards_from_sizes(even_splits(c.vocab, c.ranks)), options);
   for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
 
-  const reference::Result want = reference::cross_entropy(
-      x, c.tokens, c.vocab, problem.targets, c.smoothing, widen(problem.grad_loss));
+  const reference::Result want =
+      reference::cross_entropy(x, c.tokens, c.vocab, problem.targets, c.smoothing, widen(problem.grad_loss));
   for (int r = 1; r < c.ranks; ++r) {
     EXPECT_EQ(0, std::memcmp(result.per_rank[0].loss.data(), result.per_rank[static_cast<size_t>(r)].loss.data(),
                              sizeof(float) * static_cast<size_t>(c.tokens)))
@@ -159,8 +158,8 @@ TEST(UnevenShards, MatchOracle) {
     options.loss.label_smoothing = 0.1f;
     const RunResult result = run_ranks(problem, shards_from_sizes(sizes), options);
     for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
-    const auto want = reference::cross_entropy(problem.as_double(), 29, 1000, problem.targets, 0.1,
-                                               widen(problem.grad_loss));
+    const auto want =
+        reference::cross_entropy(problem.as_double(), 29, 1000, problem.targets, 0.1, widen(problem.grad_loss));
     EXPECT_LE(relative_error(widen(result.per_rank[0].loss), want.loss), 1e-6);
     EXPECT_LE(relative_error(result.grad, want.grad), 1e-6);
   }
@@ -222,7 +221,8 @@ TEST(FiniteDifferences, GradientMatches) {
         megatron.label_smoothing = smoothing;
         const int64_t y = problem.targets[static_cast<size_t>(i)];
         const double fd = (reference::token_loss(plus.data(), 40, y, megatron) -
-                           reference::token_loss(minus.data(), 40, y, megatron)) / (2 * h);
+                           reference::token_loss(minus.data(), 40, y, megatron)) /
+                          (2 * h);
         EXPECT_NEAR(result.grad[static_cast<size_t>(i * 40 + v)], fd, 2e-6) << "token " << i << " column " << v;
       }
     }

@@ -29,7 +29,9 @@ std::vector<std::byte> image(const std::string& header, const void* data, std::s
   return out;
 }
 
-Status parse_image(const std::vector<std::byte>& bytes, Array* out) { return parse(bytes.data(), bytes.size(), "x.npy", out); }
+Status parse_image(const std::vector<std::byte>& bytes, Array* out) {
+  return parse(bytes.data(), bytes.size(), "x.npy", out);
+}
 
 TEST(Npy, ReadsWhatNumpyWrites) {
   const float values[6] = {1, 2, 3, 4, 5, 6.5f};
@@ -47,7 +49,8 @@ TEST(Npy, ReadsWhatNumpyWrites) {
 TEST(Npy, ReadsVersionTwoOtherKeyOrderAndOneDimension) {
   const int64_t values[3] = {7, -1, 1LL << 40};
   Array a;
-  ASSERT_TRUE(parse_image(image("{\"shape\": (3,), \"fortran_order\": False, \"descr\": \"<i8\"}\n", values, 24, 2), &a).ok());
+  ASSERT_TRUE(
+      parse_image(image("{\"shape\": (3,), \"fortran_order\": False, \"descr\": \"<i8\"}\n", values, 24, 2), &a).ok());
   EXPECT_EQ(a.dtype, Dtype::kInt64);
   EXPECT_EQ(a.shape, (std::vector<int64_t>{3}));
   EXPECT_EQ(a.as<int64_t>()[2], 1LL << 40);
@@ -65,7 +68,8 @@ TEST(Npy, ReadsZeroDimensionalAndEmptyArrays) {
 
 TEST(Npy, WriterOutputIsAlignedAndReadsBack) {
   const double values[4] = {0.5, -2, 1e300, 3};
-  for (const std::vector<int64_t>& shape : {std::vector<int64_t>{4}, std::vector<int64_t>{2, 2}, std::vector<int64_t>{1, 4, 1}}) {
+  for (const std::vector<int64_t>& shape :
+       {std::vector<int64_t>{4}, std::vector<int64_t>{2, 2}, std::vector<int64_t>{1, 4, 1}}) {
     const std::vector<std::byte> bytes = serialize(Dtype::kFloat64, shape, values);
     const std::size_t header_len = static_cast<std::size_t>(bytes[8]) | static_cast<std::size_t>(bytes[9]) << 8;
     EXPECT_EQ((10 + header_len) % 64, 0u);
@@ -78,7 +82,8 @@ TEST(Npy, WriterOutputIsAlignedAndReadsBack) {
   const std::string expected_start = "\x93NUMPY\x01";
   const auto bytes = serialize(Dtype::kInt32, {3}, values);
   EXPECT_EQ(std::string(reinterpret_cast<const char*>(bytes.data()), 7), expected_start);
-  EXPECT_NE(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()).find("'shape': (3,)"), std::string::npos);
+  EXPECT_NE(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()).find("'shape': (3,)"),
+            std::string::npos);
 }
 
 void expect_rejected(const std::vector<std::byte>& bytes, const char* fragment) {

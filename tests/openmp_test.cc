@@ -117,9 +117,9 @@ Case head_stats_case(int num_threads) {
     const TensorView bias = p.bias_view(0, p.vocab);
     const HeadInputs in{p.hidden_view(), p.weight_view(0, p.vocab), &bias};
     std::vector<float> stats(static_cast<std::size_t>(p.tokens * 4), NAN);
-    const Status s = linear_cross_entropy_local_stats(
-        in, TensorView::contiguous(p.targets.data(), kInt64, {p.tokens}), {0, p.vocab, p.vocab}, options, {},
-        TensorView::contiguous(stats.data(), kFloat32, {p.tokens, 4}));
+    const Status s = linear_cross_entropy_local_stats(in, TensorView::contiguous(p.targets.data(), kInt64, {p.tokens}),
+                                                      {0, p.vocab, p.vocab}, options, {},
+                                                      TensorView::contiguous(stats.data(), kFloat32, {p.tokens, 4}));
     EXPECT_TRUE(s.ok()) << s.to_string();
     return widen(stats);
   };
@@ -236,10 +236,9 @@ TEST_P(InsideOpenMpTeams, EveryEntryGivesItsSerialResultOnEveryThreadOfTheTeam) 
   omp_set_max_active_levels(levels);
 }
 
-INSTANTIATE_TEST_SUITE_P(Nesting, InsideOpenMpTeams, testing::Bool(),
-                         [](const testing::TestParamInfo<bool>& info) {
-                           return std::string(info.param ? "NestedOn" : "NestedOff");
-                         });
+INSTANTIATE_TEST_SUITE_P(Nesting, InsideOpenMpTeams, testing::Bool(), [](const testing::TestParamInfo<bool>& info) {
+  return std::string(info.param ? "NestedOn" : "NestedOff");
+});
 
 }  // namespace
 }  // namespace vpce::test

@@ -41,7 +41,8 @@ const std::vector<Option>& all_options() {
       {"weights",
        [](RunOptions& o, Problem& p) {
          o.weights.resize(static_cast<std::size_t>(p.tokens));
-         for (std::size_t i = 0; i < o.weights.size(); ++i) o.weights[i] = i % 5 == 2 ? 0.0f : 0.25f * static_cast<float>(i % 7);
+         for (std::size_t i = 0; i < o.weights.size(); ++i)
+           o.weights[i] = i % 5 == 2 ? 0.0f : 0.25f * static_cast<float>(i % 7);
        }},
       {"sum",
        [](RunOptions& o, Problem&) {
@@ -230,7 +231,8 @@ TEST(Options, PyTorchSmoothingOfOne) {
   megatron.loss.label_smoothing = 1.0f;
   RunResult refused = run_ranks(problem, shards_from_sizes({10}), megatron);
   EXPECT_NE(refused.status[0].message().find("options.label_smoothing: expected a value in [0, 1), got 1"),
-            std::string::npos) << refused.status[0].message();
+            std::string::npos)
+      << refused.status[0].message();
   // A target logit of -inf: the uniform term is +inf, and so is the loss (no 0 x inf).
   Problem minus = random_problem(2, 10, kFloat32, 7);
   minus.set(0, minus.targets[0], -std::numeric_limits<float>::infinity());
@@ -246,7 +248,8 @@ TEST(Options, PyTorchSmoothingOfOne) {
   beyond.loss.smoothing_semantics = SmoothingSemantics::kPyTorch;
   refused = run_ranks(problem, shards_from_sizes({10}), beyond);
   EXPECT_NE(refused.status[0].message().find("expected a value in [0, 1] (PyTorch's semantics), got 1.5"),
-            std::string::npos) << refused.status[0].message();
+            std::string::npos)
+      << refused.status[0].message();
 }
 
 // Ties for the argmax go to the smallest column index, whichever rank holds it.

@@ -124,8 +124,9 @@ TEST(Workspace, MovedFromAndMovedIntoBothWork) {
   ASSERT_TRUE(ThreadGroup::create(1, &group).ok());
   auto loss_with = [&](Workspace* workspace) {
     std::vector<float> loss(kTokens, -1.0f), lse(kTokens);
-    const Status s = forward(group->communicator(0), x, y, shard, {}, TensorView::contiguous(loss.data(), kFloat32, {kTokens}),
-                             TensorView::contiguous(lse.data(), kFloat32, {kTokens}), {}, workspace);
+    const Status s =
+        forward(group->communicator(0), x, y, shard, {}, TensorView::contiguous(loss.data(), kFloat32, {kTokens}),
+                TensorView::contiguous(lse.data(), kFloat32, {kTokens}), {}, workspace);
     EXPECT_TRUE(s.ok()) << s.to_string();
     return loss;
   };

@@ -33,7 +33,7 @@ TEST(Rows, MaxAndWidenMatchTheDefinitionOnEveryTarget) {
       for (int64_t cols : {1, 15, 16, 33, 1000, 5000}) {
         Problem p = random_problem(6, cols, dtype, static_cast<uint64_t>(cols), 3.0f);
         p.set(1, cols - 1, std::numeric_limits<float>::quiet_NaN());  // the last element
-        for (int64_t v = 0; v < cols; ++v) p.set(2, v, -kInf);       // no max but -inf
+        for (int64_t v = 0; v < cols; ++v) p.set(2, v, -kInf);        // no max but -inf
         p.set(3, 0, kInf);
         if (cols > 16) {
           for (int64_t v = 0; v < 16; ++v) p.set(4, v, std::numeric_limits<float>::quiet_NaN());  // a vector
@@ -42,7 +42,8 @@ TEST(Rows, MaxAndWidenMatchTheDefinitionOnEveryTarget) {
         const TensorView max_view = TensorView::contiguous(max.data(), kFloat32, {6});
         const TensorView wide_view = TensorView::contiguous(wide.data(), kFloat32, {6, cols});
         ASSERT_TRUE(row_max(p.shard_view({0, cols, cols}), max_view, &wide_view, 2).ok());
-        const std::string where = std::string(hwy::TargetName(target)) + " " + to_string(dtype) + " K " + std::to_string(cols);
+        const std::string where =
+            std::string(hwy::TargetName(target)) + " " + to_string(dtype) + " K " + std::to_string(cols);
         for (int64_t i = 0; i < 6; ++i) {
           double want = -HUGE_VAL;
           bool nan = false;
@@ -51,7 +52,8 @@ TEST(Rows, MaxAndWidenMatchTheDefinitionOnEveryTarget) {
             nan |= std::isnan(x);
             want = std::max(want, x);
             const float w = wide[static_cast<size_t>(i * cols + v)];
-            ASSERT_TRUE(std::isnan(x) ? std::isnan(w) : static_cast<double>(w) == x) << where << " row " << i << " column " << v;
+            ASSERT_TRUE(std::isnan(x) ? std::isnan(w) : static_cast<double>(w) == x)
+                << where << " row " << i << " column " << v;
           }
           if (nan) {
             EXPECT_TRUE(std::isnan(max[static_cast<size_t>(i)])) << where << " row " << i;
@@ -82,7 +84,8 @@ TEST(Rows, ExpInPlaceAndSumsMatchTheDefinitionOnEveryTarget) {
       for (int64_t i = 0; i < 5; ++i) {
         double sum = 0.0, worst = 0.0;
         for (int64_t v = 0; v < cols; ++v) {
-          const auto difference = static_cast<float>(before.at(i, v) - shift[static_cast<size_t>(i)]);  // rounded, as x -= max
+          const auto difference =
+              static_cast<float>(before.at(i, v) - shift[static_cast<size_t>(i)]);  // rounded, as x -= max
           const double want = std::exp(static_cast<double>(difference));
           const auto got = static_cast<float>(p.at(i, v));
           sum += want;
@@ -103,7 +106,8 @@ TEST(Rows, ExpInPlaceAndSumsMatchTheDefinitionOnEveryTarget) {
         } else if (sum > std::numeric_limits<float>::max()) {
           EXPECT_EQ(got_sum, kInf) << where << " row " << i;  // the sum overflows fp32
         } else {  // the elements' rounding, and one subnormal spacing each below 2^-126
-          EXPECT_LE(std::fabs(got_sum - sum), 4e-7 * sum + 0x1p-149 * static_cast<double>(cols)) << where << " row " << i;
+          EXPECT_LE(std::fabs(got_sum - sum), 4e-7 * sum + 0x1p-149 * static_cast<double>(cols))
+              << where << " row " << i;
         }
       }
     }
@@ -132,13 +136,15 @@ TEST(Rows, BadArgumentsAreNamedAndWriteNothing) {
   const TensorView x = p.shard_view({0, 10, 10});
   auto message = [](const Status& s) { return s.to_string(); };
   const TensorView three = TensorView::contiguous(small.data(), kFloat32, {3});
-  EXPECT_NE(message(row_max(x, three)).find("max.shape: expected 4 elements"), std::string::npos) << message(row_max(x, three));
+  EXPECT_NE(message(row_max(x, three)).find("max.shape: expected 4 elements"), std::string::npos)
+      << message(row_max(x, three));
   const TensorView doubles = TensorView::contiguous(wide.data(), kFloat64, {4});
   EXPECT_NE(message(row_max(x, doubles)).find("max.dtype: expected float32, got float64"), std::string::npos);
   const TensorView shift_view = TensorView::contiguous(shift.data(), kFloat32, {4});
   EXPECT_NE(message(row_max(x, shift_view, nullptr, -1)).find("num_threads: expected in [0, "), std::string::npos);
   Problem half = random_problem(4, 10, kBFloat16, 1);
-  EXPECT_NE(message(exp_rows_in_place(half.shard_view({0, 10, 10}), shift_view)).find("x.dtype: expected float32, got bfloat16"),
+  EXPECT_NE(message(exp_rows_in_place(half.shard_view({0, 10, 10}), shift_view))
+                .find("x.dtype: expected float32, got bfloat16"),
             std::string::npos);
   EXPECT_NE(message(exp_rows_in_place(x, three)).find("shift.shape: expected 4 elements"), std::string::npos);
   const TensorView inside = TensorView::contiguous(p.base(), kFloat32, {4});  // the sums inside x

@@ -61,9 +61,9 @@ TEST(SimdTargets, EveryTargetMatchesTheOracle) {
     for (DataType dtype : {kFloat32, kBFloat16, kFloat16}) {
       for (bool in_place : {false, true}) {
         check_case({dtype, 7, 1003, 3, in_place, 0.0f, 1.0f, 0.1f, true}, name);
-        check_case({dtype, 5, 40000, 2, in_place, 0.0f, 1.0f, 0.0f, false}, name);   // 2 blocks per rank
-        check_case({dtype, 1, 70001, 1, in_place, 6.0f, 0.8f, 0.1f, true}, name);    // one row, split
-        check_case({dtype, 3, 77, 4, in_place, 3.0f, 1.5f, 0.0f, true}, name);       // tails only
+        check_case({dtype, 5, 40000, 2, in_place, 0.0f, 1.0f, 0.0f, false}, name);  // 2 blocks per rank
+        check_case({dtype, 1, 70001, 1, in_place, 6.0f, 0.8f, 0.1f, true}, name);   // one row, split
+        check_case({dtype, 3, 77, 4, in_place, 3.0f, 1.5f, 0.0f, true}, name);      // tails only
       }
     }
   }
@@ -95,7 +95,8 @@ std::vector<float> rounding_cases() {
   for (uint32_t bits = 0; bits <= largest; ++bits) {
     const float lo = detail::to_float(T{static_cast<uint16_t>(bits)});
     const float hi = detail::to_float(T{static_cast<uint16_t>(bits + 1)});
-    const float mid = std::isinf(hi) ? lo + (lo - detail::to_float(T{static_cast<uint16_t>(bits - 1)})) / 2 : (lo + hi) / 2;
+    const float mid =
+        std::isinf(hi) ? lo + (lo - detail::to_float(T{static_cast<uint16_t>(bits - 1)})) / 2 : (lo + hi) / 2;
     for (float v : {lo, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, HUGE_VALF)}) {
       x.push_back(v);
       x.push_back(-v);
@@ -146,7 +147,8 @@ TEST(SimdTargets, GradientStoresRoundLikeTheScalarConversions) {
       if (!(std::fabs(v) >= 0x1p110f) || std::isinf(v)) pairs_cases.push_back(v);
     }
     std::vector<detail::BFloat16> got(pairs_cases.size());
-    detail::store_bf16_pairs(pairs_cases.data(), reinterpret_cast<uint16_t*>(got.data()), static_cast<int64_t>(got.size()));
+    detail::store_bf16_pairs(pairs_cases.data(), reinterpret_cast<uint16_t*>(got.data()),
+                             static_cast<int64_t>(got.size()));
     int64_t wrong = 0;
     for (size_t i = 0; i < pairs_cases.size(); ++i) {
       const float x = pairs_cases[i];

@@ -11,7 +11,6 @@
 
 namespace vpce::test {
 
-
 std::vector<int64_t> even_splits(int64_t vocab, int ranks) {
   std::vector<int64_t> sizes;
   for (int r = 0; r < ranks; ++r) sizes.push_back(vocab / ranks + (r < vocab % ranks ? 1 : 0));
@@ -97,8 +96,8 @@ Status staged_forward(Communicator& comm, const TensorView& x, const TensorView&
   if (Status s = comm.all_gather(&shard, shards.data(), sizeof(VocabShard)); !s.ok()) return s;
   std::vector<float> merged(static_cast<std::size_t>(n * width));
   const TensorView merged_view = TensorView::contiguous(merged.data(), kFloat32, {n, width});
-  if (Status s = merge_stats(TensorView::contiguous(all.data(), kFloat32, {ranks, n, width}), options, merged_view,
-                             shards);
+  if (Status s =
+          merge_stats(TensorView::contiguous(all.data(), kFloat32, {ranks, n, width}), options, merged_view, shards);
       !s.ok()) {
     return s;
   }
@@ -133,7 +132,8 @@ Status run_rank(Communicator& comm, Problem& problem, const VocabShard& shard, c
   const TensorView* weights_view = options.weights.empty() ? nullptr : &weights;
   const TensorView x = problem.shard_view(shard);
   const TensorView y = TensorView::contiguous(problem.targets.data(), kInt64, {n});
-  const TensorView loss = TensorView::contiguous(mine->loss.data(), kFloat32, {static_cast<int64_t>(mine->loss.size())});
+  const TensorView loss =
+      TensorView::contiguous(mine->loss.data(), kFloat32, {static_cast<int64_t>(mine->loss.size())});
   // An fp32 lse goes through its own buffer, widened into mine->lse at the end.
   std::vector<float> lse32(options.lse_dtype == kFloat32 ? static_cast<std::size_t>(n) : 0, std::nanf(""));
   struct Widen {
@@ -161,10 +161,9 @@ Status run_rank(Communicator& comm, Problem& problem, const VocabShard& shard, c
   const TensorView g = reduced ? TensorView::contiguous(const_cast<float*>(&options.grad_scalar), kFloat32, {1})
                                : TensorView::contiguous(problem.grad_loss.data(), kFloat32, {n});
   const int64_t cols = shard.vocab_end - shard.vocab_begin;
-  const TensorView out =
-      options.in_place
-          ? x
-          : TensorView::matrix(grad + shard.vocab_begin * grad_dtype.bytes(), grad_dtype, n, cols, problem.vocab);
+  const TensorView out = options.in_place ? x
+                                          : TensorView::matrix(grad + shard.vocab_begin * grad_dtype.bytes(),
+                                                               grad_dtype, n, cols, problem.vocab);
   return options.staged ? calculate_gradients(x, y, lse, g, shard, options.loss, out, weights_view)
                         : backward(x, y, lse, g, shard, options.loss, out, weights_view);
 }

@@ -39,8 +39,7 @@ struct Problem {
 };
 
 // Normal(0, stddev) logits rounded to `dtype`, uniform targets, upstream gradients in [0.5, 2).
-Problem random_problem(int64_t tokens, int64_t vocab, DataType dtype, uint64_t seed,
-                       float stddev = 3.0f);
+Problem random_problem(int64_t tokens, int64_t vocab, DataType dtype, uint64_t seed, float stddev = 3.0f);
 
 struct RankOutputs {
   std::vector<float> loss;  // [N] for kNone, [1] otherwise
@@ -49,9 +48,9 @@ struct RankOutputs {
 };
 
 struct RunResult {
-  std::vector<Status> status;          // per rank
-  std::vector<RankOutputs> per_rank;   // per rank
-  std::vector<double> grad;            // [N, V], gathered from every rank's columns
+  std::vector<Status> status;         // per rank
+  std::vector<RankOutputs> per_rank;  // per rank
+  std::vector<double> grad;           // [N, V], gathered from every rank's columns
 };
 
 struct RunOptions {

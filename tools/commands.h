@@ -23,7 +23,7 @@ struct RunConfig {
   LossOptions loss;                   // every loss option; num_threads from --threads
   bool extras = false;                // also write target_is_argmax.npy and entropy.npy
   bool in_place = false;
-  std::string dtype;  // "fp32", "bf16", "fp16", or empty for the file's own
+  std::string dtype;                // "fp32", "bf16", "fp16", or empty for the file's own
   std::string backend = "threads";  // "threads" (in-process) or "mpi" (one process per rank)
   int timeout_s = 300;              // --timeout: how long a rank waits for the others
 };
@@ -50,21 +50,21 @@ struct GenConfig {
 Status gen_command(const GenConfig& config);
 
 struct PerfConfig {
-  int64_t min_tokens = 1024;        // -b
-  int64_t max_tokens = 4096;        // -e
-  double factor = 2.0;              // -f
+  int64_t min_tokens = 1024;             // -b
+  int64_t max_tokens = 4096;             // -e
+  double factor = 2.0;                   // -f
   std::vector<int64_t> vocab = {32000};  // -V (global vocabulary sizes)
-  int ranks = 1;                    // -t
-  std::string dtype = "fp32";       // -d: fp32, bf16, fp16 or all
-  int iterations = 10;              // -n
-  int warmup = 2;                   // -w
-  int check = 1;                    // -c
-  int threads = 0;                  // --threads per rank (0: cores / R)
+  int ranks = 1;                         // -t
+  std::string dtype = "fp32";            // -d: fp32, bf16, fp16 or all
+  int iterations = 10;                   // -n
+  int warmup = 2;                        // -w
+  int check = 1;                         // -c
+  int threads = 0;                       // --threads per rank (0: cores / R)
   float label_smoothing = 0.0f;
   // --head: the fused head (vpce/head.h) instead of the loss of logits.
   bool head = false;
-  std::vector<int64_t> hidden = {1024};  // -H
-  std::string head_mode = "both";        // --mode: recompute, chunked or both
+  std::vector<int64_t> hidden = {1024};                        // -H
+  std::string head_mode = "both";                              // --mode: recompute, chunked or both
   int64_t token_block = 0, vocab_block = 0, chunk_tokens = 0;  // HeadOptions (0: defaults)
   // --no-bf16-instructions: run as a CPU without AVX512-BF16 would (the kernels' software bf16
   // rounding; the head's bf16 operands widened to fp32 for its tiles).

@@ -52,8 +52,7 @@ Status gen_command(const GenConfig& config) {
   const std::string request = std::to_string(config.tokens) + " x " + std::to_string(config.vocab);
   if (Status s = check_fits_in_memory("--tokens x --vocab", static_cast<double>(bytes), request); !s.ok()) return s;
   return catch_out_of_memory("gen: --tokens " + std::to_string(config.tokens) + " x --vocab " +
-                                 std::to_string(config.vocab) + " (about " + std::to_string(bytes >> 20) +
-                                 " MiB)",
+                                 std::to_string(config.vocab) + " (about " + std::to_string(bytes >> 20) + " MiB)",
                              [&] { return generate(config, static_cast<std::size_t>(count)); });
 }
 

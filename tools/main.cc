@@ -25,19 +25,16 @@ int main(int argc, char** argv) {
   // instead of killing the process with SIGXFSZ.
   std::signal(SIGXFSZ, SIG_IGN);
   using vpce::tools::integer_in;
-  CLI::App app{"vpce " VPCE_VERSION_STRING
-               ": exact vocab-parallel cross-entropy (loss and gradient) on .npy files",
+  CLI::App app{"vpce " VPCE_VERSION_STRING ": exact vocab-parallel cross-entropy (loss and gradient) on .npy files",
                "vpce"};
   app.set_version_flag("--version", VPCE_VERSION_STRING);
   app.require_subcommand(1, 1);
 
   vpce::tools::RunConfig run;
-  CLI::App* run_cmd = app.add_subcommand(
-      "run", "Split the vocabulary over R in-process ranks and compute loss, lse and gradient");
-  run_cmd->add_option("--logits", run.logits_path, "[..., V] float32 or float16 .npy, full vocabulary")
-      ->required();
-  run_cmd->add_option("--targets", run.targets_path, "int32 or int64 .npy with the leading shape")
-      ->required();
+  CLI::App* run_cmd =
+      app.add_subcommand("run", "Split the vocabulary over R in-process ranks and compute loss, lse and gradient");
+  run_cmd->add_option("--logits", run.logits_path, "[..., V] float32 or float16 .npy, full vocabulary")->required();
+  run_cmd->add_option("--targets", run.targets_path, "int32 or int64 .npy with the leading shape")->required();
   CLI::Option* tp = run_cmd->add_option("--tp", run.ranks, "number of ranks R, even split (default 1)")
                         ->check(integer_in(1, vpce::tools::kMaxRanks));
   run_cmd->add_option("--vocab-splits", run.vocab_splits, "shard sizes a,b,... summing to V (uneven split)")
@@ -48,20 +45,19 @@ int main(int argc, char** argv) {
   run_cmd
       ->add_option("--smoothing-semantics", run.loss.smoothing_semantics,
                    "megatron: target 1-a, others a/(V-1); pytorch: (1-a) onehot + a/V (default megatron)")
-      ->transform(CLI::CheckedTransformer(
-          std::map<std::string, vpce::SmoothingSemantics>{{"megatron", vpce::SmoothingSemantics::kMegatron},
-                                                          {"pytorch", vpce::SmoothingSemantics::kPyTorch}}));
+      ->transform(CLI::CheckedTransformer(std::map<std::string, vpce::SmoothingSemantics>{
+          {"megatron", vpce::SmoothingSemantics::kMegatron}, {"pytorch", vpce::SmoothingSemantics::kPyTorch}}));
   run_cmd->add_option("--ignore-index", run.loss.ignore_index, "targets equal to this are ignored (default -100)")
       ->check(integer_in(kInt64Min, kInt64Max));
-  run_cmd
-      ->add_option("--reduction", run.loss.reduction, "none, sum, or mean over counted tokens (default none)")
+  run_cmd->add_option("--reduction", run.loss.reduction, "none, sum, or mean over counted tokens (default none)")
       ->transform(CLI::CheckedTransformer(std::map<std::string, vpce::Reduction>{
           {"none", vpce::Reduction::kNone}, {"sum", vpce::Reduction::kSum}, {"mean", vpce::Reduction::kMean}}));
   run_cmd->add_option("--z-loss", run.loss.z_loss_weight, "z-loss weight: adds w * lse^2 per token (default 0)");
   run_cmd->add_option("--logit-scale", run.loss.logit_scale, "multiply the logits by this first (default 1)");
   run_cmd->add_option("--softcap", run.loss.softcap, "soft-cap: z = c * tanh(z / c) (default 0: off)");
-  run_cmd->add_option("--valid-vocab-size", run.loss.valid_vocab_size,
-                      "real classes; columns from here to V are padding (default 0: all)")
+  run_cmd
+      ->add_option("--valid-vocab-size", run.loss.valid_vocab_size,
+                   "real classes; columns from here to V are padding (default 0: all)")
       ->check(integer_in(0, kInt64Max));
   run_cmd->add_option("--weights", run.weights_path, "float32 .npy of per-token loss weights, the targets' shape");
   run_cmd->add_option("--grad-output", run.grad_output_path,
@@ -103,8 +99,10 @@ int main(int argc, char** argv) {
   perf_cmd->add_option("-t,--ranks", perf.ranks, "in-process ranks R (default 1)")->check(integer_in(1, 256));
   perf_cmd->add_option("-d,--dtype", perf.dtype, "fp32, bf16, fp16 or all (default fp32)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16", "all"}));
-  perf_cmd->add_option("-n,--iters", perf.iterations, "timed iterations per row (default 10)")->check(integer_in(1, 100000));
-  perf_cmd->add_option("-w,--warmup", perf.warmup, "warm-up iterations per row (default 2)")->check(integer_in(0, 100000));
+  perf_cmd->add_option("-n,--iters", perf.iterations, "timed iterations per row (default 10)")
+      ->check(integer_in(1, 100000));
+  perf_cmd->add_option("-w,--warmup", perf.warmup, "warm-up iterations per row (default 2)")
+      ->check(integer_in(0, 100000));
   perf_cmd->add_option("-c,--check", perf.check, "1: count wrong elements against the fp64 oracle (default 1)")
       ->check(integer_in(0, 1));
   perf_cmd->add_option("--threads", perf.threads, "threads per rank (default: cores / R; at most 4 x cores)")
@@ -127,7 +125,9 @@ int main(int argc, char** argv) {
   perf_cmd->add_flag("--bf16-logit-gradients", perf.bf16_logit_gradients,
                      "--head: bf16 rows round the logit gradients to bf16 for the gradients' GEMMs "
                      "(HeadOptions::bf16_logit_gradients)");
-  perf_cmd->add_option("--chunk-tokens", perf.chunk_tokens, "--head: chunked mode's tokens per chunk (default 0: the library's)")
+  perf_cmd
+      ->add_option("--chunk-tokens", perf.chunk_tokens,
+                   "--head: chunked mode's tokens per chunk (default 0: the library's)")
       ->check(integer_in(0, int64_t{1} << 30));
 
   try {
@@ -148,8 +148,9 @@ int main(int argc, char** argv) {
 #ifdef VPCE_CLI_HAVE_MPI
       status = vpce::tools::run_mpi_command(run, &reports);
 #else
-      status = {vpce::Code::kUnsupported,
-                "--backend: expected threads (this vpce was built without MPI; configure with -DVPCE_WITH_MPI=ON), got mpi"};
+      status = {
+          vpce::Code::kUnsupported,
+          "--backend: expected threads (this vpce was built without MPI; configure with -DVPCE_WITH_MPI=ON), got mpi"};
 #endif
     } else if (run_cmd->parsed()) {
       status = vpce::tools::run_command(run);
@@ -157,8 +158,9 @@ int main(int argc, char** argv) {
 #if VPCE_WITH_HEAD
       status = perf.head ? vpce::tools::perf_head_command(perf) : vpce::tools::perf_command(perf);
 #else
-      status = perf.head ? vpce::Status{vpce::Code::kUnsupported, "--head: this build of vpce has no fused head "
-                                                                   "(built with VPCE_WITH_HEAD=OFF)"}
+      status = perf.head ? vpce::Status{vpce::Code::kUnsupported,
+                                        "--head: this build of vpce has no fused head "
+                                        "(built with VPCE_WITH_HEAD=OFF)"}
                          : vpce::tools::perf_command(perf);
 #endif
     } else {

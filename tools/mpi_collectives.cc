@@ -111,7 +111,8 @@ Status ToolCollectives::agree_flags(const RunConfig& config, int* ranks_on_host)
   }
   std::vector<FlagRecord> all(static_cast<std::size_t>(ranks_));
   if (Status s = all_gather(&mine, all.data(), sizeof(FlagRecord), "agreeing the flags"); !s.ok()) return s;
-  *ranks_on_host = static_cast<int>(std::count_if(all.begin(), all.end(), [&](const FlagRecord& r) { return r.host == mine.host; }));
+  *ranks_on_host =
+      static_cast<int>(std::count_if(all.begin(), all.end(), [&](const FlagRecord& r) { return r.host == mine.host; }));
   for (std::size_t f = 0; f < values.size() && f < kMaxFlags; ++f) {
     for (std::size_t r = 1; r < all.size(); ++r) {
       if (all[r].flags[f].hash == all[0].flags[f].hash) continue;

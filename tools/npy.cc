@@ -16,9 +16,7 @@ constexpr char kMagic[] = "\x93NUMPY";
 constexpr std::size_t kMagicBytes = 6;
 constexpr int kMaxDims = 32;
 
-Status bad(const std::string& name, const std::string& what) {
-  return {Code::kInvalidArgument, name + ": " + what};
-}
+Status bad(const std::string& name, const std::string& what) { return {Code::kInvalidArgument, name + ": " + what}; }
 
 // A cursor over the header text.
 class HeaderParser {
@@ -88,8 +86,11 @@ bool dtype_from_descr(const std::string& text, Dtype* out) {
   static const struct {
     const char* text;
     Dtype dtype;
-  } kKnown[] = {{"<f2", Dtype::kFloat16}, {"<f4", Dtype::kFloat32}, {"<f8", Dtype::kFloat64},
-                {"<i4", Dtype::kInt32},   {"<i8", Dtype::kInt64}};
+  } kKnown[] = {{"<f2", Dtype::kFloat16},
+                {"<f4", Dtype::kFloat32},
+                {"<f8", Dtype::kFloat64},
+                {"<i4", Dtype::kInt32},
+                {"<i8", Dtype::kInt64}};
   for (const auto& k : kKnown) {
     if (text == k.text) {
       *out = k.dtype;
@@ -99,8 +100,7 @@ bool dtype_from_descr(const std::string& text, Dtype* out) {
   return false;
 }
 
-Status parse_header(const std::string& text, const std::string& name, Dtype* dtype,
-                    std::vector<int64_t>* shape) {
+Status parse_header(const std::string& text, const std::string& name, Dtype* dtype, std::vector<int64_t>* shape) {
   HeaderParser p(text);
   if (!p.eat('{')) return bad(name, "header: expected a dict literal starting with '{'");
   bool have_descr = false;
@@ -115,8 +115,10 @@ Status parse_header(const std::string& text, const std::string& name, Dtype* dty
       std::string value;
       if (!p.string_literal(&value)) return bad(name, "header: expected a string for 'descr'");
       if (!dtype_from_descr(value, dtype)) {
-        return bad(name, "dtype: expected one of <f2 <f4 <f8 <i4 <i8 (little-endian float16, "
-                         "float32, float64, int32, int64), got '" + value + "'");
+        return bad(name,
+                   "dtype: expected one of <f2 <f4 <f8 <i4 <i8 (little-endian float16, "
+                   "float32, float64, int32, int64), got '" +
+                       value + "'");
       }
       have_descr = true;
     } else if (key == "fortran_order") {
@@ -160,22 +162,30 @@ Status parse_header(const std::string& text, const std::string& name, Dtype* dty
 
 const char* descr(Dtype dtype) {
   switch (dtype) {
-    case Dtype::kFloat16: return "<f2";
-    case Dtype::kFloat32: return "<f4";
-    case Dtype::kFloat64: return "<f8";
-    case Dtype::kInt32: return "<i4";
-    case Dtype::kInt64: return "<i8";
+    case Dtype::kFloat16:
+      return "<f2";
+    case Dtype::kFloat32:
+      return "<f4";
+    case Dtype::kFloat64:
+      return "<f8";
+    case Dtype::kInt32:
+      return "<i4";
+    case Dtype::kInt64:
+      return "<i8";
   }
   return "?";
 }
 
 int item_bytes(Dtype dtype) {
   switch (dtype) {
-    case Dtype::kFloat16: return 2;
+    case Dtype::kFloat16:
+      return 2;
     case Dtype::kFloat32:
-    case Dtype::kInt32: return 4;
+    case Dtype::kInt32:
+      return 4;
     case Dtype::kFloat64:
-    case Dtype::kInt64: return 8;
+    case Dtype::kInt64:
+      return 8;
   }
   return 0;
 }
@@ -234,7 +244,8 @@ Status open_npy(const std::string& path, std::ifstream* file, Info* info, std::s
   std::vector<char> prefix(std::min<std::size_t>(size, std::size_t{1} << 20));
   file->read(prefix.data(), static_cast<std::streamsize>(prefix.size()));
   if (!*file) return {Code::kSystemError, path + ": read error"};
-  if (Status s = parse_prefix(reinterpret_cast<const std::byte*>(prefix.data()), prefix.size(), path, info, data_offset);
+  if (Status s =
+          parse_prefix(reinterpret_cast<const std::byte*>(prefix.data()), prefix.size(), path, info, data_offset);
       !s.ok()) {
     return s;
   }

@@ -100,8 +100,8 @@ Status write_temporary(const std::string& dir, const OutputFile& file, Temporari
   int fd = -1;
   // O_EXCL and this process's id: never another writer's temporary, nor an existing file.
   for (int attempt = 0; fd < 0 && attempt < 100; ++attempt) {
-    const std::string name = dir + "/." + file.name + "." + std::to_string(::getpid()) + "." +
-                             std::to_string(attempt) + ".partial";
+    const std::string name =
+        dir + "/." + file.name + "." + std::to_string(::getpid()) + "." + std::to_string(attempt) + ".partial";
     on_signal.add(name);
     fd = ::open(name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (fd >= 0) *temporary = name;

@@ -37,9 +37,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 struct MachineBound {
   double copy_bytes_per_second = 0.0;
@@ -137,9 +135,9 @@ struct Timing {
     return t;
   }
   double forward_ms = 0.0, backward_ms = 0.0;
-  double percent_of_bound = 0.0;  // median over the iterations of bound time / time
+  double percent_of_bound = 0.0;        // median over the iterations of bound time / time
   int exp_limited = 0, iterations = 0;  // iterations whose bound the exponentials set
-  MachineBound bound;             // medians of the samples
+  MachineBound bound;                   // medians of the samples
   int64_t wrong = 0;
   Status status;
 };
@@ -185,8 +183,7 @@ double element(const std::byte* data, DataType dtype, int64_t i) {
 
 // Counts the loss and gradient elements of up to 32 sampled tokens outside tolerance.
 int64_t count_wrong(const Row& row, const std::byte* pristine, const std::vector<int64_t>& targets,
-                    const std::vector<float>& loss, const std::byte* grad, DataType grad_dtype,
-                    float label_smoothing) {
+                    const std::vector<float>& loss, const std::byte* grad, DataType grad_dtype, float label_smoothing) {
   const int64_t samples = std::min<int64_t>(32, row.tokens);
   std::vector<int64_t> picked, picked_targets;
   for (int64_t k = 0; k < samples; ++k) picked.push_back(k * row.tokens / samples);
@@ -233,8 +230,10 @@ Timing time_row(const Row& row, const PerfConfig& config, bool in_place, const B
   options.num_threads = config.threads > 0 ? config.threads : std::max(1, hardware / ranks);
   const DataType grad_dtype = in_place ? row.dtype : kFloat32;
   const std::size_t logits_bytes = static_cast<std::size_t>(row.tokens * row.vocab * row.dtype.bytes());
-  std::vector<std::vector<float>> loss(static_cast<std::size_t>(ranks), std::vector<float>(static_cast<std::size_t>(row.tokens)));
-  std::vector<std::vector<double>> lse(static_cast<std::size_t>(ranks), std::vector<double>(static_cast<std::size_t>(row.tokens)));
+  std::vector<std::vector<float>> loss(static_cast<std::size_t>(ranks),
+                                       std::vector<float>(static_cast<std::size_t>(row.tokens)));
+  std::vector<std::vector<double>> lse(static_cast<std::size_t>(ranks),
+                                       std::vector<double>(static_cast<std::size_t>(row.tokens)));
   std::unique_ptr<ThreadGroup> group;
   Timing timing;
   if (Status s = ThreadGroup::create(ranks, &group); !s.ok()) return Timing::failed(s);
@@ -242,58 +241,63 @@ Timing time_row(const Row& row, const PerfConfig& config, bool in_place, const B
   const double elements = static_cast<double>(row.tokens * row.vocab);
   const double bytes = elements * (2.0 * row.dtype.bytes() + (in_place ? row.dtype.bytes() : 4.0));
   std::vector<Status> results;
-  const Status started = run_on_threads(*group, [&](Communicator& comm) -> Status {
-    const auto r = static_cast<std::size_t>(comm.rank());
-    const VocabShard& shard = shards[r];
-    const int64_t cols = shard.vocab_end - shard.vocab_begin;
-    const TensorView x = TensorView::matrix(logits + shard.vocab_begin * row.dtype.bytes(), row.dtype, row.tokens, cols, row.vocab);
-    const TensorView y = TensorView::contiguous(targets.data(), kInt64, {row.tokens});
-    const TensorView l = TensorView::contiguous(loss[r].data(), kFloat32, {row.tokens});
-    const TensorView e = TensorView::contiguous(lse[r].data(), kFloat64, {row.tokens});
-    const TensorView g = TensorView::contiguous(ones.data(), kFloat32, {row.tokens});
-    const TensorView grad = in_place ? x
-                                     : TensorView::matrix(grad_buffer + shard.vocab_begin * 4, kFloat32, row.tokens, cols, row.vocab);
-    Workspace workspace;
-    char token = 0;
-    std::vector<char> gathered(static_cast<std::size_t>(ranks));
-    auto barrier = [&] { return comm.all_gather(&token, gathered.data(), 1); };
-    for (int iteration = 0; iteration < config.warmup + config.iterations; ++iteration) {
-      if (in_place) {
-        if (Status s = barrier(); !s.ok()) return s;
-        // Non-temporal stores, then one read: the logits start clean, in memory or in the
-        // last-level cache as far as it holds them, as in the out-of-place column after its
-        // backward's read; not as 100s of MiB of dirty lines whose write-back the timed
-        // forward would pay for.
-        if (r == 0) {
-          detail::stream_copy(logits, pristine, static_cast<int64_t>(logits_bytes));
-          read_through(logits, logits_bytes);
+  const Status started = run_on_threads(
+      *group,
+      [&](Communicator& comm) -> Status {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        const VocabShard& shard = shards[r];
+        const int64_t cols = shard.vocab_end - shard.vocab_begin;
+        const TensorView x =
+            TensorView::matrix(logits + shard.vocab_begin * row.dtype.bytes(), row.dtype, row.tokens, cols, row.vocab);
+        const TensorView y = TensorView::contiguous(targets.data(), kInt64, {row.tokens});
+        const TensorView l = TensorView::contiguous(loss[r].data(), kFloat32, {row.tokens});
+        const TensorView e = TensorView::contiguous(lse[r].data(), kFloat64, {row.tokens});
+        const TensorView g = TensorView::contiguous(ones.data(), kFloat32, {row.tokens});
+        const TensorView grad =
+            in_place ? x
+                     : TensorView::matrix(grad_buffer + shard.vocab_begin * 4, kFloat32, row.tokens, cols, row.vocab);
+        Workspace workspace;
+        char token = 0;
+        std::vector<char> gathered(static_cast<std::size_t>(ranks));
+        auto barrier = [&] { return comm.all_gather(&token, gathered.data(), 1); };
+        for (int iteration = 0; iteration < config.warmup + config.iterations; ++iteration) {
+          if (in_place) {
+            if (Status s = barrier(); !s.ok()) return s;
+            // Non-temporal stores, then one read: the logits start clean, in memory or in the
+            // last-level cache as far as it holds them, as in the out-of-place column after its
+            // backward's read; not as 100s of MiB of dirty lines whose write-back the timed
+            // forward would pay for.
+            if (r == 0) {
+              detail::stream_copy(logits, pristine, static_cast<int64_t>(logits_bytes));
+              read_through(logits, logits_bytes);
+            }
+          }
+          if (Status s = barrier(); !s.ok()) return s;
+          const auto start = Clock::now();
+          if (Status s = forward(comm, x, y, shard, options, l, e, {}, &workspace); !s.ok()) return s;
+          if (Status s = barrier(); !s.ok()) return s;
+          const auto middle = Clock::now();
+          if (Status s = backward(x, y, e, g, shard, options, grad); !s.ok()) return s;
+          if (Status s = barrier(); !s.ok()) return s;
+          if (r == 0 && iteration >= config.warmup) {
+            const double forward_s = std::chrono::duration<double>(middle - start).count();
+            const double backward_s = seconds_since(middle);
+            forward_seconds.push_back(forward_s);
+            backward_seconds.push_back(backward_s);
+            const MachineBound now = meter.sample();  // the other ranks wait, idle, at the barrier below
+            copy_samples.push_back(now.copy_bytes_per_second);
+            exp_samples.push_back(now.exps_per_second);
+            const double bytes_seconds = bytes / now.copy_bytes_per_second;
+            const double exp_seconds = 2.0 * elements / now.exps_per_second;
+            percents.push_back(100.0 * std::max(bytes_seconds, exp_seconds) / (forward_s + backward_s));
+            timing.exp_limited += exp_seconds > bytes_seconds ? 1 : 0;
+            ++timing.iterations;
+          }
+          if (Status s = barrier(); !s.ok()) return s;
         }
-      }
-      if (Status s = barrier(); !s.ok()) return s;
-      const auto start = Clock::now();
-      if (Status s = forward(comm, x, y, shard, options, l, e, {}, &workspace); !s.ok()) return s;
-      if (Status s = barrier(); !s.ok()) return s;
-      const auto middle = Clock::now();
-      if (Status s = backward(x, y, e, g, shard, options, grad); !s.ok()) return s;
-      if (Status s = barrier(); !s.ok()) return s;
-      if (r == 0 && iteration >= config.warmup) {
-        const double forward_s = std::chrono::duration<double>(middle - start).count();
-        const double backward_s = seconds_since(middle);
-        forward_seconds.push_back(forward_s);
-        backward_seconds.push_back(backward_s);
-        const MachineBound now = meter.sample();  // the other ranks wait, idle, at the barrier below
-        copy_samples.push_back(now.copy_bytes_per_second);
-        exp_samples.push_back(now.exps_per_second);
-        const double bytes_seconds = bytes / now.copy_bytes_per_second;
-        const double exp_seconds = 2.0 * elements / now.exps_per_second;
-        percents.push_back(100.0 * std::max(bytes_seconds, exp_seconds) / (forward_s + backward_s));
-        timing.exp_limited += exp_seconds > bytes_seconds ? 1 : 0;
-        ++timing.iterations;
-      }
-      if (Status s = barrier(); !s.ok()) return s;
-    }
-    return {};
-  }, "-t", &results);
+        return {};
+      },
+      "-t", &results);
   if (!started.ok()) return Timing::failed(started);
   for (const Status& s : results) {
     if (!s.ok()) return Timing::failed({Code::kInternalError, s.to_string()});
@@ -324,8 +328,8 @@ Status check_perf_config(const PerfConfig& config) {
     return {Code::kInvalidArgument, "-n, -w: expected n >= 1 and w >= 0"};
   }
   if (config.ranks < 1 || config.ranks > kMaxRanks) {
-    return {Code::kInvalidArgument, "-t: expected 1 to " + std::to_string(kMaxRanks) + " ranks, got " +
-                                        std::to_string(config.ranks)};
+    return {Code::kInvalidArgument,
+            "-t: expected 1 to " + std::to_string(kMaxRanks) + " ranks, got " + std::to_string(config.ranks)};
   }
   if (Status s = check_threads("--threads", config.threads); !s.ok()) return s;
   for (int64_t vocab : config.vocab) {
@@ -357,34 +361,39 @@ Status sweep(const PerfConfig& config) {
   const BoundMeter meter(hardware);
   meter.sample();  // the first exp sample also starts the threads and takes the pages' faults
   const MachineBound first_bound = meter.sample();
-  std::printf("# vpce perf: R %d, threads per rank %d, SIMD %s, %d hardware threads, label smoothing %g\n", config.ranks,
-              config.threads > 0 ? config.threads : std::max(1, hardware / config.ranks), detail::simd_target_name(),
-              hardware, static_cast<double>(config.label_smoothing));
+  std::printf("# vpce perf: R %d, threads per rank %d, SIMD %s, %d hardware threads, label smoothing %g\n",
+              config.ranks, config.threads > 0 ? config.threads : std::max(1, hardware / config.ranks),
+              detail::simd_target_name(), hardware, static_cast<double>(config.label_smoothing));
   std::printf("# cpu: %s; Highway target %s\n", cpu_model_name().c_str(), detail::simd_target_name());
   std::printf("# %s\n", bf16_line.c_str());
-  std::printf("# bound: copy %.2f GB/s (best of 2 copies of 512 MiB, %d threads), exp %.3f Gexp/s (best of 3, in cache, "
-              "%d threads) now; sampled again after every timed iteration\n",
-              first_bound.copy_bytes_per_second / 1e9, hardware, first_bound.exps_per_second / 1e9, hardware);
-  std::printf("# the copy uses ordinary stores, which read each destination line before writing it (as memcpy does "
-              "below its non-temporal threshold); with non-temporal stores it moves %.2f GB/s, so rows that write that "
-              "way or in place can pass 100 %%\n",
-              meter.streaming_copy_bandwidth() / 1e9);
-  std::printf("# %%bound: median over the iterations of (the bound's time from the sample after the iteration) / "
-              "(the iteration's time); [bound]: the samples' medians\n");
-  std::printf("# limit: the bound's term that was larger in most iterations: bytes (over the copy) or exp (two "
-              "exponentials per logit over the exp's throughput); '*' when some iterations had the other\n");
+  std::printf(
+      "# bound: copy %.2f GB/s (best of 2 copies of 512 MiB, %d threads), exp %.3f Gexp/s (best of 3, in cache, "
+      "%d threads) now; sampled again after every timed iteration\n",
+      first_bound.copy_bytes_per_second / 1e9, hardware, first_bound.exps_per_second / 1e9, hardware);
+  std::printf(
+      "# the copy uses ordinary stores, which read each destination line before writing it (as memcpy does "
+      "below its non-temporal threshold); with non-temporal stores it moves %.2f GB/s, so rows that write that "
+      "way or in place can pass 100 %%\n",
+      meter.streaming_copy_bandwidth() / 1e9);
+  std::printf(
+      "# %%bound: median over the iterations of (the bound's time from the sample after the iteration) / "
+      "(the iteration's time); [bound]: the samples' medians\n");
+  std::printf(
+      "# limit: the bound's term that was larger in most iterations: bytes (over the copy) or exp (two "
+      "exponentials per logit over the exp's throughput); '*' when some iterations had the other\n");
   std::printf("# times: median of %d iterations after %d warm-up; check %s\n", config.iterations, config.warmup,
               config.check ? "on (32 sampled tokens vs the fp64 oracle)" : "off");
   std::printf("#%62s%s\n", "", "out-of-place (fp32 gradient)                              in-place");
   std::printf("# %8s %8s %8s %5s  %8s %8s %7s %6s %6s %6s  %8s %8s %7s %6s %6s %6s\n", "tokens", "V", "V/rank", "dtype",
-              "fwd(ms)", "bwd(ms)", "GB/s", "%bound", "limit", "#wrong", "fwd(ms)", "bwd(ms)", "GB/s", "%bound", "limit",
-              "#wrong");
+              "fwd(ms)", "bwd(ms)", "GB/s", "%bound", "limit", "#wrong", "fwd(ms)", "bwd(ms)", "GB/s", "%bound",
+              "limit", "#wrong");
   double bound_sum = 0.0;
   int bound_count = 0;
   int64_t wrong_total = 0;
   for (int64_t vocab : config.vocab) {
     for (DataType dtype : dtypes) {
-      for (double t = static_cast<double>(config.min_tokens); t <= static_cast<double>(config.max_tokens) * 1.0000001; t *= config.factor) {
+      for (double t = static_cast<double>(config.min_tokens); t <= static_cast<double>(config.max_tokens) * 1.0000001;
+           t *= config.factor) {
         const Row row{static_cast<int64_t>(t), vocab, dtype};
         const auto count = static_cast<std::size_t>(row.tokens * row.vocab);
         std::unique_ptr<std::byte[]> logits(new std::byte[count * static_cast<std::size_t>(dtype.bytes())]);
@@ -409,11 +418,13 @@ Status sweep(const PerfConfig& config) {
           ++bound_count;
           wrong_total += timing.wrong;
           shown = timing.bound;
-          std::printf("  %8.3f %8.3f %7.2f %6.1f %6s %6lld", timing.forward_ms, timing.backward_ms, bytes / seconds / 1e9,
-                      timing.percent_of_bound, limit_label(timing).c_str(), static_cast<long long>(timing.wrong));
+          std::printf("  %8.3f %8.3f %7.2f %6.1f %6s %6lld", timing.forward_ms, timing.backward_ms,
+                      bytes / seconds / 1e9, timing.percent_of_bound, limit_label(timing).c_str(),
+                      static_cast<long long>(timing.wrong));
           std::fflush(stdout);
         }
-        std::printf("   [bound: %.1f GB/s, %.2f Gexp/s]\n", shown.copy_bytes_per_second / 1e9, shown.exps_per_second / 1e9);
+        std::printf("   [bound: %.1f GB/s, %.2f Gexp/s]\n", shown.copy_bytes_per_second / 1e9,
+                    shown.exps_per_second / 1e9);
       }
     }
   }
@@ -439,10 +450,11 @@ std::string cpu_model_name() {
 
 std::string apply_bf16_instructions(const PerfConfig& config) {
   if (config.no_bf16_instructions) detail::set_bf16_instructions_allowed(false);
-  if (!detail::cpu_has_avx512_bf16()) return "bf16: this CPU has no AVX512-BF16 (software rounding, bf16 widened to fp32)";
-  return config.no_bf16_instructions
-             ? "bf16: this CPU's AVX512-BF16 turned off (--no-bf16-instructions): software rounding, bf16 widened to fp32"
-             : "bf16: AVX512-BF16 (its rounding; the head's bf16 tiles from bf16 dot products)";
+  if (!detail::cpu_has_avx512_bf16())
+    return "bf16: this CPU has no AVX512-BF16 (software rounding, bf16 widened to fp32)";
+  return config.no_bf16_instructions ? "bf16: this CPU's AVX512-BF16 turned off (--no-bf16-instructions): software "
+                                       "rounding, bf16 widened to fp32"
+                                     : "bf16: AVX512-BF16 (its rounding; the head's bf16 tiles from bf16 dot products)";
 }
 
 Status perf_command(const PerfConfig& config) {

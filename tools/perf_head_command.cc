@@ -173,8 +173,8 @@ Status fused_step(Communicator& comm, Problem& p, bool counted, int threads, con
   ForwardExtras extras;
   if (counted) extras.weights = &tw;
   if (s.chunked) {
-    return linear_cross_entropy_forward_backward(comm, in, targets, d.shard, options, head, 1.0f, loss_v, lse_v,
-                                                 grads, extras, &d.workspace);
+    return linear_cross_entropy_forward_backward(comm, in, targets, d.shard, options, head, 1.0f, loss_v, lse_v, grads,
+                                                 extras, &d.workspace);
   }
   if (Status st =
           linear_cross_entropy_forward(comm, in, targets, d.shard, options, head, loss_v, lse_v, extras, &d.workspace);
@@ -208,9 +208,12 @@ int64_t count_wrong(const Problem& p, int threads) {
   for (const RankData& d : p.ranks) {
     const int64_t vr = d.shard.vocab_end - d.shard.vocab_begin;
     for (int64_t i = 0; i < vr * h; ++i) {
-      weight[static_cast<std::size_t>(d.shard.vocab_begin * h + i)] = detail::widen(d.weight.data() + i * s.dtype.bytes(), s.dtype);
+      weight[static_cast<std::size_t>(d.shard.vocab_begin * h + i)] =
+          detail::widen(d.weight.data() + i * s.dtype.bytes(), s.dtype);
     }
-    for (int64_t i = 0; i < vr; ++i) bias[static_cast<std::size_t>(d.shard.vocab_begin + i)] = detail::widen(d.bias.data() + i * s.dtype.bytes(), s.dtype);
+    for (int64_t i = 0; i < vr; ++i)
+      bias[static_cast<std::size_t>(d.shard.vocab_begin + i)] =
+          detail::widen(d.bias.data() + i * s.dtype.bytes(), s.dtype);
   }
   const int64_t m = static_cast<int64_t>(p.counted.size());
   std::vector<double> hid(static_cast<std::size_t>(m * h)), logits(static_cast<std::size_t>(m * v));
@@ -218,31 +221,37 @@ int64_t count_wrong(const Problem& p, int threads) {
   for (int64_t k = 0; k < m; ++k) {
     const int64_t i = p.counted[static_cast<std::size_t>(k)];
     targets.push_back(p.targets[static_cast<std::size_t>(i)]);
-    for (int64_t c = 0; c < h; ++c) hid[static_cast<std::size_t>(k * h + c)] = detail::widen(p.hidden.data() + (i * h + c) * s.dtype.bytes(), s.dtype);
+    for (int64_t c = 0; c < h; ++c)
+      hid[static_cast<std::size_t>(k * h + c)] =
+          detail::widen(p.hidden.data() + (i * h + c) * s.dtype.bytes(), s.dtype);
   }
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t x = 0; x < m * v; ++x) {
     const int64_t k = x / v, c = x % v;
     double sum = bias[static_cast<std::size_t>(c)];
-    for (int64_t j = 0; j < h; ++j) sum += hid[static_cast<std::size_t>(k * h + j)] * weight[static_cast<std::size_t>(c * h + j)];
+    for (int64_t j = 0; j < h; ++j)
+      sum += hid[static_cast<std::size_t>(k * h + j)] * weight[static_cast<std::size_t>(c * h + j)];
     logits[static_cast<std::size_t>(x)] = sum;
   }
   reference::Options o;
   o.reduction = reference::Reduction::kSum;
   const reference::Result r = reference::cross_entropy(logits, m, v, targets, {}, {1.0}, o);
-  std::vector<double> gh(static_cast<std::size_t>(m * h), 0.0), gw(static_cast<std::size_t>(v * h), 0.0), gb(static_cast<std::size_t>(v), 0.0);
+  std::vector<double> gh(static_cast<std::size_t>(m * h), 0.0), gw(static_cast<std::size_t>(v * h), 0.0),
+      gb(static_cast<std::size_t>(v), 0.0);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t c = 0; c < v; ++c) {
     for (int64_t k = 0; k < m; ++k) {
       const double dx = r.grad[static_cast<std::size_t>(k * v + c)];
       gb[static_cast<std::size_t>(c)] += dx;
-      for (int64_t j = 0; j < h; ++j) gw[static_cast<std::size_t>(c * h + j)] += dx * hid[static_cast<std::size_t>(k * h + j)];
+      for (int64_t j = 0; j < h; ++j)
+        gw[static_cast<std::size_t>(c * h + j)] += dx * hid[static_cast<std::size_t>(k * h + j)];
     }
   }
   for (int64_t k = 0; k < m; ++k) {
     for (int64_t c = 0; c < v; ++c) {
       const double dx = r.grad[static_cast<std::size_t>(k * v + c)];
-      for (int64_t j = 0; j < h; ++j) gh[static_cast<std::size_t>(k * h + j)] += dx * weight[static_cast<std::size_t>(c * h + j)];
+      for (int64_t j = 0; j < h; ++j)
+        gh[static_cast<std::size_t>(k * h + j)] += dx * weight[static_cast<std::size_t>(c * h + j)];
     }
   }
   auto wrong = [](const std::vector<double>& got, const std::vector<double>& want, double t) {
@@ -256,7 +265,9 @@ int64_t count_wrong(const Problem& p, int threads) {
   for (const RankData& d : p.ranks) {
     for (int64_t k = 0; k < m; ++k) {
       const int64_t i = p.counted[static_cast<std::size_t>(k)];
-      for (int64_t j = 0; j < h; ++j) got_h[static_cast<std::size_t>(k * h + j)] += static_cast<double>(d.grad_hidden[static_cast<std::size_t>(i * h + j)]);
+      for (int64_t j = 0; j < h; ++j)
+        got_h[static_cast<std::size_t>(k * h + j)] +=
+            static_cast<double>(d.grad_hidden[static_cast<std::size_t>(i * h + j)]);
     }
     std::copy(d.grad_weight.begin(), d.grad_weight.end(), got_w.begin() + d.shard.vocab_begin * h);
     std::copy(d.grad_bias.begin(), d.grad_bias.end(), got_b.begin() + d.shard.vocab_begin);
@@ -321,15 +332,17 @@ Status sweep_head(const PerfConfig& config) {
   std::printf("# extra: peak memory per rank beyond inputs and gradients; %%logits: of N x V/R x 4 bytes\n");
   std::printf("# cpu: the same ratio of the process's CPU time (all threads), which a shared machine perturbs less\n");
   if (config.bf16_logit_gradients) {
-    std::printf("# -dx16: bf16 rows with HeadOptions::bf16_logit_gradients (dx rounded to bf16 for the gradients' "
-                "GEMMs)\n");
+    std::printf(
+        "# -dx16: bf16 rows with HeadOptions::bf16_logit_gradients (dx rounded to bf16 for the gradients' "
+        "GEMMs)\n");
   }
   std::printf("%8s %6s %8s %3s %5s %-14s %10s %9s %9s %6s %9s %9s %7s\n", "tokens", "H", "V", "R", "dtype", "mode",
               "time(ms)", "GFLOP/s", "vs3gemm", "cpu", "extra", "%logits", "#wrong");
   for (const int64_t hidden : config.hidden) {
     for (const int64_t vocab : config.vocab) {
       for (int64_t tokens = config.min_tokens; tokens <= config.max_tokens;
-           tokens = std::max(tokens + 1, static_cast<int64_t>(std::llround(static_cast<double>(tokens) * config.factor)))) {
+           tokens =
+               std::max(tokens + 1, static_cast<int64_t>(std::llround(static_cast<double>(tokens) * config.factor)))) {
         for (const DataType dtype : dtypes) {
           for (const bool chunked : modes) {
             const Shape s{tokens, hidden, vocab, dtype, chunked};
@@ -340,14 +353,17 @@ Status sweep_head(const PerfConfig& config) {
             allocate_unfused(p);
             std::vector<Status> st;
             auto fused = [&](bool counted) {
-              return run_on_threads(*group, [&](Communicator& c) { return fused_step(c, p, counted, threads, head); },
-                                    "-t", &st);
+              return run_on_threads(
+                  *group, [&](Communicator& c) { return fused_step(c, p, counted, threads, head); }, "-t", &st);
             };
             auto gemms = [&] {
-              return run_on_threads(*group, [&](Communicator& c) {
-                unfused_gemms(p.ranks[static_cast<std::size_t>(c.rank())], s, threads);
-                return Status{};
-              }, "-t", &st);
+              return run_on_threads(
+                  *group,
+                  [&](Communicator& c) {
+                    unfused_gemms(p.ranks[static_cast<std::size_t>(c.rank())], s, threads);
+                    return Status{};
+                  },
+                  "-t", &st);
             };
             // The peak: one call during which every buffer of 128 KiB or more is its own
             // mapping, returned to the system when freed, so that the resident set's
@@ -402,9 +418,8 @@ Status sweep_head(const PerfConfig& config) {
                         static_cast<long long>(tokens), static_cast<long long>(hidden), static_cast<long long>(vocab),
                         config.ranks, dtype_name(dtype), mode.c_str(), t * 1e3,
                         6.0 * tokens * vocab * hidden / t * 1e-9, ratios[ratios.size() / 2] * 100.0,
-                        cpu_ratios[cpu_ratios.size() / 2] * 100.0,
-                        extra_per_rank / (1 << 20), extra_per_rank / logits_bytes * 100.0,
-                        wrong < 0 ? "-" : std::to_string(wrong).c_str());
+                        cpu_ratios[cpu_ratios.size() / 2] * 100.0, extra_per_rank / (1 << 20),
+                        extra_per_rank / logits_bytes * 100.0, wrong < 0 ? "-" : std::to_string(wrong).c_str());
             std::fflush(stdout);
             if (wrong > 0) {
               return {Code::kInternalError, "perf --head: " + std::to_string(wrong) + " wrong elements"};

@@ -63,21 +63,25 @@ Status run_threads(const RunConfig& config, const npy::Info& info) {
   const int element = logits.dtype.bytes();
   const auto start = std::chrono::steady_clock::now();
   std::vector<Status> results;
-  const Status started = run_on_threads(*group, [&](Communicator& comm) -> Status {
-    const auto r = static_cast<std::size_t>(comm.rank());
-    RankOutputs& out = outputs[r];
-    const VocabShard& shard = shards[r];
-    const int64_t cols = shard.vocab_end - shard.vocab_begin;
-    const TensorView x = TensorView::matrix(logits.data() + shard.vocab_begin * element, logits.dtype, tokens, cols, vocab);
-    const TensorView y = TensorView::contiguous(in.targets.data.data(), target_dtype, {tokens});
-    const ForwardOutputs views(config, out, tokens, &weights);
-    if (Status s = forward(comm, x, y, shard, options, views.loss, views.lse, views.extras); !s.ok()) return s;
-    const TensorView g = TensorView::contiguous(upstream, kFloat32, {reduced ? 1 : tokens});
-    const TensorView grad = config.in_place ? x
-                                            : TensorView::matrix(grad_out_of_place.data() + shard.vocab_begin, kFloat32,
-                                                                 tokens, cols, vocab);
-    return backward(x, y, views.lse, g, shard, options, grad, views.extras.weights);
-  }, config.vocab_splits.empty() ? "--tp" : "--vocab-splits", &results);
+  const Status started = run_on_threads(
+      *group,
+      [&](Communicator& comm) -> Status {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        RankOutputs& out = outputs[r];
+        const VocabShard& shard = shards[r];
+        const int64_t cols = shard.vocab_end - shard.vocab_begin;
+        const TensorView x =
+            TensorView::matrix(logits.data() + shard.vocab_begin * element, logits.dtype, tokens, cols, vocab);
+        const TensorView y = TensorView::contiguous(in.targets.data.data(), target_dtype, {tokens});
+        const ForwardOutputs views(config, out, tokens, &weights);
+        if (Status s = forward(comm, x, y, shard, options, views.loss, views.lse, views.extras); !s.ok()) return s;
+        const TensorView g = TensorView::contiguous(upstream, kFloat32, {reduced ? 1 : tokens});
+        const TensorView grad = config.in_place ? x
+                                                : TensorView::matrix(grad_out_of_place.data() + shard.vocab_begin,
+                                                                     kFloat32, tokens, cols, vocab);
+        return backward(x, y, views.lse, g, shard, options, grad, views.extras.weights);
+      },
+      config.vocab_splits.empty() ? "--tp" : "--vocab-splits", &results);
   if (!started.ok()) return started;
   const double elapsed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   for (const Status& s : results) {

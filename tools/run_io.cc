@@ -26,8 +26,7 @@ void convert_into(const npy::Array& in, ComputeBuffer* out) {
   out->bytes.resize(static_cast<std::size_t>(n) * sizeof(T));
   T* dst = reinterpret_cast<T*>(out->bytes.data());
   for (int64_t i = 0; i < n; ++i) {
-    const float x = in.dtype == npy::Dtype::kFloat32 ? in.as<float>()[i]
-                                                     : detail::to_float(in.as<Float16>()[i]);
+    const float x = in.dtype == npy::Dtype::kFloat32 ? in.as<float>()[i] : detail::to_float(in.as<Float16>()[i]);
     dst[i] = detail::from_float<T>(x);
   }
 }
@@ -37,8 +36,9 @@ Status read_tokens_file(const std::string& path, const std::vector<int64_t>& sha
   if (Status s = npy::read(path, out); !s.ok()) return s;
   const bool fits = scalar ? out->numel() == 1 : out->shape == shape;
   if (out->dtype != npy::Dtype::kFloat32 || !fits) {
-    return usage(path + ": expected float32 with " + (scalar ? std::string("one element") : "shape " + shape_text(shape)) +
-                 ", got " + npy::descr(out->dtype) + " " + shape_text(out->shape));
+    return usage(path + ": expected float32 with " +
+                 (scalar ? std::string("one element") : "shape " + shape_text(shape)) + ", got " +
+                 npy::descr(out->dtype) + " " + shape_text(out->shape));
   }
   return {};
 }

@@ -48,13 +48,16 @@ class MpiSession {
 // Rank 0 receives every rank's [tokens, cols] float32 gradient block into the columns of
 // the [tokens, vocab] matrix `full`; the others send theirs. Rows travel in chunks that
 // keep each message's count within an int; every wait is bounded.
-Status gather_gradient(const ToolCollectives& world, const std::vector<float>& mine, const std::vector<VocabShard>& shards,
-                       int64_t tokens, int64_t vocab, std::vector<float>* full) {
+Status gather_gradient(const ToolCollectives& world, const std::vector<float>& mine,
+                       const std::vector<VocabShard>& shards, int64_t tokens, int64_t vocab, std::vector<float>* full) {
   constexpr int kTag = 7;
-  const auto chunk_rows = [](int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 28) / std::max<int64_t>(cols, 1)); };
+  const auto chunk_rows = [](int64_t cols) {
+    return std::max<int64_t>(1, (int64_t{1} << 28) / std::max<int64_t>(cols, 1));
+  };
   const int rank = world.rank();
   if (rank != 0) {
-    const int64_t cols = shards[static_cast<std::size_t>(rank)].vocab_end - shards[static_cast<std::size_t>(rank)].vocab_begin;
+    const int64_t cols =
+        shards[static_cast<std::size_t>(rank)].vocab_end - shards[static_cast<std::size_t>(rank)].vocab_begin;
     for (int64_t row = 0; row < tokens && cols > 0; row += chunk_rows(cols)) {
       const int64_t rows = std::min(chunk_rows(cols), tokens - row);
       MPI_Request request = MPI_REQUEST_NULL;
@@ -79,7 +82,8 @@ Status gather_gradient(const ToolCollectives& world, const std::vector<float>& m
         source = block.data();
       }
       for (int64_t i = 0; i < rows; ++i) {
-        std::memcpy(full->data() + (row + i) * vocab + begin, source + i * cols, static_cast<std::size_t>(cols) * sizeof(float));
+        std::memcpy(full->data() + (row + i) * vocab + begin, source + i * cols,
+                    static_cast<std::size_t>(cols) * sizeof(float));
       }
     }
   }
@@ -153,7 +157,6 @@ Status compute(const RunConfig& config, MpiCommunicator& comm, int ranks_on_host
   return {};
 }
 
-
 // The run on every rank; returns the same status everywhere, except kTimeout, which only
 // the ranks that waited in vain return.
 Status run_ranks(const RunConfig& config, const ToolCollectives& world) {
@@ -176,9 +179,8 @@ Status run_ranks(const RunConfig& config, const ToolCollectives& world) {
   options.timeout = std::chrono::seconds(config.timeout_s);
   if (Status s = world.agree(MpiCommunicator::create(MPI_COMM_WORLD, &comm, options)); !s.ok()) return s;
   // The forward's errors are the same on every rank already; the backward's are local.
-  const Status computed = catch_out_of_memory("run: " + memory_needed(config, run.info), [&] {
-    return compute(config, *comm, ranks_on_host, in, logits, &run);
-  });
+  const Status computed = catch_out_of_memory("run: " + memory_needed(config, run.info),
+                                              [&] { return compute(config, *comm, ranks_on_host, in, logits, &run); });
   if (Status s = world.agree(computed); !s.ok()) return s;
   comm.reset();
 

@@ -40,7 +40,8 @@ class Communicator {
     static_cast<void>(bytes);
     static_cast<void>(stream);
     return {Code::kUnsupported, std::string("comm: expected a backend that gathers device memory (NCCL) for device "
-                                            "tensors, got ") + name()};
+                                            "tensors, got ") +
+                                    name()};
   }
 
   // A short name for messages: "threads", "mpi", "nccl", ...

@@ -20,9 +20,8 @@ namespace vpce {
 inline Status from_dlpack(const DLTensor& tensor, TensorView* view) {
   if (view == nullptr) return {Code::kInvalidArgument, "view: expected a non-null pointer, got null"};
   if (tensor.ndim < 0 || tensor.ndim > TensorView::kMaxDims) {
-    return {Code::kInvalidArgument, "tensor.ndim: expected a value in [0, " +
-                                        std::to_string(TensorView::kMaxDims) + "], got " +
-                                        std::to_string(tensor.ndim)};
+    return {Code::kInvalidArgument, "tensor.ndim: expected a value in [0, " + std::to_string(TensorView::kMaxDims) +
+                                        "], got " + std::to_string(tensor.ndim)};
   }
   if (tensor.ndim > 0 && tensor.shape == nullptr) {
     return {Code::kInvalidArgument, "tensor.shape: expected a non-null pointer, got null"};

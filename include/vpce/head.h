@@ -105,24 +105,23 @@ struct HeadOptions {
 
 // Forward: the loss of x = h W_r^T + b_r, exactly as vpce::forward of those logits (one
 // all_gather through `comm`, the group's agreement checked, the same outputs: loss, lse to
-// keep for the backward (float64, or float32: vpce/loss.h), the extras). Every rank also checks that the group agrees on H and
-// the dtype. `workspace` may be null; one kept between the steps holds the tiles' buffers
-// (and the backward's logit gradients, the chunked mode's chunk of logits), so that a step
-// that finds it large enough neither allocates nor faults in fresh pages.
+// keep for the backward (float64, or float32: vpce/loss.h), the extras). Every rank also checks that the group agrees
+// on H and the dtype. `workspace` may be null; one kept between the steps holds the tiles' buffers (and the backward's
+// logit gradients, the chunked mode's chunk of logits), so that a step that finds it large enough neither allocates nor
+// faults in fresh pages.
 Status linear_cross_entropy_forward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets,
-                                    const VocabShard& shard, const LossOptions& options,
-                                    const HeadOptions& head, const TensorView& loss, const TensorView& lse,
-                                    const ForwardExtras& extras = {}, Workspace* workspace = nullptr);
+                                    const VocabShard& shard, const LossOptions& options, const HeadOptions& head,
+                                    const TensorView& loss, const TensorView& lse, const ForwardExtras& extras = {},
+                                    Workspace* workspace = nullptr);
 
 // Backward: no collective. Recomputes the logit tiles from the same inputs, takes the lse
 // of the forward, the upstream gradient grad_loss (float32: one per token for kNone, one
 // element otherwise) and the weights given to the forward, if any, and writes or adds the
 // gradients asked for. The outputs must not overlap each other or the inputs.
 Status linear_cross_entropy_backward(const HeadInputs& inputs, const TensorView& targets, const TensorView& lse,
-                                     const TensorView& grad_loss, const VocabShard& shard,
-                                     const LossOptions& options, const HeadOptions& head,
-                                     const HeadGradients& gradients, const TensorView* weights = nullptr,
-                                     Workspace* workspace = nullptr);
+                                     const TensorView& grad_loss, const VocabShard& shard, const LossOptions& options,
+                                     const HeadOptions& head, const HeadGradients& gradients,
+                                     const TensorView* weights = nullptr, Workspace* workspace = nullptr);
 
 // ---- chunked mode -----------------------------------------------------------------------
 
@@ -149,9 +148,8 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
 
 // This rank's statistics of its logits x, float32 [N, 4] ([N, 6] with the extras), as
 // calculate_local_stats (vpce/loss.h) would give for x. No communication.
-Status linear_cross_entropy_local_stats(const HeadInputs& inputs, const TensorView& targets,
-                                        const VocabShard& shard, const LossOptions& options,
-                                        const HeadOptions& head, const TensorView& stats);
+Status linear_cross_entropy_local_stats(const HeadInputs& inputs, const TensorView& targets, const VocabShard& shard,
+                                        const LossOptions& options, const HeadOptions& head, const TensorView& stats);
 
 // Collective: grad_hidden (float32 [..., H], this rank's part) <- the sum of every rank's
 // part, added in rank order in fp32 so that every rank gets the same bits. Runs through

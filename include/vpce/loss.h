@@ -46,9 +46,9 @@ namespace vpce {
 // dimensions collapsing to one row stride >= Vr. targets: int32/int64, one per token, in
 // [0, Vv) or equal to ignore_index. lse: one per token, to keep for the backward: float64
 // (recommended: the backward's gradient then keeps fp32's accuracy for logits up to about
-// 1e9, beyond which 2^-53 |lse| relative), or float32 (4 bytes fewer per token, but its rounding costs the gradient 2^-24 |lse|
-// relative: 6e-4 at logits of 1e4). loss: float32, one per token for Reduction::kNone, one element otherwise. Collective over
-// `comm`: exactly one all_gather, which also carries each rank's arguments, so every rank
+// 1e9, beyond which 2^-53 |lse| relative), or float32 (4 bytes fewer per token, but its rounding costs the gradient
+// 2^-24 |lse| relative: 6e-4 at logits of 1e4). loss: float32, one per token for Reduction::kNone, one element
+// otherwise. Collective over `comm`: exactly one all_gather, which also carries each rank's arguments, so every rank
 // checks that the group agrees (tokens, V, a partition of [0, V), dtype, options, targets,
 // weights) and every rank returns the same error if it does not. Every rank gets the
 // bit-identical loss. `workspace` may be null (then forward allocates).
@@ -60,28 +60,25 @@ namespace vpce {
 // the host can see come back here, those only the device can see from
 // workspace->device_status(). The targets' and weights' values are checked on the device
 // but not hashed, so ranks given different targets are not detected there.
-Status forward(Communicator& comm, const TensorView& logits, const TensorView& targets,
-               const VocabShard& shard, const LossOptions& options, const TensorView& loss,
-               const TensorView& lse, const ForwardExtras& extras = {},
-               Workspace* workspace = nullptr);
+Status forward(Communicator& comm, const TensorView& logits, const TensorView& targets, const VocabShard& shard,
+               const LossOptions& options, const TensorView& loss, const TensorView& lse,
+               const ForwardExtras& extras = {}, Workspace* workspace = nullptr);
 
 // Backward: no collective. Needs only this rank's logits, the targets, the lse saved by
 // the forward, the upstream gradient grad_loss (float32: one per token for kNone, one
 // element otherwise) and the weights given to the forward, if any. grad_logits: [..., Vr]
 // fp32/bf16/fp16; it may be the logits view itself (in place: same data, dtype and
 // strides), otherwise it must not overlap the logits.
-Status backward(const TensorView& logits, const TensorView& targets, const TensorView& lse,
-                const TensorView& grad_loss, const VocabShard& shard,
-                const LossOptions& options, const TensorView& grad_logits,
+Status backward(const TensorView& logits, const TensorView& targets, const TensorView& lse, const TensorView& grad_loss,
+                const VocabShard& shard, const LossOptions& options, const TensorView& grad_logits,
                 const TensorView* weights = nullptr);
 
 // ---- staged ---------------------------------------------------------------------------
 
 // Stage 1, per rank, no communication: stats [N, 4] (or [N, 6] with extras) float32 of
 // this rank's columns.
-Status calculate_local_stats(const TensorView& logits, const TensorView& targets,
-                             const VocabShard& shard, const LossOptions& options,
-                             const TensorView& stats);
+Status calculate_local_stats(const TensorView& logits, const TensorView& targets, const VocabShard& shard,
+                             const LossOptions& options, const TensorView& stats);
 
 // Stage 2: gathered [R, N, W] float32 (rank r's stats at [r]) -> stats [N, W], merged in
 // rank order, so every rank that merges the same gathered stats gets the same bits.
@@ -97,15 +94,13 @@ Status merge_stats(const TensorView& gathered, const LossOptions& options, const
 // Stage 3: merged stats [N, W] and the targets -> loss and lse, and the extras (which
 // need W = 6 for target_is_argmax and entropy). vocab_size is the global V.
 Status calculate_loss(const TensorView& stats, const TensorView& targets, int64_t vocab_size,
-                      const LossOptions& options, const TensorView& loss,
-                      const TensorView& lse, const ForwardExtras& extras = {});
+                      const LossOptions& options, const TensorView& loss, const TensorView& lse,
+                      const ForwardExtras& extras = {});
 
 // Stage 4: the gradient; the same function as backward().
-inline Status calculate_gradients(const TensorView& logits, const TensorView& targets,
-                                  const TensorView& lse, const TensorView& grad_loss,
-                                  const VocabShard& shard, const LossOptions& options,
-                                  const TensorView& grad_logits,
-                                  const TensorView* weights = nullptr) {
+inline Status calculate_gradients(const TensorView& logits, const TensorView& targets, const TensorView& lse,
+                                  const TensorView& grad_loss, const VocabShard& shard, const LossOptions& options,
+                                  const TensorView& grad_logits, const TensorView* weights = nullptr) {
   return backward(logits, targets, lse, grad_loss, shard, options, grad_logits, weights);
 }
 

@@ -56,14 +56,14 @@ struct TensorView {
   uint64_t byte_offset = 0;
 
   // Row-major (C order) view of `shape`.
-  static TensorView contiguous(const void* data, DataType dtype,
-                               std::initializer_list<int64_t> shape, Device device = {});
+  static TensorView contiguous(const void* data, DataType dtype, std::initializer_list<int64_t> shape,
+                               Device device = {});
   // View with explicit strides (in elements); shape and strides have the same length.
   static TensorView strided(const void* data, DataType dtype, std::initializer_list<int64_t> shape,
                             std::initializer_list<int64_t> strides, Device device = {});
   // rows x cols, row r starting at data + r * row_stride elements.
-  static TensorView matrix(const void* data, DataType dtype, int64_t rows, int64_t cols,
-                           int64_t row_stride, Device device = {});
+  static TensorView matrix(const void* data, DataType dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                           Device device = {});
 
   // The number of elements, or -1 if a dimension is negative or the count overflows.
   int64_t numel() const;

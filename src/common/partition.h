@@ -21,7 +21,7 @@ struct OwnedRange {
 // end) or an overlap (`previous` and `first`).
 struct PartitionFault {
   enum class Kind { kGap, kOverlap } kind;
-  int64_t covered;                  // the columns below it are tiled
+  int64_t covered;                     // the columns below it are tiled
   std::optional<OwnedRange> previous;  // (an overlap: the range before)
   std::optional<OwnedRange> first;     // the range at the fault, none for a gap at the end
 };

@@ -156,8 +156,8 @@ VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ran
 
 // One token's results from its merged statistics `st`.
 struct TokenLoss {
-  double weighted_loss = 0.0;  // weight x loss; 0 when the token is not counted
-  double lse = 0.0;            // max + log(sum) in fp64 (its rounding 2^-53 |lse|; LseTokens)
+  double weighted_loss = 0.0;     // weight x loss; 0 when the token is not counted
+  double lse = 0.0;               // max + log(sum) in fp64 (its rounding 2^-53 |lse|; LseTokens)
   float entropy = 0.0f;           // with the extras
   float target_is_argmax = 0.0f;  // with the extras; 0 when not counted
 };
@@ -208,14 +208,14 @@ VPCE_HD inline TokenLoss token_loss(const float* st, int64_t target, double weig
 // members (the argument's rounding is then 2^-24 |z_v - m|, no larger than in Megatron's
 // exp(z - max), where |z_v - lse32| exceeds it by up to log Vv).
 struct GradientConstants {
-  float upstream;     // g_i w_i (0 for an ignored token)
-  float lse;          // lse32
-  float coefficient;  // (1 + 2 zl lse) e^(lse32 - lse)
-  float uniform;      // s / Vv
-  double exact_upstream;     // g_i w_i
-  double exact_lse;          // the lse as the forward kept it
-  double z_loss_factor;      // 1 + 2 zl lse
-  double exact_uniform;      // s / Vv
+  float upstream;         // g_i w_i (0 for an ignored token)
+  float lse;              // lse32
+  float coefficient;      // (1 + 2 zl lse) e^(lse32 - lse)
+  float uniform;          // s / Vv
+  double exact_upstream;  // g_i w_i
+  double exact_lse;       // the lse as the forward kept it
+  double z_loss_factor;   // 1 + 2 zl lse
+  double exact_uniform;   // s / Vv
 };
 
 // The constants from their fp64 values: upstream g_i w_i, the lse, 1 + 2 zl lse, s / Vv.
@@ -225,8 +225,14 @@ VPCE_HD inline GradientConstants make_gradient_constants(double upstream, double
   const double residual = static_cast<double>(lse32) - lse;
   // (An lse of +-inf or NaN leaves a NaN residual: no factor.)
   const double factor = residual == 0.0 || !(residual - residual == 0.0) ? 1.0 : exp(residual);
-  return GradientConstants{static_cast<float>(upstream), lse32, static_cast<float>(z_loss_factor * factor),
-                           static_cast<float>(uniform), upstream, lse, z_loss_factor, uniform};
+  return GradientConstants{static_cast<float>(upstream),
+                           lse32,
+                           static_cast<float>(z_loss_factor * factor),
+                           static_cast<float>(uniform),
+                           upstream,
+                           lse,
+                           z_loss_factor,
+                           uniform};
 }
 
 VPCE_HD inline GradientConstants gradient_constants(int64_t target, double upstream, float weight, double token_lse,

@@ -21,9 +21,7 @@ struct Float16 {
 
 inline float to_float(float x) { return x; }
 
-inline float to_float(BFloat16 x) {
-  return std::bit_cast<float>(static_cast<uint32_t>(x.bits) << 16);
-}
+inline float to_float(BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.bits) << 16); }
 
 inline float to_float(Float16 x) {
   const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;

@@ -21,7 +21,9 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 StorageType storage_of(DataType dtype) {
-  return dtype == kFloat32 ? StorageType::kFloat32 : dtype == kBFloat16 ? StorageType::kBFloat16 : StorageType::kFloat16;
+  return dtype == kFloat32    ? StorageType::kFloat32
+         : dtype == kBFloat16 ? StorageType::kBFloat16
+                              : StorageType::kFloat16;
 }
 
 int64_t block_count(int64_t columns) { return (columns + kBlockColumns - 1) / kBlockColumns; }
@@ -47,9 +49,7 @@ void for_each_block(int64_t rows, int64_t blocks, int num_threads, const Item& i
   }
 }
 
-float weight_at(const TokenVector& weights, int64_t i) {
-  return present(weights) ? weights.at<float>(i) : 1.0f;
-}
+float weight_at(const TokenVector& weights, int64_t i) { return present(weights) ? weights.at<float>(i) : 1.0f; }
 
 // One logit, widened to fp32.
 float load_float(const RowMatrix& m, int64_t i, int64_t col) {
@@ -113,7 +113,8 @@ void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets, int
   };
   if (split_blocks(logits.rows, blocks, thread_count(num_threads))) {
     BlockStats parts[kMaxSplitItems];
-    for_each_block(logits.rows, blocks, num_threads, [&](int64_t i, int64_t b) { parts[i * blocks + b] = block(i, b); });
+    for_each_block(logits.rows, blocks, num_threads,
+                   [&](int64_t i, int64_t b) { parts[i * blocks + b] = block(i, b); });
     for (int64_t i = 0; i < logits.rows; ++i) {
       BlockStats row;
       for (int64_t b = 0; b < blocks; ++b) fold_block(row, parts[i * blocks + b], b * kBlockColumns);
@@ -128,8 +129,8 @@ void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets, int
   });
 }
 
-void merge_stats_kernel(const float* gathered_base, int64_t rank_stride, int ranks,
-                        int64_t row_stride, const int64_t* columns, int num_threads, const RowMatrix& stats) {
+void merge_stats_kernel(const float* gathered_base, int64_t rank_stride, int ranks, int64_t row_stride,
+                        const int64_t* columns, int num_threads, const RowMatrix& stats) {
   const bool with_extras = stats.cols == kStatsWidthWithExtras;
   const RankColumns rank_columns{columns};
   parallel_rows(stats.rows, num_threads, [&](int64_t i) {
@@ -162,8 +163,7 @@ void loss_kernel(const RowMatrix& stats, const TokenVector& targets, const Token
   out.loss.at<float>(0) = static_cast<float>(total);
 }
 
-double counted_weight(const TokenVector& targets, const TokenVector& weights,
-                      const LossParams& params) {
+double counted_weight(const TokenVector& targets, const TokenVector& weights, const LossParams& params) {
   double total = 0.0;
   for (int64_t i = 0; i < targets.n; ++i) {
     if (!params.ignored(target_at(targets, i))) total += static_cast<double>(weight_at(weights, i));
@@ -186,9 +186,8 @@ Upstream upstream_of(const TokenVector& grad_loss, const TokenVector& targets, c
   return up;
 }
 
-void gradient_kernel(const RowMatrix& logits, const TokenVector& targets,
-                     const TokenVector& weights, const TokenVector& lse,
-                     const TokenVector& grad_loss, int64_t vocab_begin,
+void gradient_kernel(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights,
+                     const TokenVector& lse, const TokenVector& grad_loss, int64_t vocab_begin,
                      const LossParams& params, int num_threads, const RowMatrix& grad) {
   gradient_rows_kernel(logits, targets, weights, lse, upstream_of(grad_loss, targets, weights, params), vocab_begin,
                        params, num_threads, grad);
@@ -205,7 +204,8 @@ void gradient_rows_kernel(const RowMatrix& logits, const TokenVector& targets, c
   const int in_bytes = logits.dtype.bytes(), out_bytes = grad.dtype.bytes();
   const LseTokens token_lse = lse_tokens(lse);
   auto constants = [&](int64_t i) {
-    const double g = present(upstream.per_token) ? static_cast<double>(upstream.per_token.at<float>(i)) : upstream.shared;
+    const double g =
+        present(upstream.per_token) ? static_cast<double>(upstream.per_token.at<float>(i)) : upstream.shared;
     return gradient_constants(target_at(targets, i), g, weight_at(weights, i), token_lse.get(i), params);
   };
   // The target's gradient, from its logit read before the row is overwritten (in place), in

@@ -38,8 +38,8 @@ void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets, int
 // gathered_base + r * rank_stride + i * row_stride floats -> stats [N, W], in rank order.
 // columns: rank r's valid columns at [r] (to rebase its sum of logits), or null without
 // label smoothing.
-void merge_stats_kernel(const float* gathered_base, int64_t rank_stride, int ranks,
-                        int64_t row_stride, const int64_t* columns, int num_threads, const RowMatrix& stats);
+void merge_stats_kernel(const float* gathered_base, int64_t rank_stride, int ranks, int64_t row_stride,
+                        const int64_t* columns, int num_threads, const RowMatrix& stats);
 
 // merged stats [N, W], targets [N], weights [N] or absent -> the outputs.
 void loss_kernel(const RowMatrix& stats, const TokenVector& targets, const TokenVector& weights,
@@ -47,8 +47,7 @@ void loss_kernel(const RowMatrix& stats, const TokenVector& targets, const Token
 
 // The denominator of the mean: the sum of the counted tokens' weights (1 each without
 // weights), summed in token order in fp64.
-double counted_weight(const TokenVector& targets, const TokenVector& weights,
-                      const LossParams& params);
+double counted_weight(const TokenVector& targets, const TokenVector& weights, const LossParams& params);
 
 // The upstream gradient of each token's loss: per token (grad_loss for kNone), or one value
 // shared by all (grad_loss, divided by the mean's denominator for kMean).
@@ -67,9 +66,8 @@ void gradient_rows_kernel(const RowMatrix& logits, const TokenVector& targets, c
 
 // logits [N, Vr], targets [N], weights [N] or absent, lse [N], grad_loss ([N] for kNone,
 // [1] otherwise) -> grad [N, Vr] (fp32/bf16/fp16), which may be the logits themselves.
-void gradient_kernel(const RowMatrix& logits, const TokenVector& targets,
-                     const TokenVector& weights, const TokenVector& lse,
-                     const TokenVector& grad_loss, int64_t vocab_begin,
+void gradient_kernel(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights,
+                     const TokenVector& lse, const TokenVector& grad_loss, int64_t vocab_begin,
                      const LossParams& params, int num_threads, const RowMatrix& grad);
 
 }  // namespace vpce::detail

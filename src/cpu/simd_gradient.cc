@@ -110,7 +110,8 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
     const auto misalignment = reinterpret_cast<uintptr_t>(grad) % (lanes * sizeof(float));
     int64_t peel = misalignment == 0 ? 0 : (static_cast<int64_t>(lanes * sizeof(float) - misalignment) / 4);
     peel = std::min(peel, cols);
-    if (peel > 0) StorePartial(d, element(LoadPartial(d, row, static_cast<size_t>(peel))), grad, static_cast<size_t>(peel));
+    if (peel > 0)
+      StorePartial(d, element(LoadPartial(d, row, static_cast<size_t>(peel))), grad, static_cast<size_t>(peel));
     v = peel;
     for (; v + lanes <= cols; v += lanes) {
       hwy::Prefetch(row + v + kAhead);
@@ -136,7 +137,8 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
 #else
     // bf16 pairs in and out, rounded in the FPU where every gradient is below 2^111.
     if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16>) {
-      const double largest = (std::fabs(k) + static_cast<double>(std::fabs(u))) * std::fabs(static_cast<double>(t.scale));
+      const double largest =
+          (std::fabs(k) + static_cast<double>(std::fabs(u))) * std::fabs(static_cast<double>(t.scale));
       if (largest < 0x1p110) {
         for (; v + 2 * lanes <= cols; v += 2 * lanes) {
           hwy::Prefetch(row + v + kAhead);
@@ -217,8 +219,7 @@ void GradientForTransform(const T* row, G* grad, int64_t cols, const TransformPa
 }
 
 template <class T, class G>
-void GradientForTypes(const void* row, void* grad, int64_t cols, const TransformParams& t,
-                      const GradientConstants& c) {
+void GradientForTypes(const void* row, void* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
   const T* r = static_cast<const T*>(row);
   G* g = static_cast<G*>(grad);
 #if HWY_TARGET == HWY_AVX3
@@ -235,8 +236,8 @@ void GradientForInput(const void* row, int32_t out, void* grad, int64_t cols, co
   WithStorageType(out, [&](auto* tag) { GradientForTypes<T, TagType<decltype(tag)>>(row, grad, cols, t, c); });
 }
 
-void BlockGradientImpl(const void* row, int32_t in, void* grad, int32_t out, int64_t cols,
-                       const TransformParams& t, const GradientConstants& c) {
+void BlockGradientImpl(const void* row, int32_t in, void* grad, int32_t out, int64_t cols, const TransformParams& t,
+                       const GradientConstants& c) {
   WithStorageType(in, [&](auto* tag) { GradientForInput<TagType<decltype(tag)>>(row, out, grad, cols, t, c); });
 }
 

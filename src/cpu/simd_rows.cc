@@ -59,9 +59,8 @@ float RowMax(const T* row, int64_t cols, float* widened) {
 }
 
 float RowMaxImpl(const void* row, int32_t type, int64_t cols, float* widened) {
-  return WithStorageType(type, [&](auto* tag) {
-    return RowMax(static_cast<const TagType<decltype(tag)>*>(row), cols, widened);
-  });
+  return WithStorageType(
+      type, [&](auto* tag) { return RowMax(static_cast<const TagType<decltype(tag)>*>(row), cols, widened); });
 }
 
 // row: [cols] fp32, in place: row[v] <- exp(row[v] - shift), the difference rounded to fp32
@@ -187,7 +186,8 @@ void StoreLanesImpl(const float* x, int32_t type, void* out, int64_t n) {
 #endif
       StoreGradient<false>(d, hn::LoadU(d, x + v), typed + v);
     }
-    if (v < n) StorePartial(d, LoadPartial(d, x + v, static_cast<size_t>(n - v)), typed + v, static_cast<size_t>(n - v));
+    if (v < n)
+      StorePartial(d, LoadPartial(d, x + v, static_cast<size_t>(n - v)), typed + v, static_cast<size_t>(n - v));
   };
   WithStorageType(type, [&](auto* tag) { store(static_cast<decltype(tag)>(out)); });
 }
@@ -227,7 +227,6 @@ HWY_EXPORT(RowMaxImpl);
 HWY_EXPORT(ExpRowInPlaceImpl);
 HWY_EXPORT(TargetNameImpl);
 HWY_EXPORT(ExpArgumentIsExactImpl);
-
 
 namespace {
 std::atomic<bool> g_bf16_instructions_allowed{true};

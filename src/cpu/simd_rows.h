@@ -27,19 +27,19 @@ struct TransformParams {
 // Statistics of one block, relative to its own max.
 struct BlockStats {
   float max = -__builtin_inff();
-  int64_t argmax = -1;         // first column (in the block) holding max; -1 if none
-  double sum_exp = 0.0;        // sum exp(z - max)
-  double sum_logits = 0.0;     // sum (z - logit_reference(max)) (when asked; token_math.h)
-  double weighted = 0.0;       // sum exp(z - max) (z - max) (when asked)
-  int64_t columns = 0;         // the columns these statistics cover
+  int64_t argmax = -1;      // first column (in the block) holding max; -1 if none
+  double sum_exp = 0.0;     // sum exp(z - max)
+  double sum_logits = 0.0;  // sum (z - logit_reference(max)) (when asked; token_math.h)
+  double weighted = 0.0;    // sum exp(z - max) (z - max) (when asked)
+  int64_t columns = 0;      // the columns these statistics cover
 };
 
 // Folds block b (whose columns start `offset` after block a's) into a, in column order.
 void fold_block(BlockStats& a, const BlockStats& b, int64_t offset);
 
 // row: [cols] of `type` -> the block's statistics.
-BlockStats block_stats(const void* row, StorageType type, int64_t cols, const TransformParams& t,
-                       bool with_sum_logits, bool with_weighted);
+BlockStats block_stats(const void* row, StorageType type, int64_t cols, const TransformParams& t, bool with_sum_logits,
+                       bool with_weighted);
 
 // row: [cols] of `in` -> grad: [cols] of `out`,
 // grad_v = upstream (exp(z_v - lse) coefficient - uniform) dz/dx_v. grad may be row.

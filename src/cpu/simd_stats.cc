@@ -61,17 +61,17 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
   constexpr auto ahead = static_cast<int64_t>(8192 / sizeof(T));
   float max = -std::numeric_limits<float>::infinity();
   LaneShift shift = MakeLaneShift(d, 0.0);  // of max, once there is one
-  double sum_exp2 = 0.0;                      // sum e^(z - max) / shift.correction
-  double sum_logits = 0.0;                    // sum (z - logit_reference(max))
+  double sum_exp2 = 0.0;                    // sum e^(z - max) / shift.correction
+  double sum_logits = 0.0;                  // sum (z - logit_reference(max))
   for (int64_t begin = 0; begin < cols; begin += chunk) {
     const int64_t end = std::min(cols, begin + chunk);
     const int64_t full_end = end - (end - begin) % lanes;
     const auto tail = static_cast<size_t>(end - full_end);
     const bool has_tail = tail != 0;
     // Lanes past the end hold -inf: they add nothing.
-    const VF z_tail =
-        has_tail ? hn::IfThenElse(hn::FirstN(d, tail), Transform<kKind>(d, LoadPartial(d, row + full_end, tail), t), neg_inf)
-                 : neg_inf;
+    const VF z_tail = has_tail ? hn::IfThenElse(hn::FirstN(d, tail),
+                                                Transform<kKind>(d, LoadPartial(d, row + full_end, tail), t), neg_inf)
+                               : neg_inf;
     // Four independent maxima: one would wait on Max's latency at every vector.
     VF max0 = z_tail, max1 = neg_inf, max2 = neg_inf, max3 = neg_inf;
     int64_t v = begin;
@@ -109,7 +109,8 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
       max = chunk_max;
       shift = grown;
     }
-    VF sums[8] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
+    VF sums[8] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d),
+                  hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
     // sum_exp2 += the accumulators' sum, and they start again from 0.
     auto fold_sums = [&] {
       const VF all = hn::Add(hn::Add(hn::Add(sums[0], sums[1]), hn::Add(sums[2], sums[3])),
@@ -188,8 +189,8 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
 // the transformed logits z in a stack buffer (64 KiB, in L1/L2) and finds the max, so the
 // later passes neither widen nor transform again.
 template <class T, int kKind>
-void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_logits,
-           bool with_weighted, BlockStats* out) {
+void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_logits, bool with_weighted,
+           BlockStats* out) {
   if (!with_weighted) return StatsByChunks<T, kKind>(row, cols, t, with_sum_logits, out);
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
@@ -263,8 +264,8 @@ void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_l
 }
 
 template <class T>
-void StatsForType(const void* row, int64_t cols, const TransformParams& t, bool with_sum_logits,
-                  bool with_weighted, BlockStats* out) {
+void StatsForType(const void* row, int64_t cols, const TransformParams& t, bool with_sum_logits, bool with_weighted,
+                  BlockStats* out) {
   const T* r = static_cast<const T*>(row);
   if (t.cap > 0.0f) {
     Stats<T, kSoftCapped>(r, cols, t, with_sum_logits, with_weighted, out);
@@ -275,8 +276,8 @@ void StatsForType(const void* row, int64_t cols, const TransformParams& t, bool 
   }
 }
 
-void BlockStatsImpl(const void* row, int32_t type, int64_t cols, const TransformParams& t,
-                    bool with_sum_logits, bool with_weighted, BlockStats* out) {
+void BlockStatsImpl(const void* row, int32_t type, int64_t cols, const TransformParams& t, bool with_sum_logits,
+                    bool with_weighted, BlockStats* out) {
   WithStorageType(type, [&](auto* tag) {
     StatsForType<TagType<decltype(tag)>>(row, cols, t, with_sum_logits, with_weighted, out);
   });
@@ -291,8 +292,8 @@ namespace vpce::detail {
 
 HWY_EXPORT(BlockStatsImpl);
 
-BlockStats block_stats(const void* row, StorageType type, int64_t cols, const TransformParams& t,
-                       bool with_sum_logits, bool with_weighted) {
+BlockStats block_stats(const void* row, StorageType type, int64_t cols, const TransformParams& t, bool with_sum_logits,
+                       bool with_weighted) {
   BlockStats out;
   HWY_DYNAMIC_DISPATCH(BlockStatsImpl)(row, static_cast<int32_t>(type), cols, t, with_sum_logits, with_weighted, &out);
   out.columns = cols;

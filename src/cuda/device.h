@@ -37,8 +37,8 @@ Status check_group(const char* gathered, int64_t stride, int ranks, DeviceError*
 
 // Ranks' stats (rank r's [N, W] at gathered + r * rank_stride floats) -> merged [N, W] ->
 // the outputs; `terms` holds N doubles for a reduction. Outputs are NaN if *error is set.
-Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int64_t rows, int64_t width,
-                      float* merged, const TokenVector& targets, const TokenVector& weights, const LossParams& params,
+Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int64_t rows, int64_t width, float* merged,
+                      const TokenVector& targets, const TokenVector& weights, const LossParams& params,
                       const LossOutputs& out, double* terms, const DeviceError* error, cudaStream_t stream);
 
 // The reduced loss (sum, or mean over the counted weight of the `rows` tokens) of the
@@ -55,8 +55,8 @@ Status shared_upstream(const float* grad_loss, float value, const TokenVector& t
 
 // logits [N, Vr] -> grad [N, Vr] (may be the logits); `shared_upstream` holds one double
 // for a reduced loss.
-Status gradient(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights,
-                const TokenVector& lse, const TokenVector& grad_loss, int64_t vocab_begin, const LossParams& params,
-                const RowMatrix& grad, double* shared_upstream, cudaStream_t stream);
+Status gradient(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights, const TokenVector& lse,
+                const TokenVector& grad_loss, int64_t vocab_begin, const LossParams& params, const RowMatrix& grad,
+                double* shared_upstream, cudaStream_t stream);
 
 }  // namespace vpce::detail::cuda

@@ -28,11 +28,17 @@ __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 template <class T>
 __device__ __forceinline__ T from_float(float x);
 template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
 
 struct Transform {
   float scale;
@@ -324,9 +330,7 @@ struct PlainGradient {
             static_cast<float>(c.exact_upstream * c.exact_uniform),
             static_cast<float>(c.exact_upstream * static_cast<double>(target_term))};
   }
-  __device__ __forceinline__ float at(float z) const {
-    return fmaf(exp2_sfu((z - lse) * kLog2e), scale, -uniform);
-  }
+  __device__ __forceinline__ float at(float z) const { return fmaf(exp2_sfu((z - lse) * kLog2e), scale, -uniform); }
   // g[j] for the kN columns from `first`: the target's and the padding's corrections are a
   // range test per run.
   template <int kN>

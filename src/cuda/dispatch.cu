@@ -25,15 +25,15 @@ Status device_supported(Device device, const char* name) {
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
     cudaGetLastError();  // not sticky: clear it
-    return {Code::kUnsupported, expected_got(device_text(name).c_str(),
-                                             std::string("cpu (no CUDA device is usable here: ") +
-                                                 cudaGetErrorString(e) + ")",
-                                             to_string(device))};
+    return {Code::kUnsupported,
+            expected_got(device_text(name).c_str(),
+                         std::string("cpu (no CUDA device is usable here: ") + cudaGetErrorString(e) + ")",
+                         to_string(device))};
   }
   if (device.id < 0 || device.id >= count) {
-    return {Code::kUnsupported, expected_got(device_text(name).c_str(),
-                                             "cpu or one of the " + std::to_string(count) + " CUDA devices",
-                                             to_string(device))};
+    return {Code::kUnsupported,
+            expected_got(device_text(name).c_str(), "cpu or one of the " + std::to_string(count) + " CUDA devices",
+                         to_string(device))};
   }
   return {};
 }
@@ -97,8 +97,9 @@ Status ensure(char** buffer, std::size_t* capacity, std::size_t bytes, cudaStrea
     return cuda_failure("cudaStreamIsCapturing", e);
   }
   if (capturing != cudaStreamCaptureStatusNone) {
-    return {Code::kInvalidUsage, "workspace: expected device buffers already large enough when capturing a CUDA graph "
-                                 "(run one call of this size first), got a call that needs larger ones"};
+    return {Code::kInvalidUsage,
+            "workspace: expected device buffers already large enough when capturing a CUDA graph "
+            "(run one call of this size first), got a call that needs larger ones"};
   }
   if (*buffer != nullptr) {
     if (const cudaError_t e = cudaFreeAsync(*buffer, stream); e != cudaSuccess) return cuda_failure("cudaFreeAsync", e);
@@ -159,8 +160,8 @@ Status device_forward(Communicator& comm, const DeviceForwardArgs& a, std::share
   if (Status s = cuda::write_header(a.header, header, stream); !s.ok()) return a.local.ok() ? s : a.local;
   if (a.local.ok()) {
     const RowMatrix stats{w.send + sizeof(RankHeader), kFloat32, a.tokens, a.width, a.width};
-    if (Status s = cuda::local_stats(a.in.logits, a.in.targets, a.in.weights, a.vocab_begin, a.params, stats, header,
-                                     stream);
+    if (Status s =
+            cuda::local_stats(a.in.logits, a.in.targets, a.in.weights, a.vocab_begin, a.params, stats, header, stream);
         !s.ok()) {
       return s;
     }
@@ -175,15 +176,14 @@ Status device_forward(Communicator& comm, const DeviceForwardArgs& a, std::share
   w.payload = a.payload;
   w.used = true;
   if (!a.local.ok()) return a.local;
-  return cuda::merge_and_loss(reinterpret_cast<const float*>(w.recv + sizeof(RankHeader)),
-                              static_cast<int64_t>(a.payload / sizeof(float)), ranks, a.tokens, a.width,
-                              reinterpret_cast<float*>(w.merged), a.in.targets, a.in.weights, a.params, a.out,
-                              reinterpret_cast<double*>(w.merged + a.tokens * a.width * sizeof(float)), w.error(),
-                              stream);
+  return cuda::merge_and_loss(
+      reinterpret_cast<const float*>(w.recv + sizeof(RankHeader)), static_cast<int64_t>(a.payload / sizeof(float)),
+      ranks, a.tokens, a.width, reinterpret_cast<float*>(w.merged), a.in.targets, a.in.weights, a.params, a.out,
+      reinterpret_cast<double*>(w.merged + a.tokens * a.width * sizeof(float)), w.error(), stream);
 }
 
-Status device_protocol(std::shared_ptr<void>* state, int device, void* stream, int ranks, int self,
-                       std::size_t payload, std::size_t merged_bytes, DeviceProtocol* out) {
+Status device_protocol(std::shared_ptr<void>* state, int device, void* stream, int ranks, int self, std::size_t payload,
+                       std::size_t merged_bytes, DeviceProtocol* out) {
   auto cuda_stream = static_cast<cudaStream_t>(stream);
   CurrentDevice current(device);
   if (Status s = current.status(); !s.ok()) return s;
@@ -231,7 +231,8 @@ Status device_backward(const DeviceBackwardArgs& a) {
   if (Status s = current.status(); !s.ok()) return s;
   double* shared = nullptr;
   if (a.params.reduction != Reduction::kNone) {
-    if (const cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&shared), sizeof(double), stream); e != cudaSuccess) {
+    if (const cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&shared), sizeof(double), stream);
+        e != cudaSuccess) {
       return cuda_failure("cudaMallocAsync of the upstream gradient", e);
     }
   }

@@ -44,14 +44,14 @@ Status device_status(void* state);
 // carry `payload` bytes). `device` is made current for the call and restored.
 class CallOrder;  // (cuda/host.h)
 struct DeviceProtocol {
-  char* send = nullptr;    // payload bytes: this rank's header, then its [n, W] stats
-  char* recv = nullptr;    // ranks * payload bytes
-  char* merged = nullptr;  // merged_bytes
-  char* error = nullptr;   // a cuda::DeviceError
+  char* send = nullptr;        // payload bytes: this rank's header, then its [n, W] stats
+  char* recv = nullptr;        // ranks * payload bytes
+  char* merged = nullptr;      // merged_bytes
+  char* error = nullptr;       // a cuda::DeviceError
   CallOrder* order = nullptr;  // the caller marks its call's end in it (a CallScope)
 };
-Status device_protocol(std::shared_ptr<void>* state, int device, void* stream, int ranks, int self,
-                       std::size_t payload, std::size_t merged_bytes, DeviceProtocol* out);
+Status device_protocol(std::shared_ptr<void>* state, int device, void* stream, int ranks, int self, std::size_t payload,
+                       std::size_t merged_bytes, DeviceProtocol* out);
 
 struct DeviceBackwardArgs {
   LossInputs in;

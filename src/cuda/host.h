@@ -69,7 +69,8 @@ class CallOrder {
     bool captured = false;
     if (Status s = is_capturing(stream, &captured); !s.ok()) return s;
     if (captured && stream == stream_) return {};  // (replays on that stream follow it)
-    if (const cudaError_t e = cudaStreamWaitEvent(stream, done_, captured ? cudaEventWaitExternal : cudaEventWaitDefault);
+    if (const cudaError_t e =
+            cudaStreamWaitEvent(stream, done_, captured ? cudaEventWaitExternal : cudaEventWaitDefault);
         e != cudaSuccess) {
       return cuda_failure("ordering after the previous call", e);
     }

@@ -40,16 +40,13 @@ __device__ __forceinline__ void for_each_element(const T* row, int64_t cols, F&&
   for (int64_t v = head + vectors * kVector + threadIdx.x; v < cols; v += kThreads) f(v, to_float(row[v]));
 }
 
-
 // logits [rows, cols] (row stride ld) -> stats [rows, width] (row stride width). kPlain: no
 // transform, label smoothing or extras (fold_row_plain).
 template <class T, bool kPlain>
-__global__ void __launch_bounds__(kThreads) local_stats_kernel(const T* logits, int64_t ld, int64_t cols,
-                                                               int64_t valid, const void* targets, bool wide_targets,
-                                                               int64_t target_stride, const float* weights,
-                                                               int64_t weight_stride, int64_t vocab_begin,
-                                                               LossParams params, Transform t, float* stats,
-                                                               int64_t width, RankHeader* header) {
+__global__ void __launch_bounds__(kThreads)
+    local_stats_kernel(const T* logits, int64_t ld, int64_t cols, int64_t valid, const void* targets, bool wide_targets,
+                       int64_t target_stride, const float* weights, int64_t weight_stride, int64_t vocab_begin,
+                       LossParams params, Transform t, float* stats, int64_t width, RankHeader* header) {
   const int64_t i = blockIdx.x;
   const T* row = logits + i * ld;
   const bool sum_logits = params.with_sum_logits();
@@ -66,7 +63,8 @@ __global__ void __launch_bounds__(kThreads) local_stats_kernel(const T* logits, 
   if (threadIdx.x != 0) return;
   const int64_t y = target_of(targets, wide_targets, target_stride, i);
   const bool bad_target = !params.ignored(y) && (y < 0 || y >= params.valid_vocab);
-  const bool bad_weight = weights != nullptr && !(isfinite(weights[i * weight_stride]) && weights[i * weight_stride] >= 0.0f);
+  const bool bad_weight =
+      weights != nullptr && !(isfinite(weights[i * weight_stride]) && weights[i * weight_stride] >= 0.0f);
   if ((bad_target || bad_weight) && header != nullptr) {
     atomicCAS(&header->status, 0, static_cast<int32_t>(Code::kInvalidArgument));  // its message is ready
   }
@@ -112,9 +110,8 @@ __global__ void merge_kernel(const float* gathered, int64_t rank_stride, int ran
 // reduction), lse, extras. Poisons the outputs with NaN when the device found an error.
 __global__ void loss_kernel(const float* merged, int64_t rows, int64_t width, const void* targets, bool wide_targets,
                             int64_t target_stride, const float* weights, int64_t weight_stride, LossParams params,
-                            float* loss, int64_t loss_stride, double* terms, LseTokens lse,
-                            float* target_is_argmax, int64_t argmax_stride, float* entropy, int64_t entropy_stride,
-                            const DeviceError* error) {
+                            float* loss, int64_t loss_stride, double* terms, LseTokens lse, float* target_is_argmax,
+                            int64_t argmax_stride, float* entropy, int64_t entropy_stride, const DeviceError* error) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= rows) return;
   const int64_t y = target_of(targets, wide_targets, target_stride, i);
@@ -137,11 +134,10 @@ __global__ void loss_kernel(const float* merged, int64_t rows, int64_t width, co
 }
 
 // One block: the reduced loss from the per-token terms, in a fixed order.
-__global__ void __launch_bounds__(kThreads) reduce_loss_kernel(const double* terms, int64_t rows, const void* targets,
-                                                               bool wide_targets, int64_t target_stride,
-                                                               const float* weights, int64_t weight_stride,
-                                                               LossParams params, float* loss,
-                                                               const DeviceError* error) {
+__global__ void __launch_bounds__(kThreads)
+    reduce_loss_kernel(const double* terms, int64_t rows, const void* targets, bool wide_targets, int64_t target_stride,
+                       const float* weights, int64_t weight_stride, LossParams params, float* loss,
+                       const DeviceError* error) {
   double mine = 0.0;
   for (int64_t i = threadIdx.x; i < rows; i += kThreads) mine += terms[i];
   const double total = block_sum(mine);
@@ -151,19 +147,19 @@ __global__ void __launch_bounds__(kThreads) reduce_loss_kernel(const double* ter
     denominator = counted_weight(targets, wide_targets, target_stride, weights, weight_stride, rows, params);
   }
   if (threadIdx.x == 0) {
-    loss[0] = error->code != 0                       ? NAN
-              : params.reduction == Reduction::kMean ? static_cast<float>(denominator != 0.0 ? total / denominator : 0.0)
-                                                     : static_cast<float>(total);
+    loss[0] = error->code != 0 ? NAN
+              : params.reduction == Reduction::kMean
+                  ? static_cast<float>(denominator != 0.0 ? total / denominator : 0.0)
+                  : static_cast<float>(total);
   }
 }
 
 // One block: the upstream gradient shared by every token of a reduced loss, from grad_loss
 // (device memory) or, when it is null, `value`.
-__global__ void __launch_bounds__(kThreads) shared_upstream_kernel(const float* grad_loss, float value,
-                                                                   const void* targets, bool wide_targets,
-                                                                   int64_t target_stride, const float* weights,
-                                                                   int64_t weight_stride, int64_t rows,
-                                                                   LossParams params, double* out) {
+__global__ void __launch_bounds__(kThreads)
+    shared_upstream_kernel(const float* grad_loss, float value, const void* targets, bool wide_targets,
+                           int64_t target_stride, const float* weights, int64_t weight_stride, int64_t rows,
+                           LossParams params, double* out) {
   double denominator = 1.0;
   if (params.reduction == Reduction::kMean) {
     denominator = counted_weight(targets, wide_targets, target_stride, weights, weight_stride, rows, params);
@@ -185,8 +181,8 @@ __device__ __forceinline__ void map_row(const TIn* in, TOut* out, int64_t cols, 
   constexpr int kOutAlign = kVector * sizeof(TOut) < 16 ? kVector * sizeof(TOut) : 16;
   const auto in_address = reinterpret_cast<uintptr_t>(in);
   int64_t head = static_cast<int64_t>(((16 - in_address % 16) % 16) / sizeof(TIn));
-  const bool aligned = in_address % sizeof(TIn) == 0 &&
-                       (reinterpret_cast<uintptr_t>(out) + head * sizeof(TOut)) % kOutAlign == 0;
+  const bool aligned =
+      in_address % sizeof(TIn) == 0 && (reinterpret_cast<uintptr_t>(out) + head * sizeof(TOut)) % kOutAlign == 0;
   if (!aligned) head = cols;
   head = head < cols ? head : cols;
   auto single = [&](int64_t v) {
@@ -220,17 +216,15 @@ __device__ __forceinline__ void map_row(const TIn* in, TOut* out, int64_t cols, 
 // and 0 on padding columns and on tokens that do not count (written without reading the
 // logits). kPlain: no transform (PlainGradient's exp on the special-function unit).
 template <class TIn, class TOut, bool kPlain>
-__global__ void __launch_bounds__(kThreads) gradient_kernel(const TIn* logits, int64_t ld, TOut* grad, int64_t grad_ld,
-                                                            int64_t cols, int64_t valid, const void* targets,
-                                                            bool wide_targets, int64_t target_stride,
-                                                            const float* weights, int64_t weight_stride,
-                                                            LseTokens lse, const float* grad_loss,
-                                                            int64_t grad_loss_stride,
-                                                            const double* shared_upstream, int64_t vocab_begin,
-                                                            LossParams params, Transform t) {
+__global__ void __launch_bounds__(kThreads)
+    gradient_kernel(const TIn* logits, int64_t ld, TOut* grad, int64_t grad_ld, int64_t cols, int64_t valid,
+                    const void* targets, bool wide_targets, int64_t target_stride, const float* weights,
+                    int64_t weight_stride, LseTokens lse, const float* grad_loss, int64_t grad_loss_stride,
+                    const double* shared_upstream, int64_t vocab_begin, LossParams params, Transform t) {
   const int64_t i = blockIdx.x;
   const int64_t y = target_of(targets, wide_targets, target_stride, i);
-  const double upstream = shared_upstream != nullptr ? *shared_upstream : static_cast<double>(grad_loss[i * grad_loss_stride]);
+  const double upstream =
+      shared_upstream != nullptr ? *shared_upstream : static_cast<double>(grad_loss[i * grad_loss_stride]);
   const float weight = weights != nullptr ? weights[i * weight_stride] : 1.0f;
   const GradientConstants c = gradient_constants(y, upstream, weight, lse.get(i), params);
   const float target_term = target_weight(params);
@@ -242,9 +236,8 @@ __global__ void __launch_bounds__(kThreads) gradient_kernel(const TIn* logits, i
   }
   if constexpr (kPlain) {
     const PlainGradient k = PlainGradient::of(c, target_term);
-    map_row(logits + i * ld, out, cols, [&](int64_t first, const auto& x, auto& g) {
-      k.run(first, x, g, target_column, valid);
-    });
+    map_row(logits + i * ld, out, cols,
+            [&](int64_t first, const auto& x, auto& g) { k.run(first, x, g, target_column, valid); });
   } else {
     map_row(logits + i * ld, out, cols, [&](int64_t first, const auto& x, auto& g) {
       constexpr int n = static_cast<int>(std::extent_v<std::remove_reference_t<decltype(x)>>);
@@ -308,7 +301,6 @@ __global__ void write_header_kernel(RankHeader header, RankHeader* out) {
   if (threadIdx.x == 0) *out = header;
 }
 
-
 }  // namespace
 
 Status local_stats(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights, int64_t vocab_begin,
@@ -322,14 +314,13 @@ Status local_stats(const RowMatrix& logits, const TokenVector& targets, const To
     kernel<<<static_cast<unsigned>(logits.rows), kThreads, 0, stream>>>(
         reinterpret_cast<const T*>(logits.base), logits.row_stride, logits.cols, valid, targets.base,
         targets.dtype == kInt64, targets.stride, reinterpret_cast<const float*>(weights.base), weights.stride,
-        vocab_begin, params, transform_of(params),
-        reinterpret_cast<float*>(stats.base), stats.row_stride, header);
+        vocab_begin, params, transform_of(params), reinterpret_cast<float*>(stats.base), stats.row_stride, header);
   });
   return launched("local statistics");
 }
 
-Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int64_t rows, int64_t width,
-                      float* merged, const TokenVector& targets, const TokenVector& weights, const LossParams& params,
+Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int64_t rows, int64_t width, float* merged,
+                      const TokenVector& targets, const TokenVector& weights, const LossParams& params,
                       const LossOutputs& out, double* terms, const DeviceError* error, cudaStream_t stream) {
   const auto* w = reinterpret_cast<const float*>(weights.base);
   if (rows == 0) {  // nothing to merge; a reduction of no tokens is 0, as on the CPU
@@ -341,7 +332,7 @@ Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int
   }
   constexpr int kTokens = 256;
   merge_kernel<<<grid_for(rows, kTokens), kTokens, 0, stream>>>(gathered, rank_stride, ranks, rows, width, params,
-                                                                 merged);
+                                                                merged);
   if (Status s = launched("merge"); !s.ok()) return s;
   loss_kernel<<<grid_for(rows, kTokens), kTokens, 0, stream>>>(
       merged, rows, width, targets.base, targets.dtype == kInt64, targets.stride, w, weights.stride, params,
@@ -351,7 +342,8 @@ Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int
   if (Status s = launched("loss"); !s.ok()) return s;
   if (params.reduction == Reduction::kNone) return {};
   reduce_loss_kernel<<<1, kThreads, 0, stream>>>(terms, rows, targets.base, targets.dtype == kInt64, targets.stride, w,
-                                                 weights.stride, params, reinterpret_cast<float*>(out.loss.base), error);
+                                                 weights.stride, params, reinterpret_cast<float*>(out.loss.base),
+                                                 error);
   return launched("reduction");
 }
 
@@ -371,9 +363,9 @@ Status shared_upstream(const float* grad_loss, float value, const TokenVector& t
   return launched("upstream gradient");
 }
 
-Status gradient(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights,
-                const TokenVector& lse, const TokenVector& grad_loss, int64_t vocab_begin, const LossParams& params,
-                const RowMatrix& grad, double* shared_upstream, cudaStream_t stream) {
+Status gradient(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights, const TokenVector& lse,
+                const TokenVector& grad_loss, int64_t vocab_begin, const LossParams& params, const RowMatrix& grad,
+                double* shared_upstream, cudaStream_t stream) {
   if (logits.rows == 0) return {};
   const auto* w = reinterpret_cast<const float*>(weights.base);
   const bool wide = targets.dtype == kInt64;
@@ -394,9 +386,9 @@ Status gradient(const RowMatrix& logits, const TokenVector& targets, const Token
       auto* kernel = is_plain(params) ? gradient_kernel<TIn, TOut, true> : gradient_kernel<TIn, TOut, false>;
       kernel<<<static_cast<unsigned>(logits.rows), kThreads, 0, stream>>>(
           reinterpret_cast<const TIn*>(logits.base), logits.row_stride, reinterpret_cast<TOut*>(grad.base),
-          grad.row_stride, logits.cols, valid, targets.base, wide, targets.stride, w, weights.stride,
-          lse_tokens(lse), reinterpret_cast<const float*>(grad_loss.base),
-          grad_loss.stride, shared, vocab_begin, params, transform_of(params));
+          grad.row_stride, logits.cols, valid, targets.base, wide, targets.stride, w, weights.stride, lse_tokens(lse),
+          reinterpret_cast<const float*>(grad_loss.base), grad_loss.stride, shared, vocab_begin, params,
+          transform_of(params));
     });
   });
   return launched("gradient");

@@ -12,15 +12,15 @@
 namespace vpce::detail {
 
 Status device_linear_cross_entropy_forward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets,
-                                           const VocabShard& shard, const LossOptions& options,
-                                           const HeadOptions& head, const TensorView& loss, const TensorView& lse,
-                                           const ForwardExtras& extras, Workspace* workspace);
+                                           const VocabShard& shard, const LossOptions& options, const HeadOptions& head,
+                                           const TensorView& loss, const TensorView& lse, const ForwardExtras& extras,
+                                           Workspace* workspace);
 
-Status device_linear_cross_entropy_backward(const HeadInputs& inputs, const TensorView& targets,
-                                            const TensorView& lse, const TensorView& grad_loss,
-                                            const VocabShard& shard, const LossOptions& options,
-                                            const HeadOptions& head, const HeadGradients& gradients,
-                                            const TensorView* weights, Workspace* workspace);
+Status device_linear_cross_entropy_backward(const HeadInputs& inputs, const TensorView& targets, const TensorView& lse,
+                                            const TensorView& grad_loss, const VocabShard& shard,
+                                            const LossOptions& options, const HeadOptions& head,
+                                            const HeadGradients& gradients, const TensorView* weights,
+                                            Workspace* workspace);
 
 Status device_linear_cross_entropy_forward_backward(Communicator& comm, const HeadInputs& inputs,
                                                     const TensorView& targets, const VocabShard& shard,

@@ -9,22 +9,21 @@ namespace {
 
 Status refuse(const TensorView& hidden) {
   if (Status s = device_supported(hidden.device, "hidden"); !s.ok()) return s;
-  return {Code::kUnsupported, expected_got("hidden.device", "cpu (this build has no fused head on the device)",
-                                           to_string(hidden.device))};
+  return {Code::kUnsupported,
+          expected_got("hidden.device", "cpu (this build has no fused head on the device)", to_string(hidden.device))};
 }
 
 }  // namespace
 
 Status device_linear_cross_entropy_forward(Communicator&, const HeadInputs& inputs, const TensorView&,
-                                           const VocabShard&, const LossOptions&, const HeadOptions&,
-                                           const TensorView&, const TensorView&, const ForwardExtras&, Workspace*) {
+                                           const VocabShard&, const LossOptions&, const HeadOptions&, const TensorView&,
+                                           const TensorView&, const ForwardExtras&, Workspace*) {
   return refuse(inputs.hidden);
 }
 
 Status device_linear_cross_entropy_backward(const HeadInputs& inputs, const TensorView&, const TensorView&,
                                             const TensorView&, const VocabShard&, const LossOptions&,
-                                            const HeadOptions&, const HeadGradients&, const TensorView*,
-                                            Workspace*) {
+                                            const HeadOptions&, const HeadGradients&, const TensorView*, Workspace*) {
   return refuse(inputs.hidden);
 }
 

@@ -77,8 +77,8 @@ class ThreadMatmuls {
     using dnnl::memory;
     memory am(mm.a, engine_, const_cast<void*>(a)), bm(mm.b, engine_, const_cast<void*>(b)), cm(mm.c, engine_, c);
     memory sm(mm.scratchpad, engine_, scratch_.data());
-    mm.primitive.execute(stream_, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm},
-                                   {DNNL_ARG_SCRATCHPAD, sm}});
+    mm.primitive.execute(stream_,
+                         {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}, {DNNL_ARG_SCRATCHPAD, sm}});
     stream_.wait();
   }
 
@@ -88,8 +88,7 @@ class ThreadMatmuls {
     try {
       const memory::data_type operands = s.bf16 ? memory::data_type::bf16 : memory::data_type::f32;
       const memory::desc a({s.m, s.k}, operands, s.trans_a ? memory::dims{1, s.lda} : memory::dims{s.lda, 1});
-      const memory::desc b({s.k, s.n}, operands,
-                           s.trans_b ? memory::dims{1, s.ldb} : memory::dims{s.ldb, 1});
+      const memory::desc b({s.k, s.n}, operands, s.trans_b ? memory::dims{1, s.ldb} : memory::dims{s.ldb, 1});
       const memory::desc c({s.m, s.n}, memory::data_type::f32, memory::dims{s.ldc, 1});
       dnnl::primitive_attr attr;
       attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -123,8 +122,8 @@ ThreadMatmuls& thread_matmuls() {
 
 }  // namespace
 
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+          int64_t ldb, float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
   if (k == 0) {
     if (beta == 0.0f) {
@@ -144,8 +143,7 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const flo
   }
   // The arguments were validated by the caller (sizes fit, strides >= row lengths), so
   // oneDNN's own checks cannot fail.
-  static_cast<void>(dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, 1.0f, a, lda, b, ldb, beta, c,
-                               ldc));
+  static_cast<void>(dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc));
 }
 
 void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda,
@@ -176,8 +174,9 @@ void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, cons
 
 bool bf16_gemm_native() {
   // oneDNN's ISAs nest: one that includes avx512_core_bf16 has all of its bits.
-  static const bool available = cpu_has_avx512_bf16() && (static_cast<unsigned>(dnnl_get_effective_cpu_isa()) &
-                                                           dnnl_cpu_isa_avx512_core_bf16) == dnnl_cpu_isa_avx512_core_bf16;
+  static const bool available =
+      cpu_has_avx512_bf16() && (static_cast<unsigned>(dnnl_get_effective_cpu_isa()) & dnnl_cpu_isa_avx512_core_bf16) ==
+                                   dnnl_cpu_isa_avx512_core_bf16;
   return available && bf16_instructions_allowed();
 }
 

@@ -14,8 +14,8 @@ namespace vpce::detail {
 // C[m, n] = op(A) op(B) + beta C, where op(A) is [m, k] (A^T when trans_a, A then [k, m])
 // and op(B) is [k, n] (B^T when trans_b); lda, ldb, ldc are row strides in elements.
 // beta is 0 (C written over; its old contents are never read) or 1 (added into).
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+          int64_t ldb, float beta, float* c, int64_t ldc);
 
 // gemm() with bf16 A and B (bit patterns) and fp32 C: each product of two bf16 values is exact
 // in fp32 and the sums run in fp32, so C has the accuracy of the fp32 GEMM of the widened

@@ -26,7 +26,8 @@ using detail::RowMatrix;
 using detail::TokenVector;
 
 bool on_device(const HeadInputs& inputs) {
-  return inputs.hidden.device.type == DeviceType::kCUDA && detail::device_supported(inputs.hidden.device, "hidden").ok();
+  return inputs.hidden.device.type == DeviceType::kCUDA &&
+         detail::device_supported(inputs.hidden.device, "hidden").ok();
 }
 
 Status check_comm(const Communicator& comm) {
@@ -53,8 +54,8 @@ int64_t stats_width(const ForwardExtras& extras) {
 
 // `chunked`: the chunked mode's gather of a chunk of `tokens` of all `head_tokens`.
 detail::ExchangeCall exchange_call(const HeadArgs& a, int64_t tokens, int64_t width, const VocabShard& shard,
-                                   const HeadInputs& inputs, const LossOptions& options, bool has_weights,
-                                   bool chunked, int64_t head_tokens = 0, float grad_loss = 0.0f) {
+                                   const HeadInputs& inputs, const LossOptions& options, bool has_weights, bool chunked,
+                                   int64_t head_tokens = 0, float grad_loss = 0.0f) {
   detail::ExchangeCall call;
   call.tokens = tokens;
   call.width = width;
@@ -117,9 +118,8 @@ Status linear_cross_entropy_forward(Communicator& comm, const HeadInputs& inputs
 }
 
 Status linear_cross_entropy_backward(const HeadInputs& inputs, const TensorView& targets, const TensorView& lse,
-                                     const TensorView& grad_loss, const VocabShard& shard,
-                                     const LossOptions& options, const HeadOptions& head,
-                                     const HeadGradients& gradients, const TensorView* weights,
+                                     const TensorView& grad_loss, const VocabShard& shard, const LossOptions& options,
+                                     const HeadOptions& head, const HeadGradients& gradients, const TensorView* weights,
                                      Workspace* workspace) {
   if (on_device(inputs)) {
     return detail::device_linear_cross_entropy_backward(inputs, targets, lse, grad_loss, shard, options, head,
@@ -132,8 +132,7 @@ Status linear_cross_entropy_backward(const HeadInputs& inputs, const TensorView&
   }
   TokenVector lse_in, upstream;
   if (Status s = detail::as_lse_tokens(lse, "lse", a.tokens(), &lse_in); !s.ok()) return s;
-  if (Status s = detail::check_loss_output(grad_loss, "grad_loss", a.tokens(), options.reduction, &upstream);
-      !s.ok()) {
+  if (Status s = detail::check_loss_output(grad_loss, "grad_loss", a.tokens(), options.reduction, &upstream); !s.ok()) {
     return s;
   }
   std::vector<NamedRegion> regions = detail::input_regions(a);
@@ -158,13 +157,11 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
                                              const VocabShard& shard, const LossOptions& options,
                                              const HeadOptions& head, float grad_loss, const TensorView& loss,
                                              const TensorView& lse, const HeadGradients& gradients,
-                                             const ForwardExtras& extras, Workspace* workspace,
-                                             int64_t* collectives) {
+                                             const ForwardExtras& extras, Workspace* workspace, int64_t* collectives) {
   if (Status s = check_comm(comm); !s.ok()) return s;
   if (on_device(inputs)) {
-    return detail::device_linear_cross_entropy_forward_backward(comm, inputs, targets, shard, options, head,
-                                                                grad_loss, loss, lse, gradients, extras, workspace,
-                                                                collectives);
+    return detail::device_linear_cross_entropy_forward_backward(comm, inputs, targets, shard, options, head, grad_loss,
+                                                                loss, lse, gradients, extras, workspace, collectives);
   }
   if (collectives != nullptr) *collectives = 0;
   HeadArgs a;
@@ -172,10 +169,10 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
   HeadGradientArgs g;
   Status local = detail::check_head_inputs(inputs, targets, extras.weights, shard, options, head, &a);
   if (local.ok() && options.reduction == Reduction::kNone) {
-    local = {Code::kInvalidArgument,
-             detail::expected_got("options.reduction",
-                                  "sum or mean (the chunked mode needs the upstream gradient of one reduced loss)",
-                                  "none")};
+    local = {
+        Code::kInvalidArgument,
+        detail::expected_got("options.reduction",
+                             "sum or mean (the chunked mode needs the upstream gradient of one reduced loss)", "none")};
   }
   if (local.ok() && !std::isfinite(grad_loss)) {
     local = {Code::kInvalidArgument, detail::expected_got("grad_loss", "a finite value", std::to_string(grad_loss))};
@@ -183,9 +180,9 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
   if (local.ok()) local = check_forward_outputs(a, options, loss, lse, extras, &out);
   if (local.ok()) {
     std::vector<NamedRegion> regions = detail::input_regions(a);
-    for (const auto& [v, name] : {std::pair{&out.loss, "loss"}, std::pair{&out.lse, "lse"},
-                                  std::pair{&out.target_is_argmax, "target_is_argmax"},
-                                  std::pair{&out.entropy, "entropy"}}) {
+    for (const auto& [v, name] :
+         {std::pair{&out.loss, "loss"}, std::pair{&out.lse, "lse"},
+          std::pair{&out.target_is_argmax, "target_is_argmax"}, std::pair{&out.entropy, "entropy"}}) {
       regions.push_back(detail::region_of(name, *v));
     }
     local = detail::check_head_gradients(gradients, a, regions, &g);
@@ -243,8 +240,9 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
       std::memcpy(dst, merged.row<float>(r), static_cast<std::size_t>(width) * sizeof(float));
       const int64_t t = row + r;
       const double w = a.weights.base != nullptr ? static_cast<double>(a.weights.at<float>(t)) : 1.0;
-      lse_out.set(t, detail::token_loss(dst, detail::target_at(a.targets, t), w, ctx.params,
-                                        width == kStatsWidthWithExtras).lse);
+      lse_out.set(
+          t,
+          detail::token_loss(dst, detail::target_at(a.targets, t), w, ctx.params, width == kStatsWidthWithExtras).lse);
     }
     detail::chunk_gradients(a, *ops, ctx, row, rows, logits, out.lse, upstream, g, row == 0, sums);
     row += rows;
@@ -254,9 +252,8 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
   return {};
 }
 
-Status linear_cross_entropy_local_stats(const HeadInputs& inputs, const TensorView& targets,
-                                        const VocabShard& shard, const LossOptions& options,
-                                        const HeadOptions& head, const TensorView& stats) {
+Status linear_cross_entropy_local_stats(const HeadInputs& inputs, const TensorView& targets, const VocabShard& shard,
+                                        const LossOptions& options, const HeadOptions& head, const TensorView& stats) {
   if (on_device(inputs)) {
     return detail::device_linear_cross_entropy_local_stats(inputs, targets, shard, options, head, stats);
   }
@@ -264,7 +261,8 @@ Status linear_cross_entropy_local_stats(const HeadInputs& inputs, const TensorVi
   if (Status s = detail::check_head_inputs(inputs, targets, nullptr, shard, options, head, &a); !s.ok()) return s;
   if (Status s = detail::check_device(stats, "stats", Device{}); !s.ok()) return s;
   if (stats.ndim != 2) {
-    return {Code::kInvalidArgument, detail::expected_got("stats.ndim", "2 ([tokens, 4 or 6])", std::to_string(stats.ndim))};
+    return {Code::kInvalidArgument,
+            detail::expected_got("stats.ndim", "2 ([tokens, 4 or 6])", std::to_string(stats.ndim))};
   }
   const int64_t width = stats.shape[1] == kStatsWidthWithExtras ? kStatsWidthWithExtras : kStatsWidth;
   RowMatrix out;

@@ -14,14 +14,14 @@ namespace vpce::detail {
 
 // Tile sizes resolved from HeadOptions for V_r vocabulary rows.
 struct HeadTiles {
-  int64_t token_block = 0;   // Nb
-  int64_t vocab_block = 0;   // Vb
+  int64_t token_block = 0;  // Nb
+  int64_t vocab_block = 0;  // Vb
 };
 
 struct HeadArgs {
-  RowMatrix hidden;     // [N, H]
-  RowMatrix weight;     // [V_r, H], the same dtype
-  TokenVector bias;     // [V_r]; its base is null for an empty range even when given
+  RowMatrix hidden;  // [N, H]
+  RowMatrix weight;  // [V_r, H], the same dtype
+  TokenVector bias;  // [V_r]; its base is null for an empty range even when given
   bool has_bias = false;
   TokenVector targets;  // [N]
   TokenVector weights;  // [N] token weights, or absent
@@ -49,8 +49,7 @@ struct HeadGradientArgs {
 // hidden, weight and bias (CPU), the targets and token weights (values checked, hashed),
 // the shard, the options and the tile sizes.
 Status check_head_inputs(const HeadInputs& inputs, const TensorView& targets, const TensorView* weights,
-                         const VocabShard& shard, const LossOptions& options, const HeadOptions& head,
-                         HeadArgs* out);
+                         const VocabShard& shard, const LossOptions& options, const HeadOptions& head, HeadArgs* out);
 
 // ceil(V / ranks) (at least 1): the vocabulary rows per rank that every rank agrees on, which
 // the chunked mode's default chunk (CPU and CUDA) is sized for.
@@ -80,6 +79,5 @@ Status check_head_gradients(const HeadGradients& gradients, const HeadArgs& args
                             const std::vector<NamedRegion>& inputs,
                             const std::function<Status(const TensorView&, const char*)>& check_place,
                             HeadGradientArgs* out);
-
 
 }  // namespace vpce::detail

@@ -33,9 +33,9 @@ static_assert(sizeof(ReduceHeader) == 256);
 Status all_reduce_hidden_gradient(Communicator& comm, const TensorView& grad_hidden) {
   const int ranks = comm.size(), rank = comm.rank();
   if (ranks < 1 || rank < 0 || rank >= ranks) {
-    return {Code::kInvalidArgument, detail::expected_got("comm", "0 <= rank() < size()",
-                                                         "rank " + std::to_string(rank) + " of " +
-                                                             std::to_string(ranks))};
+    return {Code::kInvalidArgument,
+            detail::expected_got("comm", "0 <= rank() < size()",
+                                 "rank " + std::to_string(rank) + " of " + std::to_string(ranks))};
   }
   detail::RowMatrix g;
   Status local = detail::check_device(grad_hidden, "grad_hidden", Device{});
@@ -68,9 +68,9 @@ Status all_reduce_hidden_gradient(Communicator& comm, const TensorView& grad_hid
     if (h.status != 0) {  // the same text on every rank, as the forward's (protocol.cc)
       if (ranks == 1) return local;
       const std::string message(h.message, strnlen(h.message, sizeof(h.message)));
-      return {r == rank ? local.code() : Code::kRemoteError, "rank " + std::to_string(r) + " of " +
-                                                                 std::to_string(ranks) + ": " +
-                                                                 code_name(static_cast<Code>(h.status)) + ": " + message};
+      return {r == rank ? local.code() : Code::kRemoteError,
+              "rank " + std::to_string(r) + " of " + std::to_string(ranks) + ": " +
+                  code_name(static_cast<Code>(h.status)) + ": " + message};
     }
   }
   for (int r = 1; r < ranks; ++r) {

@@ -73,8 +73,8 @@ Fp32Operands::Fp32Operands(const HeadArgs& args, bool full, int num_threads)
   if (args.bias.base != nullptr) {
     bias_.resize(static_cast<std::size_t>(v));
     for (int64_t c = 0; c < v; ++c) {
-      bias_[static_cast<std::size_t>(c)] = widen(args.bias.base + c * args.bias.stride * args.bias.dtype.bytes(),
-                                                 args.bias.dtype);
+      bias_[static_cast<std::size_t>(c)] =
+          widen(args.bias.base + c * args.bias.stride * args.bias.dtype.bytes(), args.bias.dtype);
     }
   }
 }
@@ -157,8 +157,8 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
   auto hidden_of = [&](int64_t i, int worker, int64_t* ldh) -> const float* {
     if (ops.bf16_tiles()) return nullptr;  // the tiles read the bf16 rows themselves
     const int64_t r0 = i * nb;
-    return ops.hidden_rows(row_begin + r0, std::min(nb, rows - r0), hidden_staging[static_cast<std::size_t>(worker)],
-                           1, ldh);
+    return ops.hidden_rows(row_begin + r0, std::min(nb, rows - r0), hidden_staging[static_cast<std::size_t>(worker)], 1,
+                           ldh);
   };
   if (ops.bf16_tiles() || ops.weight_in_fp32()) {
     // Nothing to convert: each thread takes whole token blocks and sweeps the vocabulary
@@ -189,8 +189,8 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
     }
   }
   parallel_rows(rows, ctx.num_threads, [&](int64_t r) {
-    write_token_stats(folded[static_cast<std::size_t>(r)], target_logit[static_cast<std::size_t>(r)],
-                      ctx.vocab_begin, ctx.params, with_extras, stats.row<float>(r));
+    write_token_stats(folded[static_cast<std::size_t>(r)], target_logit[static_cast<std::size_t>(r)], ctx.vocab_begin,
+                      ctx.params, with_extras, stats.row<float>(r));
   });
 }
 
@@ -254,7 +254,8 @@ void column_sums(const LogitGradients& dx, int64_t rows, int64_t c0, int64_t cou
   for (int64_t t = 0; t < rows; ++t) {
     if (dx.bf16) {
       const uint16_t* row = dx.bf16_at(t, c0);
-      for (int64_t c = 0; c < count; ++c) fresh[static_cast<std::size_t>(c)] += static_cast<double>(to_float(BFloat16{row[c]}));
+      for (int64_t c = 0; c < count; ++c)
+        fresh[static_cast<std::size_t>(c)] += static_cast<double>(to_float(BFloat16{row[c]}));
     } else {
       const float* row = dx.fp32_at(t, c0);
       for (int64_t c = 0; c < count; ++c) fresh[static_cast<std::size_t>(c)] += static_cast<double>(row[c]);
@@ -272,14 +273,14 @@ void column_sums(const LogitGradients& dx, int64_t rows, int64_t c0, int64_t cou
 // kWeightPieceRows spread over the threads. `beta` 0 writes grad_weight's rows, 1 adds to
 // them; `bias_adds` likewise for the bias sums.
 struct WeightTarget {
-  float* data;     // fp32 rows [V_r, H] to write or add into; null when grad_weight is not wanted
+  float* data;  // fp32 rows [V_r, H] to write or add into; null when grad_weight is not wanted
   int64_t ld;
-  double* bias;    // fp64 [V_r] to write or add into; null when grad_bias is not wanted
+  double* bias;  // fp64 [V_r] to write or add into; null when grad_bias is not wanted
 };
 
-void weight_gradient(const HeadArgs& args, const LogitGradients& dx, int64_t row0, int64_t tokens,
-                     const float* hidden, int64_t ldh, int64_t count, float beta, bool bias_adds,
-                     const WeightTarget& target, int num_threads) {
+void weight_gradient(const HeadArgs& args, const LogitGradients& dx, int64_t row0, int64_t tokens, const float* hidden,
+                     int64_t ldh, int64_t count, float beta, bool bias_adds, const WeightTarget& target,
+                     int num_threads) {
   const int64_t h = args.hidden_size();
   const int64_t pieces = blocks_of(count, kWeightPieceRows);
   parallel_rows(pieces, num_threads, [&](int64_t p) {
@@ -353,9 +354,10 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
     int64_t ldw = 0;
     const float* w = ops.bf16_gradient_gemms() ? nullptr : ops.weight_rows(v0, cols, staging, threads, &ldw);
     const float beta_h = dh_started ? 1.0f : 0.0f;
-    const WeightTarget target{
-        !grads.weight.present() ? nullptr : weight_direct ? grads.weight.matrix.row<float>(v0) : weight_block.data(),
-        weight_direct ? grads.weight.matrix.row_stride : h, nullptr};
+    const WeightTarget target{!grads.weight.present() ? nullptr
+                              : weight_direct         ? grads.weight.matrix.row<float>(v0)
+                                                      : weight_block.data(),
+                              weight_direct ? grads.weight.matrix.row_stride : h, nullptr};
     // The tokens in super-blocks of `group` rows whose logit gradients fit the buffer; the
     // weight's gradient sums them in super-block order (no tokens: one empty super-block,
     // which writes the zero sums).
@@ -431,8 +433,8 @@ void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
   const float* w = cols > 0 && !ops.bf16_gradient_gemms() ? ops.weight_rows(0, cols, unused, threads, &ldw) : nullptr;
   const bool hidden_direct = grads.hidden.present() && grads.hidden.matrix.dtype == kFloat32;
   std::vector<float> hidden_out(grads.hidden.present() && !hidden_direct
-                                     ? static_cast<std::size_t>(std::min<int>(threads, token_blocks) * nb * h)
-                                     : 0);
+                                    ? static_cast<std::size_t>(std::min<int>(threads, token_blocks) * nb * h)
+                                    : 0);
   parallel_rows_on_workers(token_blocks, std::min<int64_t>(threads, token_blocks), [&](int64_t i, int worker) {
     const int64_t r0 = i * nb, n = std::min(nb, rows - r0);
     const int64_t token = row_begin + r0;
@@ -457,14 +459,17 @@ void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
       float* out = hidden_out.data() + worker * nb * h;
       hidden_gradient(args, g, n, 0, cols, w, ldw, 0.0f, out, h);
       for (int64_t r = 0; r < n; ++r) {
-        for (int64_t c = 0; c < h; ++c) store(grads.hidden.matrix, grads.hidden.accumulate, token + r, c, out[r * h + c]);
+        for (int64_t c = 0; c < h; ++c)
+          store(grads.hidden.matrix, grads.hidden.accumulate, token + r, c, out[r * h + c]);
       }
     }
   });
   if (!grads.weight.present() && !grads.bias.present()) return;
-  const WeightTarget target{
-      !grads.weight.present() ? nullptr : sums.weight_direct ? grads.weight.matrix.row<float>(0) : sums.weight.data(),
-      sums.weight_direct ? grads.weight.matrix.row_stride : h, grads.bias.present() ? sums.bias.data() : nullptr};
+  const WeightTarget target{!grads.weight.present() ? nullptr
+                            : sums.weight_direct    ? grads.weight.matrix.row<float>(0)
+                                                    : sums.weight.data(),
+                            sums.weight_direct ? grads.weight.matrix.row_stride : h,
+                            grads.bias.present() ? sums.bias.data() : nullptr};
   // The first chunk writes the sums (over grad_weight itself, unless accumulating into it).
   const float beta_w = first_chunk && !(sums.weight_direct && grads.weight.accumulate) ? 0.0f : 1.0f;
   int64_t ldh = 0;

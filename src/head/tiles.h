@@ -35,10 +35,8 @@ class Fp32Operands {
   // Hidden rows [begin, begin + count) / weight rows [begin, begin + count) in fp32
   // (converted into `staging`, [count, H], on `threads` threads, when needed), and their
   // row stride.
-  const float* hidden_rows(int64_t begin, int64_t count, std::vector<float>& staging, int threads,
-                           int64_t* ld) const;
-  const float* weight_rows(int64_t begin, int64_t count, std::vector<float>& staging, int threads,
-                           int64_t* ld) const;
+  const float* hidden_rows(int64_t begin, int64_t count, std::vector<float>& staging, int threads, int64_t* ld) const;
+  const float* weight_rows(int64_t begin, int64_t count, std::vector<float>& staging, int threads, int64_t* ld) const;
   const float* bias() const { return bias_.empty() ? nullptr : bias_.data(); }
   // Whether weight_rows() hands out the weight's rows without converting them.
   bool weight_in_fp32() const { return args_.weight.dtype == kFloat32 || !weight_copy_.empty(); }
@@ -86,9 +84,9 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
 // else grad_weight itself) and `bias_sum` ([V_r] fp64), starting from zero at the first
 // chunk. finish_chunked_gradients writes them out after the last chunk.
 struct ChunkedSums {
-  std::vector<float> weight;  // [V_r, H] when grad_weight is not fp32
-  std::vector<double> bias;   // [V_r]
-  bool weight_direct = false; // sums added into grad_weight itself
+  std::vector<float> weight;   // [V_r, H] when grad_weight is not fp32
+  std::vector<double> bias;    // [V_r]
+  bool weight_direct = false;  // sums added into grad_weight itself
 };
 void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, int64_t row_begin,
                      int64_t rows, float* logits, const TokenVector& lse, const Upstream& upstream,

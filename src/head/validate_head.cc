@@ -9,7 +9,7 @@ namespace {
 
 constexpr int64_t kDefaultTokenBlock = 512;
 constexpr int64_t kDefaultVocabBlock = 1024;
-constexpr int64_t kMaxBlock = 16384;               // a tile row is one of the kernels' blocks
+constexpr int64_t kMaxBlock = 16384;  // a tile row is one of the kernels' blocks
 constexpr int64_t kDefaultChunkBytes = int64_t{128} << 20;
 
 Status check_block(const char* name, int64_t value) {
@@ -36,8 +36,7 @@ Status resolve_tiles(const HeadOptions& head, int64_t vocab_rows, HeadTiles* out
   if (head.chunk_tokens > 0) {
     if (head.chunk_tokens % t.token_block != 0) {
       return {Code::kInvalidArgument,
-              expected_got("head.chunk_tokens",
-                           "a multiple of the token block " + std::to_string(t.token_block),
+              expected_got("head.chunk_tokens", "a multiple of the token block " + std::to_string(t.token_block),
                            std::to_string(head.chunk_tokens))};
     }
   }
@@ -54,13 +53,13 @@ int64_t agreed_vocab_rows(const VocabShard& shard, int ranks) {
 int64_t agreed_chunk_tokens(const HeadOptions& head, const VocabShard& shard, int ranks) {
   if (head.chunk_tokens > 0) return head.chunk_tokens;
   const int64_t nb = head.token_block > 0 && head.token_block <= kMaxBlock ? head.token_block : kDefaultTokenBlock;
-  const int64_t blocks = kDefaultChunkBytes / static_cast<int64_t>(sizeof(float)) / agreed_vocab_rows(shard, ranks) / nb;
+  const int64_t blocks =
+      kDefaultChunkBytes / static_cast<int64_t>(sizeof(float)) / agreed_vocab_rows(shard, ranks) / nb;
   return (blocks > 1 ? blocks : 1) * nb;
 }
 
 Status check_head_inputs(const HeadInputs& inputs, const TensorView& targets, const TensorView* weights,
-                         const VocabShard& shard, const LossOptions& options, const HeadOptions& head,
-                         HeadArgs* out) {
+                         const VocabShard& shard, const LossOptions& options, const HeadOptions& head, HeadArgs* out) {
   HeadArgs a;
   const TensorView& hidden = inputs.hidden;
   const TensorView& weight = inputs.weight;
@@ -72,8 +71,8 @@ Status check_head_inputs(const HeadInputs& inputs, const TensorView& targets, co
   if (Status s = as_row_matrix(hidden, "hidden", &a.hidden); !s.ok()) return s;
   if (Status s = check_device(weight, "weight", hidden.device); !s.ok()) return s;
   if (weight.dtype != hidden.dtype) {
-    return {Code::kInvalidArgument, expected_got("weight.dtype", to_string(hidden.dtype) + " (hidden's dtype)",
-                                                 to_string(weight.dtype))};
+    return {Code::kInvalidArgument,
+            expected_got("weight.dtype", to_string(hidden.dtype) + " (hidden's dtype)", to_string(weight.dtype))};
   }
   if (weight.ndim != 2) {
     return {Code::kInvalidArgument,
@@ -109,9 +108,9 @@ Status check_head_inputs(const HeadInputs& inputs, const TensorView& targets, co
   if (Status s = check_options(options, shard.vocab_size); !s.ok()) return s;
   if (Status s = resolve_tiles(head, a.weight.rows, &a.tiles); !s.ok()) return s;
   if (head.bf16_logit_gradients && hidden.dtype != kBFloat16) {
-    return {Code::kInvalidArgument, expected_got("head.bf16_logit_gradients",
-                                                 "false for " + to_string(hidden.dtype) + " operands (bfloat16 only)",
-                                                 "true")};
+    return {Code::kInvalidArgument,
+            expected_got("head.bf16_logit_gradients",
+                         "false for " + to_string(hidden.dtype) + " operands (bfloat16 only)", "true")};
   }
   a.bf16_logit_gradients = head.bf16_logit_gradients;
   if (Status s = check_dtype("targets", targets.dtype, {kInt32, kInt64}, "int32 or int64"); !s.ok()) return s;
@@ -170,9 +169,9 @@ Status check_head_gradients(const HeadGradients& gradients, const HeadArgs& args
     if (Status s = as_row_matrix(*o.tensor, name, &m->matrix); !s.ok()) return s;
     if (m->matrix.rows != like.rows || m->matrix.cols != like.cols) {
       auto text = [](int64_t rows, int64_t cols) { return std::to_string(rows) + " x " + std::to_string(cols); };
-      return {Code::kInvalidArgument, expected_got((std::string(name) + ".shape").c_str(),
-                                                   text(like.rows, like.cols) + " (" + of + "'s)",
-                                                   text(m->matrix.rows, m->matrix.cols))};
+      return {Code::kInvalidArgument,
+              expected_got((std::string(name) + ".shape").c_str(), text(like.rows, like.cols) + " (" + of + "'s)",
+                           text(m->matrix.rows, m->matrix.cols))};
     }
     m->accumulate = o.accumulate;
     return {};
@@ -209,22 +208,21 @@ Status check_head_gradients(const HeadGradients& gradients, const HeadArgs& args
     g.bias.matrix = RowMatrix{v.base, v.dtype, v.n, 1, v.stride};
     g.bias.accumulate = gradients.bias.accumulate;
   }
-  std::vector<NamedRegion> outputs = {
-      {"grad_hidden", g.hidden.matrix.begin_byte(), g.hidden.matrix.end_byte()},
-      {"grad_weight", g.weight.matrix.begin_byte(), g.weight.matrix.end_byte()},
-      {"grad_bias", g.bias.matrix.begin_byte(), g.bias.matrix.end_byte()}};
+  std::vector<NamedRegion> outputs = {{"grad_hidden", g.hidden.matrix.begin_byte(), g.hidden.matrix.end_byte()},
+                                      {"grad_weight", g.weight.matrix.begin_byte(), g.weight.matrix.end_byte()},
+                                      {"grad_bias", g.bias.matrix.begin_byte(), g.bias.matrix.end_byte()}};
   if (Status s = check_no_overlap(outputs, inputs); !s.ok()) return s;
   *out = g;
   return {};
 }
 
 OperationBlock head_operation(int64_t hidden_size, bool chunked, int64_t head_tokens, float grad_loss) {
-  return operation_block("fused head",
-                         chunked ? "chunked (linear_cross_entropy_forward_backward)"
-                                 : "recompute (linear_cross_entropy_forward)",
-                         {{"the hidden size of the fused head", hidden_size},
-                          {"the number of tokens", chunked ? head_tokens : 0},
-                          float_value("grad_loss (the chunked mode's upstream gradient)", chunked ? grad_loss : 0.0f)});
+  return operation_block(
+      "fused head",
+      chunked ? "chunked (linear_cross_entropy_forward_backward)" : "recompute (linear_cross_entropy_forward)",
+      {{"the hidden size of the fused head", hidden_size},
+       {"the number of tokens", chunked ? head_tokens : 0},
+       float_value("grad_loss (the chunked mode's upstream gradient)", chunked ? grad_loss : 0.0f)});
 }
 
 }  // namespace vpce::detail

@@ -7,8 +7,9 @@ namespace vpce {
 namespace {
 
 Status no_head(const char* function) {
-  return {Code::kUnsupported, std::string(function) + ": this build of vpce has no fused head (built with "
-                                                      "VPCE_WITH_HEAD=OFF); compute the logits and call vpce/loss.h"};
+  return {Code::kUnsupported, std::string(function) +
+                                  ": this build of vpce has no fused head (built with "
+                                  "VPCE_WITH_HEAD=OFF); compute the logits and call vpce/loss.h"};
 }
 
 }  // namespace
@@ -27,8 +28,8 @@ Status linear_cross_entropy_backward(const HeadInputs&, const TensorView&, const
 
 Status linear_cross_entropy_forward_backward(Communicator&, const HeadInputs&, const TensorView&, const VocabShard&,
                                              const LossOptions&, const HeadOptions&, float, const TensorView&,
-                                             const TensorView&, const HeadGradients&, const ForwardExtras&,
-                                             Workspace*, int64_t* collectives) {
+                                             const TensorView&, const HeadGradients&, const ForwardExtras&, Workspace*,
+                                             int64_t* collectives) {
   if (collectives != nullptr) *collectives = 0;
   return no_head("linear_cross_entropy_forward_backward");
 }

@@ -45,8 +45,8 @@ Status device_forward(Communicator& comm, const LossInputs& in, const detail::Lo
              "error), got null"};
   }
   const std::pair<const TensorView*, const char*> views[] = {
-      {tensors.logits, "logits"}, {tensors.targets, "targets"}, {tensors.weights, "weights"},
-      {tensors.loss, "loss"},     {tensors.lse, "lse"},         {tensors.target_is_argmax, "target_is_argmax"},
+      {tensors.logits, "logits"},  {tensors.targets, "targets"}, {tensors.weights, "weights"},
+      {tensors.loss, "loss"},      {tensors.lse, "lse"},         {tensors.target_is_argmax, "target_is_argmax"},
       {tensors.entropy, "entropy"}};
   for (const auto& [view, name] : views) {
     if (!local.ok()) break;
@@ -73,9 +73,9 @@ Status device_forward(Communicator& comm, const LossInputs& in, const detail::Lo
 
 }  // namespace
 
-Status forward(Communicator& comm, const TensorView& logits, const TensorView& targets,
-               const VocabShard& shard, const LossOptions& options, const TensorView& loss,
-               const TensorView& lse, const ForwardExtras& extras, Workspace* workspace) {
+Status forward(Communicator& comm, const TensorView& logits, const TensorView& targets, const VocabShard& shard,
+               const LossOptions& options, const TensorView& loss, const TensorView& lse, const ForwardExtras& extras,
+               Workspace* workspace) {
   const int rank = comm.rank();
   const int ranks = comm.size();
   if (ranks < 1 || rank < 0 || rank >= ranks) {
@@ -88,11 +88,11 @@ Status forward(Communicator& comm, const TensorView& logits, const TensorView& t
   detail::LossOutputs out;
   Status local = detail::check_loss_inputs(logits, targets, extras.weights, shard, options, &in);
   if (local.ok()) {
-    local = detail::check_forward_outputs(in.logits.rows, logits.device, options, loss, lse, extras,
-                                          {detail::region_of("the logits", in.logits),
-                                           detail::region_of("the targets", in.targets),
-                                           detail::region_of("the weights", in.weights)},
-                                          &out);
+    local = detail::check_forward_outputs(
+        in.logits.rows, logits.device, options, loss, lse, extras,
+        {detail::region_of("the logits", in.logits), detail::region_of("the targets", in.targets),
+         detail::region_of("the weights", in.weights)},
+        &out);
   }
   int64_t n = local.ok() ? in.logits.rows : detail::announced_tokens(targets);
   const bool with_extras = extras.target_is_argmax != nullptr || extras.entropy != nullptr;

@@ -22,8 +22,7 @@ namespace {
 
 Status overlap_error(const char* output, const char* input) {
   return {Code::kInvalidArgument,
-          detail::expected_got(output, std::string("memory that does not overlap ") + input,
-                               "an overlapping buffer")};
+          detail::expected_got(output, std::string("memory that does not overlap ") + input, "an overlapping buffer")};
 }
 
 bool overlaps(const TokenVector& a, const char* begin, const char* end) {
@@ -33,8 +32,8 @@ bool overlaps(const TokenVector& a, const char* begin, const char* end) {
 // A stats tensor: float32 [rows, 4] or [rows, 6]; rows = its first dimension.
 Status as_any_stats(const TensorView& t, const char* name, RowMatrix* out) {
   if (t.ndim != 2) {
-    return {Code::kInvalidArgument, detail::expected_got((std::string(name) + ".ndim").c_str(),
-                                                         "2 ([tokens, 4 or 6])", std::to_string(t.ndim))};
+    return {Code::kInvalidArgument, detail::expected_got((std::string(name) + ".ndim").c_str(), "2 ([tokens, 4 or 6])",
+                                                         std::to_string(t.ndim))};
   }
   const int64_t width = t.shape[1] == kStatsWidthWithExtras ? kStatsWidthWithExtras : kStatsWidth;
   return detail::as_stats_matrix(t, name, t.shape[0], width, out);
@@ -52,9 +51,8 @@ Status host_only(const TensorView& t, const char* name, const char* call) {
 
 }  // namespace
 
-Status calculate_local_stats(const TensorView& logits, const TensorView& targets,
-                             const VocabShard& shard, const LossOptions& options,
-                             const TensorView& stats) {
+Status calculate_local_stats(const TensorView& logits, const TensorView& targets, const VocabShard& shard,
+                             const LossOptions& options, const TensorView& stats) {
   if (Status s = host_only(logits, "logits", "calculate_local_stats"); !s.ok()) return s;
   if (Status s = host_only(stats, "stats", "calculate_local_stats"); !s.ok()) return s;
   LossInputs in;
@@ -72,8 +70,8 @@ Status calculate_local_stats(const TensorView& logits, const TensorView& targets
     return overlap_error("stats", "the logits");
   }
   if (overlaps(in.targets, out.begin_byte(), out.end_byte())) return overlap_error("stats", "the targets");
-  detail::local_stats_kernel(in.logits, in.targets, shard.vocab_begin,
-                             detail::loss_params(options, shard.vocab_size), options.num_threads, out);
+  detail::local_stats_kernel(in.logits, in.targets, shard.vocab_begin, detail::loss_params(options, shard.vocab_size),
+                             options.num_threads, out);
   return {};
 }
 
@@ -84,9 +82,10 @@ namespace {
 Status shard_columns(std::span<const VocabShard> shards, int64_t ranks, const LossOptions& options,
                      std::vector<int64_t>* columns) {
   if (static_cast<int64_t>(shards.size()) != ranks) {
-    return {Code::kInvalidArgument,
-            detail::expected_got("shards", "one VocabShard per rank (gathered.shape[0] = " + std::to_string(ranks) + ")",
-                                 std::to_string(shards.size()) + " shards")};
+    return {
+        Code::kInvalidArgument,
+        detail::expected_got("shards", "one VocabShard per rank (gathered.shape[0] = " + std::to_string(ranks) + ")",
+                             std::to_string(shards.size()) + " shards")};
   }
   const int64_t vocab_size = shards[0].vocab_size;
   std::vector<detail::OwnedRange> ranges;
@@ -109,9 +108,10 @@ Status shard_columns(std::span<const VocabShard> shards, int64_t ranks, const Lo
   }
   if (const auto fault = detail::partition_fault(std::move(ranges), vocab_size)) {
     const bool overlap = fault->kind == detail::PartitionFault::Kind::kOverlap;
-    return {Code::kInvalidArgument, detail::expected_got("shards", "ranges that partition [0, " + std::to_string(vocab_size) + ")",
-                                                         (overlap ? "an overlap at column " : "a gap at column ") +
-                                                             std::to_string(overlap ? fault->first->begin : fault->covered))};
+    return {Code::kInvalidArgument,
+            detail::expected_got("shards", "ranges that partition [0, " + std::to_string(vocab_size) + ")",
+                                 (overlap ? "an overlap at column " : "a gap at column ") +
+                                     std::to_string(overlap ? fault->first->begin : fault->covered))};
   }
   const detail::LossParams params = detail::loss_params(options, vocab_size);
   columns->clear();
@@ -127,8 +127,8 @@ Status merge_stats(const TensorView& gathered, const LossOptions& options, const
   return merge_stats(gathered, options, stats, {});
 }
 
-Status merge_stats(const TensorView& gathered, const LossOptions& options,
-                   const TensorView& stats, std::span<const VocabShard> shards) {
+Status merge_stats(const TensorView& gathered, const LossOptions& options, const TensorView& stats,
+                   std::span<const VocabShard> shards) {
   if (Status s = host_only(gathered, "gathered", "merge_stats"); !s.ok()) return s;
   if (Status s = host_only(stats, "stats", "merge_stats"); !s.ok()) return s;
   if (Status s = detail::check_dtype("gathered", gathered.dtype, {kFloat32}, "float32"); !s.ok()) {
@@ -168,8 +168,8 @@ Status merge_stats(const TensorView& gathered, const LossOptions& options,
   if (__builtin_mul_overflow(ranks - 1, rank_stride, &last_block_offset) ||
       __builtin_mul_overflow(last_block_offset, int64_t{4}, &last_block_offset) ||
       last_block_offset > (int64_t{1} << 56)) {
-    return {Code::kInvalidArgument, detail::expected_got("gathered.strides[0]", "an extent that fits in memory",
-                                                         std::to_string(rank_stride))};
+    return {Code::kInvalidArgument,
+            detail::expected_got("gathered.strides[0]", "an extent that fits in memory", std::to_string(rank_stride))};
   }
   // An empty gathered tensor may have no data pointer (no offset may be added to null), and
   // then nothing to overlap.
@@ -184,9 +184,10 @@ Status merge_stats(const TensorView& gathered, const LossOptions& options,
     if (Status s = shard_columns(shards, ranks, options, &columns); !s.ok()) return s;
   } else if (options.label_smoothing != 0.0f && ranks > 1) {
     return {Code::kInvalidArgument,
-            detail::expected_got("shards", "the " + std::to_string(ranks) +
-                                               " ranks' VocabShards (with label smoothing the merge rebases each "
-                                               "rank's sum of logits by its column count)",
+            detail::expected_got("shards",
+                                 "the " + std::to_string(ranks) +
+                                     " ranks' VocabShards (with label smoothing the merge rebases each "
+                                     "rank's sum of logits by its column count)",
                                  "none")};
   }
   // Without label smoothing the sums of logits are 0 and stay so.
@@ -199,9 +200,13 @@ Status merge_stats(const TensorView& gathered, const LossOptions& options,
 Status calculate_loss(const TensorView& stats, const TensorView& targets, int64_t vocab_size,
                       const LossOptions& options, const TensorView& loss, const TensorView& lse,
                       const ForwardExtras& extras) {
-  const std::pair<const TensorView*, const char*> views[] = {
-      {&stats, "stats"}, {&targets, "targets"}, {&loss, "loss"}, {&lse, "lse"}, {extras.weights, "weights"},
-      {extras.target_is_argmax, "target_is_argmax"}, {extras.entropy, "entropy"}};
+  const std::pair<const TensorView*, const char*> views[] = {{&stats, "stats"},
+                                                             {&targets, "targets"},
+                                                             {&loss, "loss"},
+                                                             {&lse, "lse"},
+                                                             {extras.weights, "weights"},
+                                                             {extras.target_is_argmax, "target_is_argmax"},
+                                                             {extras.entropy, "entropy"}};
   for (const auto& [view, name] : views) {
     if (view == nullptr) continue;
     if (Status s = host_only(*view, name, "calculate_loss"); !s.ok()) return s;
@@ -255,15 +260,14 @@ Status calculate_loss(const TensorView& stats, const TensorView& targets, int64_
   return {};
 }
 
-Status backward(const TensorView& logits, const TensorView& targets, const TensorView& lse,
-                const TensorView& grad_loss, const VocabShard& shard,
-                const LossOptions& options, const TensorView& grad_logits,
+Status backward(const TensorView& logits, const TensorView& targets, const TensorView& lse, const TensorView& grad_loss,
+                const VocabShard& shard, const LossOptions& options, const TensorView& grad_logits,
                 const TensorView* weights) {
   LossInputs in;
   if (Status s = detail::check_loss_inputs(logits, targets, weights, shard, options, &in); !s.ok()) return s;
   const int64_t n = in.logits.rows;
-  for (const auto& [view, name] : {std::pair{&lse, "lse"}, std::pair{&grad_loss, "grad_loss"},
-                                   std::pair{&grad_logits, "grad_logits"}}) {
+  for (const auto& [view, name] :
+       {std::pair{&lse, "lse"}, std::pair{&grad_loss, "grad_loss"}, std::pair{&grad_logits, "grad_logits"}}) {
     if (Status s = detail::check_device(*view, name, logits.device); !s.ok()) return s;
   }
   TokenVector lse_in;
@@ -280,11 +284,11 @@ Status backward(const TensorView& logits, const TensorView& targets, const Tenso
   RowMatrix grad;
   if (Status s = detail::as_row_matrix(grad_logits, "grad_logits", &grad); !s.ok()) return s;
   if (grad.rows != n || grad.cols != in.logits.cols) {
-    return {Code::kInvalidArgument,
-            detail::expected_got("grad_logits.shape",
-                                 std::to_string(n) + " rows of " + std::to_string(in.logits.cols) +
-                                     " (the logits' shape)",
-                                 std::to_string(grad.rows) + " rows of " + std::to_string(grad.cols))};
+    return {
+        Code::kInvalidArgument,
+        detail::expected_got("grad_logits.shape",
+                             std::to_string(n) + " rows of " + std::to_string(in.logits.cols) + " (the logits' shape)",
+                             std::to_string(grad.rows) + " rows of " + std::to_string(grad.cols))};
   }
   const bool in_place = grad.base == in.logits.base;
   if (in_place && n > 0 && in.logits.cols > 0 &&
@@ -295,8 +299,7 @@ Status backward(const TensorView& logits, const TensorView& targets, const Tenso
                                      " and row stride " + std::to_string(in.logits.row_stride),
                                  to_string(grad.dtype) + " and row stride " + std::to_string(grad.row_stride))};
   }
-  if (!in_place &&
-      detail::overlaps(grad.begin_byte(), grad.end_byte(), in.logits.begin_byte(), in.logits.end_byte())) {
+  if (!in_place && detail::overlaps(grad.begin_byte(), grad.end_byte(), in.logits.begin_byte(), in.logits.end_byte())) {
     return overlap_error("grad_logits", "the logits (or exactly the logits, for in place)");
   }
   const std::pair<const char*, const TokenVector*> token_inputs[] = {
@@ -307,9 +310,9 @@ Status backward(const TensorView& logits, const TensorView& targets, const Tenso
     }
   }
   if (logits.device.type != DeviceType::kCPU) {
-    const std::pair<const TensorView*, const char*> views[] = {{&logits, "logits"}, {&targets, "targets"},
-                                                               {&lse, "lse"},       {&grad_loss, "grad_loss"},
-                                                               {&grad_logits, "grad_logits"}, {weights, "weights"}};
+    const std::pair<const TensorView*, const char*> views[] = {
+        {&logits, "logits"},       {&targets, "targets"},         {&lse, "lse"},
+        {&grad_loss, "grad_loss"}, {&grad_logits, "grad_logits"}, {weights, "weights"}};
     for (const auto& [view, name] : views) {
       if (view == nullptr) continue;
       if (Status s = detail::check_device_pointer(*view, name); !s.ok()) return s;

@@ -66,9 +66,8 @@ double token_loss(const double* row, int64_t v, int64_t target, const Options& o
   return loss_of(z, log_sum_exp(z), target, options);
 }
 
-Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v,
-                     const std::vector<int64_t>& targets, const std::vector<double>& weights,
-                     const std::vector<double>& grad_loss, const Options& options) {
+Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v, const std::vector<int64_t>& targets,
+                     const std::vector<double>& weights, const std::vector<double>& grad_loss, const Options& options) {
   Result out;
   const auto un = static_cast<size_t>(n);
   out.lse.resize(un);
@@ -126,9 +125,8 @@ Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v,
   return out;
 }
 
-Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v,
-                     const std::vector<int64_t>& targets, double label_smoothing,
-                     const std::vector<double>& grad_loss) {
+Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v, const std::vector<int64_t>& targets,
+                     double label_smoothing, const std::vector<double>& grad_loss) {
   Options options;
   options.label_smoothing = label_smoothing;
   return cross_entropy(logits, n, v, targets, {}, grad_loss, options);

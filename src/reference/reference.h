@@ -40,13 +40,11 @@ double token_loss(const double* row, int64_t v, int64_t target, const Options& o
 
 // logits: [n, v] row-major; targets: [n]; weights: [n] or empty for ones; grad_loss: [n]
 // for kNone, [1] otherwise, or empty for ones.
-Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v,
-                     const std::vector<int64_t>& targets, const std::vector<double>& weights,
-                     const std::vector<double>& grad_loss, const Options& options);
+Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v, const std::vector<int64_t>& targets,
+                     const std::vector<double>& weights, const std::vector<double>& grad_loss, const Options& options);
 
 // The original core: Megatron label smoothing a, no other option.
-Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v,
-                     const std::vector<int64_t>& targets, double label_smoothing,
-                     const std::vector<double>& grad_loss);
+Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v, const std::vector<int64_t>& targets,
+                     double label_smoothing, const std::vector<double>& grad_loss);
 
 }  // namespace vpce::reference

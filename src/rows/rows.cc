@@ -45,8 +45,8 @@ Status row_max(const TensorView& logits, const TensorView& max, const TensorView
   TokenVector m;
   if (Status s = check_threads(num_threads); !s.ok()) return s;
   if (Status s = detail::as_row_matrix(logits, "logits", &x); !s.ok()) return s;
-  if (Status s = detail::check_dtype("logits", x.dtype, {kFloat32, kBFloat16, kFloat16},
-                                     "float32, bfloat16 or float16");
+  if (Status s =
+          detail::check_dtype("logits", x.dtype, {kFloat32, kBFloat16, kFloat16}, "float32, bfloat16 or float16");
       !s.ok()) {
     return s;
   }
@@ -54,8 +54,8 @@ Status row_max(const TensorView& logits, const TensorView& max, const TensorView
   if (widened != nullptr) {
     if (Status s = as_float_matrix_like(*widened, "widened", x, &wide); !s.ok()) return s;
     if (detail::overlaps(wide.begin_byte(), wide.end_byte(), x.begin_byte(), x.end_byte())) {
-      return {Code::kInvalidArgument, detail::expected_got("widened", "memory that does not overlap the logits",
-                                                           "overlapping memory")};
+      return {Code::kInvalidArgument,
+              detail::expected_got("widened", "memory that does not overlap the logits", "overlapping memory")};
     }
   }
   if (detail::overlaps(m.base, m.end_byte(), x.begin_byte(), x.end_byte()) ||
@@ -88,7 +88,8 @@ Status exp_rows_in_place(const TensorView& x, const TensorView& shift, const Ten
     }
   }
   if (detail::overlaps(s.base, s.end_byte(), rows.begin_byte(), rows.end_byte())) {
-    return {Code::kInvalidArgument, detail::expected_got("shift", "memory that does not overlap x", "overlapping memory")};
+    return {Code::kInvalidArgument,
+            detail::expected_got("shift", "memory that does not overlap x", "overlapping memory")};
   }
   detail::parallel_rows(rows.rows, num_threads, [&](int64_t i) {
     const double sum = detail::exp_row_in_place(rows.row<float>(i), rows.cols, s.at<float>(i));

@@ -29,7 +29,7 @@ int main() {
   }
   const double want = std::log(4.0);
   const bool ok = std::fabs(loss[0][0] - want) < 1e-6 && std::fabs(loss[1][1] - want) < 1e-6;
-  std::printf("vpce %s consumer: loss %.6f (want %.6f): %s\n", VPCE_VERSION_STRING, static_cast<double>(loss[0][0]), want,
-              ok ? "ok" : "WRONG");
+  std::printf("vpce %s consumer: loss %.6f (want %.6f): %s\n", VPCE_VERSION_STRING, static_cast<double>(loss[0][0]),
+              want, ok ? "ok" : "WRONG");
   return ok ? 0 : 1;
 }

@@ -22,7 +22,6 @@
 namespace vpce::test {
 namespace {
 
-
 // The head's operands stored in `dtype`: hidden [N, H] with row stride H + 1 (rows not
 // aligned), weight [V, H] (rank r's rows are a slice), bias [V], targets, upstream.
 struct HeadProblem {
@@ -176,7 +175,7 @@ std::vector<double> read_widened(const DeviceBuffer& b, std::size_t count, DataT
 // One step on R device ranks: forward then backward (or forward_backward), every output
 // read back.
 HeadRun run_head(const HeadProblem& p, const std::vector<VocabShard>& shards, const Settings& s,
-             const std::function<void(int, std::vector<int64_t>&)>& tweak_targets = {}) {
+                 const std::function<void(int, std::vector<int64_t>&)>& tweak_targets = {}) {
   const int ranks = static_cast<int>(shards.size());
   const int64_t n = p.tokens, h = p.hidden, v = p.vocab;
   const bool reduced = s.loss.reduction != Reduction::kNone;
@@ -421,7 +420,8 @@ TEST(CudaHead, EveryOptionEveryReduction) {
   s.head.token_block = 8;
   s.head.vocab_block = 128;
   s.head.chunk_tokens = 16;
-  for (int64_t i = 0; i < p.tokens; ++i) s.weights.push_back(i % 5 == 0 ? 0.0f : 0.5f + 0.1f * static_cast<float>(i % 3));
+  for (int64_t i = 0; i < p.tokens; ++i)
+    s.weights.push_back(i % 5 == 0 ? 0.0f : 0.5f + 0.1f * static_cast<float>(i % 3));
   for (bool chunked : {false, true}) {
     for (Reduction reduction : {Reduction::kNone, Reduction::kSum, Reduction::kMean}) {
       if (chunked && reduction == Reduction::kNone) continue;
@@ -579,9 +579,10 @@ TEST(CudaHead, TargetOutOfRangeIsAnAsynchronousErrorOnEveryRank) {
     s.loss.reduction = chunked ? Reduction::kSum : Reduction::kNone;
     s.head.token_block = 8;
     s.head.chunk_tokens = 16;
-    const HeadRun run = run_head(p, shards_from_sizes(even_splits(100, 2)), s, [](int r, std::vector<int64_t>& targets) {
-      if (r == 1) targets[3] = 100;  // only the device sees it, in the first of three chunks
-    });
+    const HeadRun run =
+        run_head(p, shards_from_sizes(even_splits(100, 2)), s, [](int r, std::vector<int64_t>& targets) {
+          if (r == 1) targets[3] = 100;  // only the device sees it, in the first of three chunks
+        });
     for (std::size_t r = 0; r < 2; ++r) {
       const RankRun& got = run.ranks[r];
       EXPECT_TRUE(got.status.ok()) << got.status.to_string();  // the host saw nothing wrong
@@ -629,8 +630,8 @@ TEST(CudaHead, StepsCaptureInACudaGraph) {
   cudaStream_t stream = nullptr, other = nullptr;
   CUDA_OK(cudaStreamCreate(&stream));
   CUDA_OK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
-  for (auto [chunked, capture] : {std::pair{false, stream}, std::pair{true, stream}, std::pair{false, other},
-                                  std::pair{true, other}}) {
+  for (auto [chunked, capture] :
+       {std::pair{false, stream}, std::pair{true, stream}, std::pair{false, other}, std::pair{true, other}}) {
     SCOPED_TRACE(std::string(chunked ? "chunked" : "recompute") + (capture == other ? ", another stream" : ""));
     LossOptions o;
     o.stream = stream;
@@ -647,7 +648,8 @@ TEST(CudaHead, StepsCaptureInACudaGraph) {
                         .ok());
       } else {
         ASSERT_TRUE(linear_cross_entropy_forward(comm, inputs, yv, {0, v, v}, o, head, lv, ev, {}, &workspace).ok());
-        ASSERT_TRUE(linear_cross_entropy_backward(inputs, yv, ev, g, {0, v, v}, o, head, grads, nullptr, &workspace).ok());
+        ASSERT_TRUE(
+            linear_cross_entropy_backward(inputs, yv, ev, g, {0, v, v}, o, head, grads, nullptr, &workspace).ok());
       }
     };
     step();  // grows the workspace and makes the cuBLAS handle

@@ -45,7 +45,8 @@ class DeviceLoopback final : public Communicator {
   Status all_gather(const void*, void*, std::size_t) override { return {Code::kUnsupported, "host"}; }
   Status device_all_gather(const void* send, void* recv, std::size_t bytes, void* stream) override {
     ++calls;
-    return cudaMemcpyAsync(recv, send, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)) == cudaSuccess
+    return cudaMemcpyAsync(recv, send, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)) ==
+                   cudaSuccess
                ? Status{}
                : Status{Code::kSystemError, "cudaMemcpyAsync"};
   }

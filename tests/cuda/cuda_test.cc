@@ -22,13 +22,12 @@
 namespace vpce::test {
 namespace {
 
-
 struct DeviceRun {
   std::vector<Status> status;
   std::vector<Status> device_status;
   std::vector<std::vector<float>> loss, target_is_argmax, entropy;
   std::vector<std::vector<double>> lse;  // kept in float64, as vpce.torch keeps it
-  std::vector<double> grad;  // [N, V]
+  std::vector<double> grad;              // [N, V]
 };
 
 // Forward and backward of `problem` on R device ranks (the problem's strided storage is
@@ -70,9 +69,9 @@ DeviceRun run_on_device(Problem& problem, const std::vector<VocabShard>& shards,
     const VocabShard& shard = shards[static_cast<std::size_t>(r)];
     const int64_t cols = shard.vocab_end - shard.vocab_begin;
     const Device gpu{DeviceType::kCUDA, 0};
-    const TensorView x = TensorView::matrix(static_cast<char*>(logits.p) + problem.offset_bytes +
-                                                shard.vocab_begin * problem.dtype.bytes(),
-                                            problem.dtype, n, cols, problem.ld, gpu);
+    const TensorView x = TensorView::matrix(
+        static_cast<char*>(logits.p) + problem.offset_bytes + shard.vocab_begin * problem.dtype.bytes(), problem.dtype,
+        n, cols, problem.ld, gpu);
     const TensorView yv = TensorView::contiguous(y.p, kInt64, {n}, gpu);
     const TensorView lv = TensorView::contiguous(loss.p, kFloat32, {reduced ? 1 : n}, gpu);
     const TensorView ev = TensorView::contiguous(lse.p, kFloat64, {n}, gpu);
@@ -94,10 +93,10 @@ DeviceRun run_on_device(Problem& problem, const std::vector<VocabShard>& shards,
     Status s = forward(comm, x, yv, shard, opts, lv, ev, extras, &workspace);
     if (s.ok()) {
       const TensorView g = TensorView::contiguous(upstream.p, kFloat32, {reduced ? 1 : n}, gpu);
-      const TensorView out = options.in_place ? x
-                                              : TensorView::matrix(static_cast<char*>(grad.p) +
-                                                                       shard.vocab_begin * grad_dtype.bytes(),
-                                                                   grad_dtype, n, cols, problem.vocab, gpu);
+      const TensorView out =
+          options.in_place ? x
+                           : TensorView::matrix(static_cast<char*>(grad.p) + shard.vocab_begin * grad_dtype.bytes(),
+                                                grad_dtype, n, cols, problem.vocab, gpu);
       s = backward(x, yv, ev, g, shard, opts, out, extras.weights);
     }
     run.device_status[static_cast<std::size_t>(r)] = workspace.device_status();
@@ -176,7 +175,8 @@ TEST(Cuda, EveryOption) {
   o.loss.logit_scale = 0.8f;
   o.loss.softcap = 15.0f;
   o.loss.valid_vocab_size = 2990;
-  for (int64_t i = 0; i < p.tokens; ++i) o.weights.push_back(i % 5 == 0 ? 0.0f : 0.5f + 0.1f * static_cast<float>(i % 3));
+  for (int64_t i = 0; i < p.tokens; ++i)
+    o.weights.push_back(i % 5 == 0 ? 0.0f : 0.5f + 0.1f * static_cast<float>(i % 3));
   for (Reduction reduction : {Reduction::kNone, Reduction::kSum, Reduction::kMean}) {
     SCOPED_TRACE("reduction " + std::to_string(static_cast<int>(reduction)));
     o.loss.reduction = reduction;
@@ -232,8 +232,11 @@ TEST(Cuda, NanVectorsRowsAndShardsReachTheLoss) {
     int64_t vocab, begin, end;  // NaN in columns [begin, end) of token 0's row
     bool with_minus_inf;        // and -inf in [vocab / 2, begin)
   };
-  const Span spans[] = {{1072, 1056, 1057, false}, {48, 32, 48, false}, {3000, 1000, 2024, false},
-                        {64, 32, 64, true}, {20000, 16384, 16400, false}};
+  const Span spans[] = {{1072, 1056, 1057, false},
+                        {48, 32, 48, false},
+                        {3000, 1000, 2024, false},
+                        {64, 32, 64, true},
+                        {20000, 16384, 16400, false}};
   for (const Span& span : spans) {
     for (DataType dtype : {kFloat32, kBFloat16}) {
       for (bool extras : {false, true}) {

@@ -91,7 +91,8 @@ void inject_non_finite(Choices& c, Case& k) {
         end = s.vocab_end;
         break;
       }
-      default: break;  // the row
+      default:
+        break;  // the row
     }
     for (int64_t v = begin; v < end; ++v) p.set(i, v, value);
     // Sometimes the rest of the row is -inf, so only the non-finite values remain.
@@ -130,12 +131,15 @@ Case draw_case(Choices& c) {
     for (int64_t v = 0; v < p.ld; ++v) p.set(i, v, v < vocab ? normal(values) : 1e30f);  // between rows: never read
   }
   if (c.percent(10)) {  // huge logits
-    for (int64_t i = 0; i < tokens; ++i) p.set(i, static_cast<int64_t>(c.below(static_cast<uint64_t>(vocab))), c.percent(50) ? 1e4f : -1e4f);
+    for (int64_t i = 0; i < tokens; ++i)
+      p.set(i, static_cast<int64_t>(c.below(static_cast<uint64_t>(vocab))), c.percent(50) ? 1e4f : -1e4f);
   }
   k.shards = shards_from_sizes(c.percent(30) ? even_splits(vocab, ranks) : drawn_splits(c, vocab, ranks));
 
   LossOptions& o = k.options.loss;
-  if (c.percent(15) && vocab > 2) o.valid_vocab_size = vocab - static_cast<int64_t>(1 + c.below(static_cast<uint64_t>(std::min<int64_t>(vocab - 2, 40))));
+  if (c.percent(15) && vocab > 2)
+    o.valid_vocab_size =
+        vocab - static_cast<int64_t>(1 + c.below(static_cast<uint64_t>(std::min<int64_t>(vocab - 2, 40))));
   const int64_t valid = o.valid_vocab_size > 0 ? o.valid_vocab_size : vocab;
   if (c.percent(30) && valid >= 2) {
     o.label_smoothing = c.percent(50) ? 0.1f : static_cast<float>(c.unit() * 0.9);
@@ -151,14 +155,17 @@ Case draw_case(Choices& c) {
   for (int64_t i = 0; i < tokens; ++i) {
     const VocabShard& s = k.shards[c.below(k.shards.size())];
     const uint64_t kind = c.below(10);
-    int64_t y = kind < 2 ? s.vocab_begin : kind < 4 ? s.vocab_end - 1 : static_cast<int64_t>(c.below(static_cast<uint64_t>(valid)));
+    int64_t y = kind < 2   ? s.vocab_begin
+                : kind < 4 ? s.vocab_end - 1
+                           : static_cast<int64_t>(c.below(static_cast<uint64_t>(valid)));
     if (y >= valid) y = valid - 1;
     if (c.percent(8)) y = o.ignore_index;
     p.targets.push_back(y);
     p.grad_loss.push_back(static_cast<float>(0.5 + c.unit() * 1.5));
   }
   if (c.percent(25)) {
-    for (int64_t i = 0; i < tokens; ++i) k.options.weights.push_back(c.percent(15) ? 0.0f : static_cast<float>(c.unit() * 2.0));
+    for (int64_t i = 0; i < tokens; ++i)
+      k.options.weights.push_back(c.percent(15) ? 0.0f : static_cast<float>(c.unit() * 2.0));
   }
   k.options.extras = c.percent(30);
   k.options.in_place = c.percent(30);
@@ -169,12 +176,13 @@ Case draw_case(Choices& c) {
   k.description << "N " << tokens << " V " << vocab << " ld " << p.ld << " offset " << p.offset_bytes << " R " << ranks
                 << " " << to_string(dtype) << " sd " << stddev << " splits";
   for (const VocabShard& s : k.shards) k.description << " " << s.vocab_end - s.vocab_begin;
-  k.description << " smoothing " << o.label_smoothing << (o.smoothing_semantics == SmoothingSemantics::kPyTorch ? "(pt)" : "")
-                << " z " << o.z_loss_weight << " scale " << o.logit_scale << " cap " << o.softcap << " valid "
-                << o.valid_vocab_size << " ignore " << o.ignore_index << " reduction " << static_cast<int>(o.reduction)
-                << " threads " << o.num_threads << (k.options.weights.empty() ? "" : " weights")
-                << (k.options.extras ? " extras" : "") << (k.options.in_place ? " in-place" : "")
-                << (k.options.staged ? " staged" : "") << " grad " << to_string(k.options.grad_dtype);
+  k.description << " smoothing " << o.label_smoothing
+                << (o.smoothing_semantics == SmoothingSemantics::kPyTorch ? "(pt)" : "") << " z " << o.z_loss_weight
+                << " scale " << o.logit_scale << " cap " << o.softcap << " valid " << o.valid_vocab_size << " ignore "
+                << o.ignore_index << " reduction " << static_cast<int>(o.reduction) << " threads " << o.num_threads
+                << (k.options.weights.empty() ? "" : " weights") << (k.options.extras ? " extras" : "")
+                << (k.options.in_place ? " in-place" : "") << (k.options.staged ? " staged" : "") << " grad "
+                << to_string(k.options.grad_dtype);
   inject_non_finite(c, k);
   return k;
 }
@@ -215,18 +223,22 @@ std::string run_differential_case(Choices& choices) {
   for (int64_t i = 0; i < p.tokens; ++i) {
     for (int64_t v = 0; v < valid; ++v) {
       const double z = std::fabs(p.at(i, v) * o.logit_scale);
-      if (std::isfinite(z)) z_max[static_cast<std::size_t>(i)] = std::max(z_max[static_cast<std::size_t>(i)], o.softcap > 0.0f ? std::min<double>(z, o.softcap) : z);
+      if (std::isfinite(z))
+        z_max[static_cast<std::size_t>(i)] =
+            std::max(z_max[static_cast<std::size_t>(i)], o.softcap > 0.0f ? std::min<double>(z, o.softcap) : z);
     }
   }
   auto loss_tolerance = [&](int64_t i, double value) {
     const double z = z_max[static_cast<std::size_t>(i)];
-    return 2e-6 * std::max(1.0, std::fabs(value)) + (transformed || o.label_smoothing > 0.0f ? 64.0 : 0.0) * kFloatEpsilon * z;
+    return 2e-6 * std::max(1.0, std::fabs(value)) +
+           (transformed || o.label_smoothing > 0.0f ? 64.0 : 0.0) * kFloatEpsilon * z;
   };
   for (std::size_t r = 0; r < result.per_rank.size(); ++r) {  // every rank: the same bits
     const RankOutputs& a = result.per_rank[0];
     const RankOutputs& b = result.per_rank[r];
     for (std::size_t i = 0; i < a.loss.size(); ++i) {
-      if (!same_bits(a.loss[i], b.loss[i])) return "rank " + std::to_string(r) + "'s loss differs from rank 0's" + where;
+      if (!same_bits(a.loss[i], b.loss[i]))
+        return "rank " + std::to_string(r) + "'s loss differs from rank 0's" + where;
     }
     for (std::size_t i = 0; i < a.lse.size(); ++i) {
       if (!same_bits(a.lse[i], b.lse[i])) return "rank " + std::to_string(r) + "'s lse differs from rank 0's" + where;
@@ -235,7 +247,9 @@ std::string run_differential_case(Choices& choices) {
   const RankOutputs& got = result.per_rank[0];
   for (int64_t i = 0; i < p.tokens; ++i) {
     const auto u = static_cast<std::size_t>(i);
-    if (std::string e = compare(got.lse[u], want.lse[u], 2e-6 * std::max(1.0, std::fabs(want.lse[u])) + 4 * kFloatEpsilon * z_max[u]); !e.empty()) {
+    if (std::string e = compare(got.lse[u], want.lse[u],
+                                2e-6 * std::max(1.0, std::fabs(want.lse[u])) + 4 * kFloatEpsilon * z_max[u]);
+        !e.empty()) {
       return "lse of token " + std::to_string(i) + ": " + e + where;
     }
     if (o.reduction == Reduction::kNone) {
@@ -244,13 +258,17 @@ std::string run_differential_case(Choices& choices) {
       }
     }
     if (k.options.extras) {
-      if (std::string e = compare(got.entropy[u], want.entropy[u], 1e-5 * std::max(1.0, std::fabs(want.entropy[u])) + 64 * kFloatEpsilon * z_max[u]); !e.empty()) {
+      if (std::string e = compare(got.entropy[u], want.entropy[u],
+                                  1e-5 * std::max(1.0, std::fabs(want.entropy[u])) + 64 * kFloatEpsilon * z_max[u]);
+          !e.empty()) {
         return "entropy of token " + std::to_string(i) + ": " + e + where;
       }
       // The argmax where it is well defined: no NaN, and a gap above the rounding.
       const double gap = want.top_gap[u];
-      if (!std::isnan(want.lse[u]) && gap > 1e-3 * std::max(1.0, z_max[u]) && got.target_is_argmax[u] != want.target_is_argmax[u]) {
-        return "target_is_argmax of token " + std::to_string(i) + ": got " + std::to_string(got.target_is_argmax[u]) + where;
+      if (!std::isnan(want.lse[u]) && gap > 1e-3 * std::max(1.0, z_max[u]) &&
+          got.target_is_argmax[u] != want.target_is_argmax[u]) {
+        return "target_is_argmax of token " + std::to_string(i) + ": got " + std::to_string(got.target_is_argmax[u]) +
+               where;
       }
     }
   }
@@ -260,7 +278,8 @@ std::string run_differential_case(Choices& choices) {
       const double w = k.options.weights.empty() ? 1.0 : k.options.weights[static_cast<std::size_t>(i)];
       if (p.targets[static_cast<std::size_t>(i)] == o.ignore_index) continue;
       counted += w;
-      const double l = std::isfinite(want.lse[static_cast<std::size_t>(i)]) ? std::fabs(want.lse[static_cast<std::size_t>(i)]) : 0.0;
+      const double l =
+          std::isfinite(want.lse[static_cast<std::size_t>(i)]) ? std::fabs(want.lse[static_cast<std::size_t>(i)]) : 0.0;
       tolerance += w * (loss_tolerance(i, l) + 2e-6 * l);
     }
     if (o.reduction == Reduction::kMean && counted > 0.0) tolerance /= counted;
@@ -276,12 +295,13 @@ std::string run_differential_case(Choices& choices) {
   const DataType grad_dtype = k.options.in_place ? p.dtype : k.options.grad_dtype;
   double counted = 0.0;
   for (int64_t i = 0; i < p.tokens; ++i) {
-    if (p.targets[static_cast<std::size_t>(i)] != o.ignore_index) counted += k.options.weights.empty() ? 1.0 : k.options.weights[static_cast<std::size_t>(i)];
+    if (p.targets[static_cast<std::size_t>(i)] != o.ignore_index)
+      counted += k.options.weights.empty() ? 1.0 : k.options.weights[static_cast<std::size_t>(i)];
   }
   for (int64_t i = 0; i < p.tokens; ++i) {
     const auto u = static_cast<std::size_t>(i);
     const double w = k.options.weights.empty() ? 1.0 : k.options.weights[u];
-    const double g = o.reduction == Reduction::kNone ? p.grad_loss[u]
+    const double g = o.reduction == Reduction::kNone  ? p.grad_loss[u]
                      : o.reduction == Reduction::kSum ? k.options.grad_scalar
                                                       : (counted > 0.0 ? k.options.grad_scalar / counted : 0.0);
     const double lse = std::isfinite(want.lse[u]) ? std::fabs(want.lse[u]) : 0.0;

@@ -19,9 +19,9 @@ class Choices {
   explicit Choices(uint64_t seed) : rng_(seed) {}
   Choices(const uint8_t* data, std::size_t size) : data_(data), size_(size) {}
 
-  uint64_t below(uint64_t bound);              // uniform in [0, bound), bound >= 1
+  uint64_t below(uint64_t bound);  // uniform in [0, bound), bound >= 1
   bool percent(int p) { return below(100) < static_cast<uint64_t>(p); }
-  double unit();                               // in [0, 1)
+  double unit();  // in [0, 1)
 
  private:
   uint64_t word();

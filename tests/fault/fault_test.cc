@@ -150,10 +150,10 @@ TEST_F(Fault, OutOfMemoryIsAnErrorNotAnAbort) {
   // for the run do not fit.
   ASSERT_EQ(run_vpce("", "gen --tokens 2048 --vocab 8192 --out " + (dir_ / "big").string()).status, 0);
   const fs::path out = dir_ / "out";
-  expect_one_error_line(run_vpce(address_space_plus(157286400), "run --logits " + (dir_ / "big" / "logits.npy").string() +
-                                                        " --targets " + (dir_ / "big" / "targets.npy").string() +
-                                                        " --out " + out.string()),
-                        "logits; about 192.0 MiB in all): out of memory");
+  expect_one_error_line(
+      run_vpce(address_space_plus(157286400), "run --logits " + (dir_ / "big" / "logits.npy").string() + " --targets " +
+                                                  (dir_ / "big" / "targets.npy").string() + " --out " + out.string()),
+      "logits; about 192.0 MiB in all): out of memory");
   EXPECT_FALSE(fs::exists(out));
   expect_one_error_line(run_vpce(address_space_plus(157286400), "gen --tokens 8192 --vocab 8192 --out " + out.string()),
                         "gen: --tokens 8192 x --vocab 8192 (about 384 MiB): out of memory");
@@ -177,7 +177,7 @@ TEST_F(Fault, RankThreadsThatCannotStartFailAtOnce) {
 TEST_F(Fault, AnOpenMpDefaultOfMoreThreadsThanCanStartIsNeverTaken) {
   const std::string limit = address_space_plus(int64_t{5} << 29);
   std::vector<std::string> commands = {"perf -b 64 -e 64 -V 1000 -n 1 -w 0",
-                                      "perf -b 64 -e 64 -V 1000 -n 1 -w 0 --threads 1", run_args(dir_ / "out")};
+                                       "perf -b 64 -e 64 -V 1000 -n 1 -w 0 --threads 1", run_args(dir_ / "out")};
   if (VPCE_WITH_HEAD) commands.push_back("perf --head -b 64 -e 64 -V 1000 -H 64 -n 1 -w 0");
   for (const std::string& args : commands) {
     const Result r = run_vpce(limit, args, "OMP_NUM_THREADS=1024");

@@ -24,7 +24,9 @@ double HeadProblem::bias_at(int64_t v) const {
 void HeadProblem::set_hidden(int64_t i, int64_t k, float value) {
   detail::narrow(value, hidden_storage.data() + dtype.bytes() + (i * ld_hidden + k) * dtype.bytes(), dtype);
 }
-void HeadProblem::set_bias(int64_t v, float value) { detail::narrow(value, bias_storage.data() + v * dtype.bytes(), dtype); }
+void HeadProblem::set_bias(int64_t v, float value) {
+  detail::narrow(value, bias_storage.data() + v * dtype.bytes(), dtype);
+}
 
 TensorView HeadProblem::hidden_view() { return TensorView::matrix(hidden_base(), dtype, tokens, hidden, ld_hidden); }
 TensorView HeadProblem::weight_view(int64_t begin, int64_t end) {
@@ -34,8 +36,8 @@ TensorView HeadProblem::bias_view(int64_t begin, int64_t end) {
   return TensorView::contiguous(bias_storage.data() + begin * dtype.bytes(), dtype, {end - begin});
 }
 
-HeadProblem random_head_problem(int64_t tokens, int64_t hidden, int64_t vocab, DataType dtype, uint64_t seed,
-                                float std, bool with_bias) {
+HeadProblem random_head_problem(int64_t tokens, int64_t hidden, int64_t vocab, DataType dtype, uint64_t seed, float std,
+                                bool with_bias) {
   HeadProblem p;
   p.tokens = tokens;
   p.hidden = hidden;
@@ -49,8 +51,7 @@ HeadProblem random_head_problem(int64_t tokens, int64_t hidden, int64_t vocab, D
   p.weight_storage.resize(static_cast<std::size_t>(vocab * p.ld_weight * bytes + 1));
   p.bias_storage.resize(static_cast<std::size_t>(vocab * bytes + 1));
   std::mt19937_64 gen(seed);
-  std::normal_distribution<float> h(0.0f, std), w(0.0f, 1.0f / std::sqrt(static_cast<float>(hidden))),
-      b(0.0f, 0.5f);
+  std::normal_distribution<float> h(0.0f, std), w(0.0f, 1.0f / std::sqrt(static_cast<float>(hidden))), b(0.0f, 0.5f);
   for (int64_t i = 0; i < tokens; ++i) {
     for (int64_t k = 0; k < hidden; ++k) p.set_hidden(i, k, h(gen));
   }
@@ -70,45 +71,20 @@ HeadProblem random_head_problem(int64_t tokens, int64_t hidden, int64_t vocab, D
 }
 
 HeadOracle head_oracle(const HeadProblem& p, const LossOptions& options, float grad_scalar, bool bf16_logit_gradients) {
-  HeadOracle o;
   const int64_t n = p.tokens, h = p.hidden, v = p.vocab;
-  o.logits.assign(static_cast<std::size_t>(n * v), 0.0);
+  std::vector<double> hidden(static_cast<std::size_t>(n * h)), weight(static_cast<std::size_t>(v * h)), bias;
   for (int64_t i = 0; i < n; ++i) {
-    for (int64_t c = 0; c < v; ++c) {
-      double sum = p.bias_at(c);
-      for (int64_t k = 0; k < h; ++k) sum += p.hidden_at(i, k) * p.weight_at(c, k);
-      o.logits[static_cast<std::size_t>(i * v + c)] = sum;
-    }
+    for (int64_t k = 0; k < h; ++k) hidden[static_cast<std::size_t>(i * h + k)] = p.hidden_at(i, k);
   }
-  const reference::Options ro = reference_options(options);
+  for (int64_t c = 0; c < v; ++c) {
+    for (int64_t k = 0; k < h; ++k) weight[static_cast<std::size_t>(c * h + k)] = p.weight_at(c, k);
+    bias.push_back(p.bias_at(c));
+  }
   const std::vector<double> grad_loss = options.reduction == Reduction::kNone
                                             ? widen(p.grad_loss)
                                             : std::vector<double>{static_cast<double>(grad_scalar)};
-  o.loss = reference::cross_entropy(o.logits, n, v, p.targets, widen(p.weights), grad_loss, ro);
-  o.grad_hidden.assign(static_cast<std::size_t>(n * h), 0.0);
-  o.grad_weight.assign(static_cast<std::size_t>(v * h), 0.0);
-  o.grad_bias.assign(static_cast<std::size_t>(v), 0.0);
-  o.grad_hidden_bound.assign(o.grad_hidden.size(), 0.0);
-  o.grad_weight_bound.assign(o.grad_weight.size(), 0.0);
-  o.grad_bias_bound.assign(o.grad_bias.size(), 0.0);
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t c = 0; c < v; ++c) {
-      double dx = o.loss.grad[static_cast<std::size_t>(i * v + c)];
-      if (dx == 0.0) continue;
-      const double magnitude = std::fabs(dx);
-      if (bf16_logit_gradients) dx = detail::to_float(detail::from_float<detail::BFloat16>(static_cast<float>(dx)));
-      o.grad_bias[static_cast<std::size_t>(c)] += dx;
-      o.grad_bias_bound[static_cast<std::size_t>(c)] += magnitude;
-      for (int64_t k = 0; k < h; ++k) {
-        const auto ih = static_cast<std::size_t>(i * h + k), ch = static_cast<std::size_t>(c * h + k);
-        o.grad_hidden[ih] += dx * p.weight_at(c, k);
-        o.grad_weight[ch] += dx * p.hidden_at(i, k);
-        o.grad_hidden_bound[ih] += magnitude * std::fabs(p.weight_at(c, k));
-        o.grad_weight_bound[ch] += magnitude * std::fabs(p.hidden_at(i, k));
-      }
-    }
-  }
-  return o;
+  return reference::linear_cross_entropy(hidden, weight, bias, n, h, v, p.targets, widen(p.weights), grad_loss,
+                                         reference_options(options), bf16_logit_gradients);
 }
 
 namespace {
@@ -146,10 +122,12 @@ HeadResult run_head(HeadProblem& p, const HeadRun& run) {
     const TensorView loss_v = TensorView::contiguous(loss.data(), kFloat32, {loss_n});
     const TensorView lse_v = run.lse_dtype == kFloat32 ? TensorView::contiguous(lse32.data(), kFloat32, {n})
                                                        : TensorView::contiguous(lse64.data(), run.lse_dtype, {n});
-    std::vector<std::byte> gh(static_cast<std::size_t>(n * h * gd.bytes())), gw(static_cast<std::size_t>(vr * h * gd.bytes())),
-        gb(static_cast<std::size_t>(vr * gd.bytes()));
-    for (int64_t i = 0; i < n * h; ++i) detail::narrow(run.accumulate ? run.prefill : NAN, gh.data() + i * gd.bytes(), gd);
-    for (int64_t i = 0; i < vr * h; ++i) detail::narrow(run.accumulate ? run.prefill : NAN, gw.data() + i * gd.bytes(), gd);
+    std::vector<std::byte> gh(static_cast<std::size_t>(n * h * gd.bytes())),
+        gw(static_cast<std::size_t>(vr * h * gd.bytes())), gb(static_cast<std::size_t>(vr * gd.bytes()));
+    for (int64_t i = 0; i < n * h; ++i)
+      detail::narrow(run.accumulate ? run.prefill : NAN, gh.data() + i * gd.bytes(), gd);
+    for (int64_t i = 0; i < vr * h; ++i)
+      detail::narrow(run.accumulate ? run.prefill : NAN, gw.data() + i * gd.bytes(), gd);
     for (int64_t i = 0; i < vr; ++i) detail::narrow(run.accumulate ? run.prefill : NAN, gb.data() + i * gd.bytes(), gd);
     const TensorView ghv = TensorView::contiguous(gh.data(), gd, {n, h});
     const TensorView gwv = TensorView::contiguous(gw.data(), gd, {vr, h});
@@ -158,7 +136,8 @@ HeadResult run_head(HeadProblem& p, const HeadRun& run) {
       bias.data = nullptr;
       gbv.data = nullptr;
     }
-    HeadGradients grads{{&ghv, run.accumulate}, {&gwv, run.accumulate},
+    HeadGradients grads{{&ghv, run.accumulate},
+                        {&gwv, run.accumulate},
                         {p.with_bias && run.want_bias ? &gbv : nullptr, run.accumulate}};
     std::vector<float> weights = p.weights;
     const TensorView wv = TensorView::contiguous(weights.data(), kFloat32, {n});
@@ -170,12 +149,13 @@ HeadResult run_head(HeadProblem& p, const HeadRun& run) {
     if (run.mode == Mode::kRecompute) {
       s = linear_cross_entropy_forward(comm, in, tv, shard, run.loss, run.head, loss_v, lse_v, extras, ws);
       if (!s.ok()) return s;
-      std::vector<float> gl = run.loss.reduction == Reduction::kNone ? p.grad_loss : std::vector<float>{run.grad_scalar};
+      std::vector<float> gl =
+          run.loss.reduction == Reduction::kNone ? p.grad_loss : std::vector<float>{run.grad_scalar};
       const TensorView glv = TensorView::contiguous(gl.data(), kFloat32, {static_cast<int64_t>(gl.size())});
       s = linear_cross_entropy_backward(in, tv, lse_v, glv, shard, run.loss, run.head, grads, extras.weights, ws);
     } else {
-      s = linear_cross_entropy_forward_backward(comm, in, tv, shard, run.loss, run.head, run.grad_scalar, loss_v,
-                                                lse_v, grads, extras, ws, &collectives);
+      s = linear_cross_entropy_forward_backward(comm, in, tv, shard, run.loss, run.head, run.grad_scalar, loss_v, lse_v,
+                                                grads, extras, ws, &collectives);
     }
     if (!s.ok()) return s;
     if (run.reduce_hidden) {
@@ -198,7 +178,8 @@ HeadResult run_head(HeadProblem& p, const HeadRun& run) {
         out.grad_hidden[static_cast<std::size_t>(i)] += read(gh, i, gd) - (run.accumulate ? run.prefill : 0.0);
       }
     }
-    for (int64_t i = 0; i < vr * h; ++i) out.grad_weight[static_cast<std::size_t>(shard.vocab_begin * h + i)] = read(gw, i, gd);
+    for (int64_t i = 0; i < vr * h; ++i)
+      out.grad_weight[static_cast<std::size_t>(shard.vocab_begin * h + i)] = read(gw, i, gd);
     for (int64_t i = 0; i < vr; ++i) out.grad_bias[static_cast<std::size_t>(shard.vocab_begin + i)] = read(gb, i, gd);
     return {};
   };
@@ -221,11 +202,11 @@ HeadResult run_head(HeadProblem& p, const HeadRun& run) {
 }
 
 void expect_ok(const HeadResult& r) {
-  for (std::size_t k = 0; k < r.status.size(); ++k) ASSERT_TRUE(r.status[k].ok()) << "rank " << k << ": " << r.status[k].message();
+  for (std::size_t k = 0; k < r.status.size(); ++k)
+    ASSERT_TRUE(r.status[k].ok()) << "rank " << k << ": " << r.status[k].message();
 }
 
-void expect_matches(const HeadProblem& p, const HeadRun& run, const HeadResult& r, double loss_tol,
-                    double grad_tol) {
+void expect_matches(const HeadProblem& p, const HeadRun& run, const HeadResult& r, double loss_tol, double grad_tol) {
   expect_ok(r);
   const HeadOracle o = head_oracle(p, run.loss, run.grad_scalar);
   EXPECT_LE(relative_error(widen(r.loss), o.loss.loss), loss_tol);

@@ -3,15 +3,15 @@
 // A problem is hidden [N, H] (strided rows, misaligned start), the full output weight
 // [V, H] (strided rows) whose row ranges the ranks take, a bias [V], targets, weights and
 // per-token upstream gradients, stored in one dtype. The oracle takes the product
-// h W^T + b in fp64 from the stored values, then the loss oracle (reference.h), then
-// dh = dx W, dW = dx^T h, db = column sums of dx, in fp64 (dx optionally rounded to bf16).
+// h W^T + b in fp64 from the stored values, then the loss oracle, then dh = dx W,
+// dW = dx^T h, db = column sums of dx, in fp64 (src/reference/head_reference.h).
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <vector>
 
-#include "reference/reference.h"
+#include "reference/head_reference.h"
 #include "support.h"
 #include "vpce/head.h"
 #include "vpce/vpce.h"
@@ -47,13 +47,7 @@ struct HeadProblem {
 HeadProblem random_head_problem(int64_t tokens, int64_t hidden, int64_t vocab, DataType dtype, uint64_t seed,
                                 float std = 3.0f, bool with_bias = true);
 
-struct HeadOracle {
-  reference::Result loss;       // loss, lse, grad [N, V] of the logits
-  std::vector<double> logits;   // [N, V]
-  std::vector<double> grad_hidden, grad_weight, grad_bias;  // [N, H], [V, H], [V]
-  // The same sums of |dx| |w|, |dx| |h| and |dx|: what a rounding of dx can move them by.
-  std::vector<double> grad_hidden_bound, grad_weight_bound, grad_bias_bound;
-};
+using HeadOracle = reference::HeadResult;  // (src/reference/head_reference.h)
 
 // grad_scalar: the upstream gradient of a reduced loss (per-token grad_loss otherwise).
 // bf16_logit_gradients: the logit gradients rounded to bf16 (through fp32, to nearest even)
@@ -75,7 +69,7 @@ struct HeadRun {
   float grad_scalar = 1.0f;
   bool reduce_hidden = false;  // all_reduce_hidden_gradient instead of summing in the test
   bool want_bias = true;
-  DataType grad_dtype = kFloat32;  // written-over gradients
+  DataType grad_dtype = kFloat32;                // written-over gradients
   std::vector<Workspace>* workspaces = nullptr;  // one per rank, kept across runs; null: none
   DataType lse_dtype = kFloat64;                 // the lse kept for the backward (or kFloat32)
   // ranks == 1 only: the call runs on the calling thread through a Loopback communicator
@@ -87,10 +81,10 @@ struct HeadRun {
 // What run_head gives back: every rank's status, rank 0's outputs, the gathered gradients.
 struct HeadResult {
   std::vector<Status> status;
-  std::vector<float> loss;               // rank 0's
-  std::vector<double> lse;               // rank 0's, widened
+  std::vector<float> loss;  // rank 0's
+  std::vector<double> lse;  // rank 0's, widened
   std::vector<std::vector<float>> loss_of_rank;
-  std::vector<double> grad_hidden;       // the sum of the ranks' parts (or the reduced one)
+  std::vector<double> grad_hidden;  // the sum of the ranks' parts (or the reduced one)
   std::vector<double> grad_weight, grad_bias;
   std::vector<std::vector<float>> hidden_parts;  // per rank, as written (fp32 widened)
   int64_t collectives = -1;

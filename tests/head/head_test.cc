@@ -494,7 +494,8 @@ TEST(Head, UnevenRangesAgreeOnTheDefaultChunk) {
 TEST(HeadGemm, Bf16ProductsSummedInFp32WithinTheirBound) {
   std::mt19937_64 rng(7);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (const auto& [m, n, k] : std::vector<std::array<int64_t, 3>>{{37, 29, 301}, {1, 1, 1}, {16, 64, 1024}, {5, 3, 0}}) {
+  for (const auto& [m, n, k] :
+       std::vector<std::array<int64_t, 3>>{{37, 29, 301}, {1, 1, 1}, {16, 64, 1024}, {5, 3, 0}}) {
     for (int layout = 0; layout < 8; ++layout) {
       const bool trans_a = (layout & 1) != 0, trans_b = (layout & 2) != 0, add = (layout & 4) != 0;
       // A is stored [m, k] or (trans_a) [k, m]; B [k, n] or (trans_b) [n, k].
@@ -514,8 +515,8 @@ TEST(HeadGemm, Bf16ProductsSummedInFp32WithinTheirBound) {
       {
         std::vector<float> c = start;
         // One element past the start: no row aligned.
-        detail::gemm_bf16(trans_a, trans_b, m, n, k, a.data() + 1, lda, b.data() + 1, ldb, add ? 1.0f : 0.0f,
-                          c.data(), ldc);
+        detail::gemm_bf16(trans_a, trans_b, m, n, k, a.data() + 1, lda, b.data() + 1, ldb, add ? 1.0f : 0.0f, c.data(),
+                          ldc);
         for (int64_t i = 0; i < m; ++i) {
           for (int64_t j = 0; j < n; ++j) {
             const double old = add ? double{start[static_cast<std::size_t>(i * ldc + j)]} : 0.0;
@@ -586,10 +587,9 @@ TEST(Head, OneAllGatherPerForwardAndOnePerChunk) {
     forward_gathers[static_cast<std::size_t>(comm.rank())] = counting.gathers;
     if (!s.ok()) return s;
     CountingCommunicator chunked(comm);
-    s = linear_cross_entropy_forward_backward(chunked, in, tv, shard, options, head, 1.0f,
-                                              TensorView::contiguous(loss.data(), kFloat32, {1}),
-                                              TensorView::contiguous(lse.data(), kFloat32, {p.tokens}),
-                                              {{&ghv, false}});
+    s = linear_cross_entropy_forward_backward(
+        chunked, in, tv, shard, options, head, 1.0f, TensorView::contiguous(loss.data(), kFloat32, {1}),
+        TensorView::contiguous(lse.data(), kFloat32, {p.tokens}), {{&ghv, false}});
     chunked_gathers[static_cast<std::size_t>(comm.rank())] = chunked.gathers;
     return s;
   });
@@ -659,14 +659,16 @@ TEST(HeadErrors, NameTheArgumentTheExpectedAndTheActualValue) {
   const TensorView short_weight = f.p.weight_view(0, 9);
   expect_error(forward_on_one(f, {f.hidden, short_weight}), "weight.shape[0]: expected 10");
   const TensorView bf16_weight = TensorView::matrix(f.p.weight_base(), kBFloat16, 10, 4, f.p.ld_weight);
-  expect_error(forward_on_one(f, {f.hidden, bf16_weight}), "weight.dtype: expected float32 (hidden's dtype), got bfloat16");
+  expect_error(forward_on_one(f, {f.hidden, bf16_weight}),
+               "weight.dtype: expected float32 (hidden's dtype), got bfloat16");
   const TensorView short_bias = f.p.bias_view(0, 9);
   expect_error(forward_on_one(f, {f.hidden, f.weight, &short_bias}),
                "bias.shape: expected 10 elements (one per weight row), got 9 elements");
   HeadOptions odd;
   odd.chunk_tokens = 100;
   odd.token_block = 64;
-  expect_error(forward_on_one(f, {f.hidden, f.weight}, odd), "head.chunk_tokens: expected a multiple of the token block 64");
+  expect_error(forward_on_one(f, {f.hidden, f.weight}, odd),
+               "head.chunk_tokens: expected a multiple of the token block 64");
   odd = {};
   odd.vocab_block = -1;
   expect_error(forward_on_one(f, {f.hidden, f.weight}, odd), "head.vocab_block");
@@ -682,7 +684,8 @@ TEST(HeadErrors, NameTheArgumentTheExpectedAndTheActualValue) {
   auto backward_with = [&](const HeadGradients& g) {
     return linear_cross_entropy_backward(in, f.targets, f.lse_v, f.gl_v, f.shard, {}, {}, g);
   };
-  expect_error(backward_with({{&half_gh, true}}), "grad_hidden.dtype: expected float32 (accumulate adds into fp32), got bfloat16");
+  expect_error(backward_with({{&half_gh, true}}),
+               "grad_hidden.dtype: expected float32 (accumulate adds into fp32), got bfloat16");
   expect_error(backward_with({{&f.hidden, false}}), "grad_hidden: expected memory that does not overlap hidden");
   expect_error(backward_with({{&f.gh_v, false}, {&f.gh_v, false}}), "grad_weight.shape");
   expect_error(backward_with({{}, {}, {&f.gl_v, false}}), "grad_bias: expected null (there is no bias)");
@@ -854,8 +857,8 @@ TEST(HeadErrors, TheHiddenGradientsReductionTellsEveryRankWhyOneFailed) {
   std::vector<float> parts[2] = {std::vector<float>(12, 1.0f), std::vector<float>(12, 1.0f)};
   const std::vector<Status> st = g->run([&](Communicator& comm) {
     const int r = comm.rank();
-    return all_reduce_hidden_gradient(
-        comm, TensorView::contiguous(parts[r].data(), r == 1 ? kBFloat16 : kFloat32, {3, 4}));
+    return all_reduce_hidden_gradient(comm,
+                                      TensorView::contiguous(parts[r].data(), r == 1 ? kBFloat16 : kFloat32, {3, 4}));
   });
   EXPECT_EQ(st[1].code(), Code::kInvalidArgument) << st[1].message();
   EXPECT_EQ(st[0].code(), Code::kRemoteError) << st[0].message();

@@ -26,9 +26,8 @@ TEST(WithoutHead, EveryHeadFunctionSaysSoAndWritesNothing) {
   const VocabShard shard{0, 5, 5};
   std::unique_ptr<ThreadGroup> group;
   ASSERT_TRUE(ThreadGroup::create(1, &group).ok());
-  const std::vector<Status> forward = group->run([&](Communicator& comm) {
-    return linear_cross_entropy_forward(comm, inputs, t, shard, {}, {}, loss_v, lse_v);
-  });
+  const std::vector<Status> forward = group->run(
+      [&](Communicator& comm) { return linear_cross_entropy_forward(comm, inputs, t, shard, {}, {}, loss_v, lse_v); });
   int64_t collectives = -1;
   const std::vector<Status> fused = group->run([&](Communicator& comm) {
     LossOptions sum;

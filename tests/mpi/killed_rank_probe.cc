@@ -32,10 +32,11 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     std::raise(SIGKILL);
   }
-  const vpce::Status s = vpce::forward(*comm, vpce::TensorView::contiguous(logits.data(), vpce::kFloat32, {tokens, cols}),
-                                       vpce::TensorView::contiguous(targets.data(), vpce::kInt64, {tokens}), shard, {},
-                                       vpce::TensorView::contiguous(loss.data(), vpce::kFloat32, {tokens}),
-                                       vpce::TensorView::contiguous(lse.data(), vpce::kFloat32, {tokens}));
+  const vpce::Status s =
+      vpce::forward(*comm, vpce::TensorView::contiguous(logits.data(), vpce::kFloat32, {tokens, cols}),
+                    vpce::TensorView::contiguous(targets.data(), vpce::kInt64, {tokens}), shard, {},
+                    vpce::TensorView::contiguous(loss.data(), vpce::kFloat32, {tokens}),
+                    vpce::TensorView::contiguous(lse.data(), vpce::kFloat32, {tokens}));
   // Not reached while the launcher does its job: the survivors are killed in the forward.
   std::printf("rank %d: forward returned: %s\n", rank, s.to_string().c_str());
   comm.reset();

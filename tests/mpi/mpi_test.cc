@@ -241,8 +241,8 @@ TEST(Mpi, OneCollectivePerForwardNoneInBackward) {
     const TensorView y = TensorView::contiguous(p.targets.data(), kInt64, {tokens});
     const TensorView lse = TensorView::contiguous(out.lse.data(), kFloat64, {tokens});
     reset_mpi_call_counts();
-    ASSERT_TRUE(forward(*comm, x, y, shard, o.loss, TensorView::contiguous(out.loss.data(), kFloat32, {tokens}), lse)
-                    .ok());
+    ASSERT_TRUE(
+        forward(*comm, x, y, shard, o.loss, TensorView::contiguous(out.loss.data(), kFloat32, {tokens}), lse).ok());
     EXPECT_EQ(mpi_call_counts().collectives, collectives);
     EXPECT_EQ(mpi_call_counts().point_to_point, 0);
     reset_mpi_call_counts();
@@ -275,7 +275,8 @@ TEST(Mpi, TensorParallelGroupsSplitFromTheJob) {
 // Four-argument forward on rank-specific arguments, for the agreement tests: 6 tokens,
 // V = 48 split evenly; `tweak` changes this rank's arguments. Returns the Status and
 // checks that the outputs were not written on failure.
-Status forward_with(MpiCommunicator& comm, const std::function<void(int, int64_t&, VocabShard&, DataType&, LossOptions&)>& tweak,
+Status forward_with(MpiCommunicator& comm,
+                    const std::function<void(int, int64_t&, VocabShard&, DataType&, LossOptions&)>& tweak,
                     bool* outputs_untouched) {
   const int ranks = comm.size();
   const int r = comm.rank();
@@ -287,11 +288,10 @@ Status forward_with(MpiCommunicator& comm, const std::function<void(int, int64_t
   std::vector<float> logits(static_cast<std::size_t>(tokens * (shard.vocab_end - shard.vocab_begin)) + 1, 0.25f);
   std::vector<int64_t> targets(static_cast<std::size_t>(tokens), 7);
   std::vector<float> loss(static_cast<std::size_t>(tokens), -3.0f), lse(static_cast<std::size_t>(tokens), -3.0f);
-  const Status s = forward(comm,
-                           TensorView::contiguous(logits.data(), dtype, {tokens, shard.vocab_end - shard.vocab_begin}),
-                           TensorView::contiguous(targets.data(), kInt64, {tokens}), shard, options,
-                           TensorView::contiguous(loss.data(), kFloat32, {tokens}),
-                           TensorView::contiguous(lse.data(), kFloat32, {tokens}));
+  const Status s = forward(
+      comm, TensorView::contiguous(logits.data(), dtype, {tokens, shard.vocab_end - shard.vocab_begin}),
+      TensorView::contiguous(targets.data(), kInt64, {tokens}), shard, options,
+      TensorView::contiguous(loss.data(), kFloat32, {tokens}), TensorView::contiguous(lse.data(), kFloat32, {tokens}));
   *outputs_untouched = true;
   for (std::size_t i = 0; i < loss.size(); ++i) *outputs_untouched &= loss[i] == -3.0f && lse[i] == -3.0f;
   return s;
@@ -299,8 +299,9 @@ Status forward_with(MpiCommunicator& comm, const std::function<void(int, int64_t
 
 // Every rank fails with the same message; the code is `code`, except that with
 // `remote_elsewhere` only the rank at fault has it and the others kRemoteError.
-void expect_every_rank_fails_alike(const std::function<void(int, int64_t&, VocabShard&, DataType&, LossOptions&)>& tweak,
-                                   Code code, const std::string& words, int remote_elsewhere = -1) {
+void expect_every_rank_fails_alike(
+    const std::function<void(int, int64_t&, VocabShard&, DataType&, LossOptions&)>& tweak, Code code,
+    const std::string& words, int remote_elsewhere = -1) {
   if (size_of(MPI_COMM_WORLD) < 2) GTEST_SKIP() << "needs two ranks or more to disagree";
   std::unique_ptr<MpiCommunicator> comm = make_communicator(MPI_COMM_WORLD);
   ASSERT_NE(comm, nullptr);
@@ -317,7 +318,8 @@ void expect_every_rank_fails_alike(const std::function<void(int, int64_t&, Vocab
   EXPECT_LT(seconds, 30.0);  // far from the communicator's 60 s timeout, on a loaded machine too
   EXPECT_TRUE(same_on_every_rank(MPI_COMM_WORLD, s.message())) << "rank " << comm->rank() << ": " << s.to_string();
   // The group is still usable: a call on which the ranks agree succeeds.
-  const Status after = forward_with(*comm, [](int, int64_t&, VocabShard&, DataType&, LossOptions&) {}, &untouched);
+  const Status after = forward_with(
+      *comm, [](int, int64_t&, VocabShard&, DataType&, LossOptions&) {}, &untouched);
   EXPECT_TRUE(after.ok()) << after.to_string();
 }
 
@@ -397,8 +399,7 @@ TEST(MpiAgreement, SizeMismatchWhereOneRankMustGrow) {
 }
 
 TEST(MpiAgreement, NullBufferOnOneRank) {
-  expect_gather_fails_alike([](int) { return std::size_t{64}; }, 1, Code::kInvalidArgument,
-                            "got a null one on rank 1");
+  expect_gather_fails_alike([](int) { return std::size_t{64}; }, 1, Code::kInvalidArgument, "got a null one on rank 1");
 }
 
 TEST(MpiCreate, RanksWithDifferentTimeouts) {

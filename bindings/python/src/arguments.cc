@@ -41,7 +41,6 @@ std::string text_of(nb::handle value) {
   return nb::cast<std::string>(text);
 }
 
-
 // Whether `value` offers a buffer, but only a read-only one.
 bool read_only_buffer(nb::handle value) {
   if (!PyObject_CheckBuffer(value.ptr())) return false;
@@ -80,7 +79,6 @@ std::string describe_array(nb::handle value, bool writable) {
   }
 }
 
-
 // still exports it, e.g. an array made from it: that one keeps the bytearray alive).
 struct ReleasedView {
   explicit ReleasedView(const nb::object& bytearray) : view(nb::steal(PyMemoryView_FromObject(bytearray.ptr()))) {
@@ -96,7 +94,6 @@ struct ReleasedView {
 
   nb::object view;
 };
-
 
 }  // namespace
 
@@ -156,41 +153,40 @@ bool is_boolean(nb::handle value) {
 }
 
 vpce::Status CallbackCommunicator::all_gather(const void* send, void* recv, std::size_t bytes) {
-    if (all_gather_.is_none()) {  // one rank: the gather is a copy
-      if (bytes > 0) std::memcpy(recv, send, bytes);
-      return {};
-    }
-    nb::gil_scoped_acquire gil;
-    try {
-      // The callable sees Python-owned copies: views (or arrays over them) that it keeps past
-      // the call hold memory of their own, never vpce's buffers, which forward() frees.
-      const auto send_bytes = static_cast<Py_ssize_t>(bytes);
-      const Py_ssize_t recv_bytes = send_bytes * size_;
-      const nb::object send_copy = nb::steal(PyByteArray_FromStringAndSize(static_cast<const char*>(send), send_bytes));
-      const nb::object recv_copy = nb::steal(PyByteArray_FromStringAndSize(nullptr, recv_bytes));
-      if (!send_copy.is_valid() || !recv_copy.is_valid()) throw nb::python_error();
-      std::memset(PyByteArray_AS_STRING(recv_copy.ptr()), 0, static_cast<std::size_t>(recv_bytes));
-      const ReleasedView send_view(send_copy);
-      const ReleasedView recv_view(recv_copy);
-      all_gather_(send_view.view, recv_view.view);
-      // recv_view still exports recv_copy, so its size cannot have changed.
-      if (recv_bytes > 0)
-        std::memcpy(recv, PyByteArray_AS_STRING(recv_copy.ptr()), static_cast<std::size_t>(recv_bytes));
-      return {};
-    } catch (nb::python_error& e) {
-      raised_.emplace(std::move(e));
-      return {vpce::Code::kRemoteError, "all_gather: the Python collective raised an exception"};
-    }
+  if (all_gather_.is_none()) {  // one rank: the gather is a copy
+    if (bytes > 0) std::memcpy(recv, send, bytes);
+    return {};
   }
+  nb::gil_scoped_acquire gil;
+  try {
+    // The callable sees Python-owned copies: views (or arrays over them) that it keeps past
+    // the call hold memory of their own, never vpce's buffers, which forward() frees.
+    const auto send_bytes = static_cast<Py_ssize_t>(bytes);
+    const Py_ssize_t recv_bytes = send_bytes * size_;
+    const nb::object send_copy = nb::steal(PyByteArray_FromStringAndSize(static_cast<const char*>(send), send_bytes));
+    const nb::object recv_copy = nb::steal(PyByteArray_FromStringAndSize(nullptr, recv_bytes));
+    if (!send_copy.is_valid() || !recv_copy.is_valid()) throw nb::python_error();
+    std::memset(PyByteArray_AS_STRING(recv_copy.ptr()), 0, static_cast<std::size_t>(recv_bytes));
+    const ReleasedView send_view(send_copy);
+    const ReleasedView recv_view(recv_copy);
+    all_gather_(send_view.view, recv_view.view);
+    // recv_view still exports recv_copy, so its size cannot have changed.
+    if (recv_bytes > 0) std::memcpy(recv, PyByteArray_AS_STRING(recv_copy.ptr()), static_cast<std::size_t>(recv_bytes));
+    return {};
+  } catch (nb::python_error& e) {
+    raised_.emplace(std::move(e));
+    return {vpce::Code::kRemoteError, "all_gather: the Python collective raised an exception"};
+  }
+}
 
 void CallbackCommunicator::check_call(const vpce::Status& status) {
-    if (raised_) {
-      nb::python_error e = std::move(*raised_);
-      raised_.reset();
-      throw e;
-    }
-    check(status);
+  if (raised_) {
+    nb::python_error e = std::move(*raised_);
+    raised_.reset();
+    throw e;
   }
+  check(status);
+}
 
 void require_all_gather(int size, const nb::object& all_gather) {
   if (size > 1 && all_gather.is_none()) {

@@ -197,7 +197,6 @@ class CallbackCommunicator final : public vpce::Communicator {
   std::optional<nb::python_error> raised_;
 };
 
-
 // The fused head's operands, as views that HeadInputs points into (so the object must stay
 
 // Runs kernel() (a vpce::Status) with the GIL released, then raises vpce.Error if it failed.

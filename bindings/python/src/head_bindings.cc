@@ -4,6 +4,7 @@
 #include <nanobind/nanobind.h>
 
 #include <cstdint>
+#include <tuple>
 #include <utility>
 
 #include "arguments.h"
@@ -51,6 +52,21 @@ struct Gradients {
   vpce::HeadGradients views;
 };
 
+// The backward's gradients and whether each is added into: the same keywords in the
+// recompute backward and the chunked mode.
+auto gradient_args() {
+  return std::make_tuple(nb::arg("grad_hidden").none() = nb::none(), nb::arg("grad_weight").none() = nb::none(),
+                         nb::arg("grad_bias").none() = nb::none(), nb::arg("accumulate_hidden") = false,
+                         nb::arg("accumulate_weight") = false, nb::arg("accumulate_bias") = false);
+}
+
+// m.def(name, function, the nb::arg lists of `groups` (tuples) in order, then doc).
+template <class F, class... Groups>
+void def_with_groups(nb::module_& m, const char* name, F&& function, const char* doc, const Groups&... groups) {
+  std::apply([&](const auto&... args) { m.def(name, std::forward<F>(function), args..., doc); },
+             std::tuple_cat(groups...));
+}
+
 }  // namespace
 
 void bind_head(nb::module_& m) {
@@ -77,8 +93,8 @@ void bind_head(nb::module_& m) {
         const Extras extras(weights, target_is_argmax, entropy);
         collective(rank, size, std::move(all_gather), [&](vpce::Communicator& comm) {
           return vpce::linear_cross_entropy_forward(comm, operands.inputs, y,
-                                                      shard_of(vocab_begin, vocab_end, vocab_size), options,
-                                                      head_options, l, e, extras.views, operands.workspace());
+                                                    shard_of(vocab_begin, vocab_end, vocab_size), options, head_options,
+                                                    l, e, extras.views, operands.workspace());
         });
       },
       nb::arg("hidden").none(), nb::arg("weight").none(), nb::arg("bias").none(), nb::arg("targets").none(),
@@ -89,8 +105,8 @@ void bind_head(nb::module_& m) {
       "Fused head, recompute mode: the loss of hidden @ weight.T + bias without the logits; one "
       "all_gather(send, recv) through the callable. bias may be None.");
 
-  m.def(
-      "linear_cross_entropy_backward",
+  def_with_groups(
+      m, "linear_cross_entropy_backward",
       [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle targets, nb::handle lse,
          nb::handle grad_loss, int64_t vocab_begin, int64_t vocab_end, int64_t vocab_size,
          const vpce::LossOptions& options, const vpce::HeadOptions& head_options, nb::handle grad_hidden,
@@ -103,21 +119,22 @@ void bind_head(nb::module_& m) {
         const OptionalInput w(weights, "weights");
         const Gradients gradients(grad_hidden, grad_weight, grad_bias, accumulate_hidden, accumulate_weight,
                                   accumulate_bias);
-        released([&] { return vpce::linear_cross_entropy_backward(operands.inputs, y, e, g,
-                                                  shard_of(vocab_begin, vocab_end, vocab_size), options, head_options,
-                                                  gradients.views, w.get(), operands.workspace()); });
+        released([&] {
+          return vpce::linear_cross_entropy_backward(operands.inputs, y, e, g,
+                                                     shard_of(vocab_begin, vocab_end, vocab_size), options,
+                                                     head_options, gradients.views, w.get(), operands.workspace());
+        });
       },
-      nb::arg("hidden").none(), nb::arg("weight").none(), nb::arg("bias").none(), nb::arg("targets").none(),
-      nb::arg("lse").none(), nb::arg("grad_loss").none(), nb::arg("vocab_begin"), nb::arg("vocab_end"),
-      nb::arg("vocab_size"), nb::arg("options"), nb::arg("head"), nb::arg("grad_hidden").none() = nb::none(),
-      nb::arg("grad_weight").none() = nb::none(), nb::arg("grad_bias").none() = nb::none(),
-      nb::arg("accumulate_hidden") = false, nb::arg("accumulate_weight") = false, nb::arg("accumulate_bias") = false,
-      nb::arg("weights").none() = nb::none(),
       "Fused head backward: no collective; recomputes the logit tiles and writes (or, with accumulate_*, adds "
-      "into float32) the gradients given; None for one not wanted. grad_hidden is this rank's part.");
+      "into float32) the gradients given; None for one not wanted. grad_hidden is this rank's part.",
+      std::make_tuple(nb::arg("hidden").none(), nb::arg("weight").none(), nb::arg("bias").none(),
+                      nb::arg("targets").none(), nb::arg("lse").none(), nb::arg("grad_loss").none(),
+                      nb::arg("vocab_begin"), nb::arg("vocab_end"), nb::arg("vocab_size"), nb::arg("options"),
+                      nb::arg("head")),
+      gradient_args(), std::make_tuple(nb::arg("weights").none() = nb::none()));
 
-  m.def(
-      "linear_cross_entropy_forward_backward",
+  def_with_groups(
+      m, "linear_cross_entropy_forward_backward",
       [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle targets, int64_t vocab_begin,
          int64_t vocab_end, int64_t vocab_size, const vpce::LossOptions& options, const vpce::HeadOptions& head_options,
          float grad_loss, nb::handle loss, nb::handle lse, nb::handle grad_hidden, nb::handle grad_weight,
@@ -134,21 +151,21 @@ void bind_head(nb::module_& m) {
         int64_t collectives = 0;
         collective(rank, size, std::move(all_gather), [&](vpce::Communicator& comm) {
           return vpce::linear_cross_entropy_forward_backward(
-              comm, operands.inputs, y, shard_of(vocab_begin, vocab_end, vocab_size), options, head_options,
-              grad_loss, l, e, gradients.views, extras.views, operands.workspace(), &collectives);
+              comm, operands.inputs, y, shard_of(vocab_begin, vocab_end, vocab_size), options, head_options, grad_loss,
+              l, e, gradients.views, extras.views, operands.workspace(), &collectives);
         });
         return collectives;
       },
-      nb::arg("hidden").none(), nb::arg("weight").none(), nb::arg("bias").none(), nb::arg("targets").none(),
-      nb::arg("vocab_begin"), nb::arg("vocab_end"), nb::arg("vocab_size"), nb::arg("options"), nb::arg("head"),
-      nb::arg("grad_loss"), nb::arg("loss").none(), nb::arg("lse").none(), nb::arg("grad_hidden").none() = nb::none(),
-      nb::arg("grad_weight").none() = nb::none(), nb::arg("grad_bias").none() = nb::none(),
-      nb::arg("accumulate_hidden") = false, nb::arg("accumulate_weight") = false, nb::arg("accumulate_bias") = false,
-      nb::arg("weights").none() = nb::none(), nb::arg("target_is_argmax").none() = nb::none(),
-      nb::arg("entropy").none() = nb::none(), nb::arg("rank") = 0, nb::arg("size") = 1,
-      nb::arg("all_gather") = nb::none(),
       "Fused head, chunked mode (reduction sum or mean): the loss and, with the upstream gradient grad_loss known "
-      "now, the gradients, chunk by chunk; one all_gather per chunk. Returns the number of all_gathers made.");
+      "now, the gradients, chunk by chunk; one all_gather per chunk. Returns the number of all_gathers made.",
+      std::make_tuple(nb::arg("hidden").none(), nb::arg("weight").none(), nb::arg("bias").none(),
+                      nb::arg("targets").none(), nb::arg("vocab_begin"), nb::arg("vocab_end"), nb::arg("vocab_size"),
+                      nb::arg("options"), nb::arg("head"), nb::arg("grad_loss"), nb::arg("loss").none(),
+                      nb::arg("lse").none()),
+      gradient_args(),
+      std::make_tuple(nb::arg("weights").none() = nb::none(), nb::arg("target_is_argmax").none() = nb::none(),
+                      nb::arg("entropy").none() = nb::none(), nb::arg("rank") = 0, nb::arg("size") = 1,
+                      nb::arg("all_gather") = nb::none()));
 
   m.def(
       "linear_cross_entropy_local_stats",
@@ -158,8 +175,10 @@ void bind_head(nb::module_& m) {
         const Head operands(hidden, weight, bias);
         const Input y(targets, "targets");
         const Output s(stats, "stats");
-        released([&] { return vpce::linear_cross_entropy_local_stats(operands.inputs, y, shard_of(vocab_begin, vocab_end, vocab_size),
-                                                     options, head_options, s); });
+        released([&] {
+          return vpce::linear_cross_entropy_local_stats(
+              operands.inputs, y, shard_of(vocab_begin, vocab_end, vocab_size), options, head_options, s);
+        });
       },
       nb::arg("hidden").none(), nb::arg("weight").none(), nb::arg("bias").none(), nb::arg("targets").none(),
       nb::arg("vocab_begin"), nb::arg("vocab_end"), nb::arg("vocab_size"), nb::arg("options"), nb::arg("head"),
@@ -171,9 +190,8 @@ void bind_head(nb::module_& m) {
       [](nb::handle grad_hidden, int rank, int size, nb::object all_gather) {
         require_all_gather(size, all_gather);
         const Output g(grad_hidden, "grad_hidden");
-        collective(rank, size, std::move(all_gather), [&](vpce::Communicator& comm) {
-          return vpce::all_reduce_hidden_gradient(comm, g);
-        });
+        collective(rank, size, std::move(all_gather),
+                   [&](vpce::Communicator& comm) { return vpce::all_reduce_hidden_gradient(comm, g); });
       },
       nb::arg("grad_hidden").none(), nb::arg("rank") = 0, nb::arg("size") = 1, nb::arg("all_gather") = nb::none(),
       "grad_hidden (float32, this rank's part) <- the sum of every rank's part, in rank order (the same bits on "

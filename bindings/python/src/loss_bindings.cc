@@ -27,10 +27,11 @@ void bind_loss(nb::module_& m) {
   // (Not the CUDA stream, which Python does not set.)
   using Loss = vpce::LossOptions;
   def_fields(options, std::pair{"label_smoothing", &Loss::label_smoothing},
-             std::pair{"smoothing_semantics", &Loss::smoothing_semantics}, std::pair{"ignore_index", &Loss::ignore_index},
-             std::pair{"z_loss_weight", &Loss::z_loss_weight}, std::pair{"logit_scale", &Loss::logit_scale},
-             std::pair{"softcap", &Loss::softcap}, std::pair{"valid_vocab_size", &Loss::valid_vocab_size},
-             std::pair{"reduction", &Loss::reduction}, std::pair{"num_threads", &Loss::num_threads});
+             std::pair{"smoothing_semantics", &Loss::smoothing_semantics},
+             std::pair{"ignore_index", &Loss::ignore_index}, std::pair{"z_loss_weight", &Loss::z_loss_weight},
+             std::pair{"logit_scale", &Loss::logit_scale}, std::pair{"softcap", &Loss::softcap},
+             std::pair{"valid_vocab_size", &Loss::valid_vocab_size}, std::pair{"reduction", &Loss::reduction},
+             std::pair{"num_threads", &Loss::num_threads});
 
   m.attr("STATS_WIDTH") = vpce::kStatsWidth;
   m.attr("STATS_WIDTH_WITH_EXTRAS") = vpce::kStatsWidthWithExtras;
@@ -68,8 +69,9 @@ void bind_loss(nb::module_& m) {
         const Input g(grad_loss, "grad_loss");
         const Output out(grad_logits, "grad_logits");
         const OptionalInput w(weights, "weights");
-        released([&] { return 
-            vpce::backward(x, y, e, g, shard_of(vocab_begin, vocab_end, vocab_size), options, out, w.get()); });
+        released([&] {
+          return vpce::backward(x, y, e, g, shard_of(vocab_begin, vocab_end, vocab_size), options, out, w.get());
+        });
       },
       nb::arg("logits").none(), nb::arg("targets").none(), nb::arg("lse").none(), nb::arg("grad_loss").none(),
       nb::arg("vocab_begin"), nb::arg("vocab_end"), nb::arg("vocab_size"), nb::arg("options"),
@@ -83,7 +85,9 @@ void bind_loss(nb::module_& m) {
         const Input x(logits, "logits");
         const Input y(targets, "targets");
         const Output s(stats, "stats");
-        released([&] { return vpce::calculate_local_stats(x, y, shard_of(vocab_begin, vocab_end, vocab_size), options, s); });
+        released([&] {
+          return vpce::calculate_local_stats(x, y, shard_of(vocab_begin, vocab_end, vocab_size), options, s);
+        });
       },
       nb::arg("logits").none(), nb::arg("targets").none(), nb::arg("vocab_begin"), nb::arg("vocab_end"),
       nb::arg("vocab_size"), nb::arg("options"), nb::arg("stats").none(),

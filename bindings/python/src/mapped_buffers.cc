@@ -27,10 +27,10 @@ constexpr std::size_t kLargestKept = std::size_t{32} << 20;  // glibc's largest 
 constexpr std::size_t kMostKeptBytes = std::size_t{64} << 20;
 
 struct Mapping {
-  void* base;          // what mmap returned
-  std::size_t length;  // what was mapped
-  void* data;          // the first 2 MiB boundary in it
-  std::size_t rounded; // the buffer's size rounded up to 2 MiB
+  void* base;           // what mmap returned
+  std::size_t length;   // what was mapped
+  void* data;           // the first 2 MiB boundary in it
+  std::size_t rounded;  // the buffer's size rounded up to 2 MiB
 };
 
 std::mutex g_mutex;

@@ -47,9 +47,10 @@ NB_MODULE(_vpce, m) {
         return nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>(data, {bytes}, owner);
       },
       nb::arg("bytes"));
-  m.def("kept_gradient_buffers",
-        [] { return std::make_tuple(vpce::python::kept_mapped_buffers(), vpce::python::kept_mapped_bytes()); },
-        "(count, bytes) of the freed gradient buffers kept for reuse.");
+  m.def(
+      "kept_gradient_buffers",
+      [] { return std::make_tuple(vpce::python::kept_mapped_buffers(), vpce::python::kept_mapped_bytes()); },
+      "(count, bytes) of the freed gradient buffers kept for reuse.");
 
   vpce::python::bind_loss(m);
   vpce::python::bind_head(m);

@@ -31,14 +31,12 @@ struct BlockHeader {
 };
 static_assert(sizeof(BlockHeader) == 16);
 
-constexpr std::size_t kUnit = 16;              // bytes per element of the MPI datatype
-constexpr std::size_t kMinCapacity = 4096;     // the first block size
+constexpr std::size_t kUnit = 16;           // bytes per element of the MPI datatype
+constexpr std::size_t kMinCapacity = 4096;  // the first block size
 constexpr std::size_t kMaxCapacity = kUnit * static_cast<std::size_t>(INT_MAX);
 constexpr std::chrono::milliseconds kMaxTimeout{std::chrono::hours(24 * 30)};
 
-std::size_t block_bytes(std::size_t payload) {
-  return (sizeof(BlockHeader) + payload + kUnit - 1) / kUnit * kUnit;
-}
+std::size_t block_bytes(std::size_t payload) { return (sizeof(BlockHeader) + payload + kUnit - 1) / kUnit * kUnit; }
 
 std::string mpi_error(const char* call, int code) {
   char text[MPI_MAX_ERROR_STRING] = {};
@@ -59,7 +57,7 @@ struct MpiCommunicator::State {
   std::vector<std::byte> send_block;
   std::vector<std::byte> recv_blocks;
   MPI_Request pending = MPI_REQUEST_NULL;  // a timed-out collective that may still write into the blocks
-  std::string broken;    // why the communicator is unusable; empty while it is fine
+  std::string broken;                      // why the communicator is unusable; empty while it is fine
 
   // One collective: gathers `capacity` bytes of send_block from every rank into
   // recv_blocks, waiting at most options.timeout.
@@ -199,8 +197,8 @@ Status MpiCommunicator::create(MPI_Comm comm, std::unique_ptr<MpiCommunicator>* 
   }
   if (Status s = st.wait(&agreement, "create"); !s.ok()) return s;
   if (first_failed < st.size) {
-    return {Code::kSystemError, "mpi: rank " + std::to_string(first_failed) +
-                                    " could not allocate its first blocks or its MPI datatype"};
+    return {Code::kSystemError,
+            "mpi: rank " + std::to_string(first_failed) + " could not allocate its first blocks or its MPI datatype"};
   }
   out->reset(new MpiCommunicator(std::move(owner.state_)));
   return {};

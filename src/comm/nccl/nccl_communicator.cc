@@ -21,7 +21,8 @@ Status NcclCommunicator::create(ncclComm_t comm, std::unique_ptr<NcclCommunicato
   if (comm == nullptr) return {Code::kInvalidArgument, "comm: expected an NCCL communicator, got null"};
   int rank = 0;
   int size = 0;
-  if (const ncclResult_t r = ncclCommUserRank(comm, &rank); r != ncclSuccess) return nccl_failure("ncclCommUserRank", r);
+  if (const ncclResult_t r = ncclCommUserRank(comm, &rank); r != ncclSuccess)
+    return nccl_failure("ncclCommUserRank", r);
   if (const ncclResult_t r = ncclCommCount(comm, &size); r != ncclSuccess) return nccl_failure("ncclCommCount", r);
   out->reset(new NcclCommunicator(comm, rank, size));
   return {};

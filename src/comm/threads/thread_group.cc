@@ -53,8 +53,7 @@ struct ThreadGroup::Shared {
 
   Status broken_status() const {
     return {Code::kInvalidUsage,
-            "threads backend: expected a working group, got one broken by an earlier failure (" +
-                broken_reason + ")"};
+            "threads backend: expected a working group, got one broken by an earlier failure (" + broken_reason + ")"};
   }
 
   const int size;
@@ -78,8 +77,8 @@ class ThreadGroup::RankCommunicator final : public Communicator {
 
   Status all_gather(const void* send, void* recv, std::size_t bytes) override {
     if (bytes > 0 && (send == nullptr || recv == nullptr)) {
-      return {Code::kInvalidArgument, "all_gather: expected non-null send and recv buffers for " +
-                                          std::to_string(bytes) + " bytes, got null"};
+      return {Code::kInvalidArgument,
+              "all_gather: expected non-null send and recv buffers for " + std::to_string(bytes) + " bytes, got null"};
     }
     std::unique_lock<std::mutex> lock(shared_->mutex);
     shared_->slots[static_cast<size_t>(rank_)] = Shared::Slot{send, bytes};
@@ -93,11 +92,10 @@ class ThreadGroup::RankCommunicator final : public Communicator {
     Status result;
     for (int r = 1; r < shared_->size; ++r) {
       if (slots[static_cast<size_t>(r)].bytes != slots[0].bytes) {
-        result = {Code::kInvalidUsage,
-                  "threads backend: ranks disagree on the all_gather size: expected rank 0's " +
-                      std::to_string(slots[0].bytes) + " bytes from every rank, got " +
-                      std::to_string(slots[static_cast<size_t>(r)].bytes) + " from rank " +
-                      std::to_string(r) + " (do they agree on the number of tokens?)"};
+        result = {Code::kInvalidUsage, "threads backend: ranks disagree on the all_gather size: expected rank 0's " +
+                                           std::to_string(slots[0].bytes) + " bytes from every rank, got " +
+                                           std::to_string(slots[static_cast<size_t>(r)].bytes) + " from rank " +
+                                           std::to_string(r) + " (do they agree on the number of tokens?)"};
         break;
       }
     }
@@ -128,18 +126,15 @@ ThreadGroup::ThreadGroup(int num_ranks, std::chrono::milliseconds timeout)
 
 ThreadGroup::~ThreadGroup() = default;
 
-Status ThreadGroup::create(int num_ranks, std::unique_ptr<ThreadGroup>* group,
-                           std::chrono::milliseconds timeout) {
+Status ThreadGroup::create(int num_ranks, std::unique_ptr<ThreadGroup>* group, std::chrono::milliseconds timeout) {
   if (group == nullptr) {
     return {Code::kInvalidArgument, "group: expected a non-null pointer, got null"};
   }
   if (num_ranks < 1 || num_ranks > 4096) {
-    return {Code::kInvalidArgument,
-            "num_ranks: expected a value in [1, 4096], got " + std::to_string(num_ranks)};
+    return {Code::kInvalidArgument, "num_ranks: expected a value in [1, 4096], got " + std::to_string(num_ranks)};
   }
   if (timeout.count() <= 0) {
-    return {Code::kInvalidArgument,
-            "timeout: expected > 0 ms, got " + std::to_string(timeout.count()) + " ms"};
+    return {Code::kInvalidArgument, "timeout: expected > 0 ms, got " + std::to_string(timeout.count()) + " ms"};
   }
   try {
     group->reset(new ThreadGroup(num_ranks, timeout));
@@ -214,9 +209,10 @@ std::vector<Status> ThreadGroup::run(const std::function<Status(Communicator&)>&
   opened.notify_all();
   for (std::thread& t : threads) t.join();
   if (!failure.empty()) {
-    return std::vector<Status>(n, Status(Code::kSystemError, std::string(kCouldNotStart) + "expected " +
-                                                                 std::to_string(n) + " rank threads, could start only " +
-                                                                 std::to_string(threads.size()) + ": " + failure));
+    return std::vector<Status>(
+        n, Status(Code::kSystemError, std::string(kCouldNotStart) + "expected " + std::to_string(n) +
+                                          " rank threads, could start only " + std::to_string(threads.size()) + ": " +
+                                          failure));
   }
   return results;
 }

@@ -42,7 +42,7 @@ namespace HWY_NAMESPACE {
 // (the fp32 rounding of z - s alone would cost 2^-24 |z - s| relative: 3 ulps of an fp32
 // gradient on average where the logits are close together). Without VREDUCEPS and VSCALEFPS,
 // base 2 needs a floor, a conversion and a NaN fix-up and is slower there.
-constexpr double kLog2eExact = 1.4426950408889634;  // log2(e) in fp64
+constexpr double kLog2eExact = 1.4426950408889634;        // log2(e) in fp64
 constexpr auto kLog2e = static_cast<float>(kLog2eExact);  // L
 
 // How exact an exponential must be, which sets its polynomial's degree:
@@ -60,10 +60,11 @@ enum class ExpPrecision { kFull, kSums };
 //   to fp32) or 4 (1.6 x 2^-24).
 //   Exponential (Cody-Waite): e^r = 1 + r (1 + r P(r)), |r| <= ln2 / 2: P of degree 4
 //   (0.07 ulp).
-constexpr float kExp2Full[] = {0x1.c5417ap-13f, 0x1.46d64ap-10f, 0x1.3d0b92p-7f, 0x1.c68912p-5f,
-                               0x1.ebfd58p-3f,  0x1.62e42cp-1f,  1.0f};
+constexpr float kExp2Full[] = {
+    0x1.c5417ap-13f, 0x1.46d64ap-10f, 0x1.3d0b92p-7f, 0x1.c68912p-5f, 0x1.ebfd58p-3f, 0x1.62e42cp-1f, 1.0f};
 constexpr float kExp2Sums[] = {0x1.e97502p-10f, 0x1.277852p-7f, 0x1.c91ce6p-5f, 0x1.ebdb56p-3f, 0x1.62e4bap-1f, 1.0f};
-constexpr float kExpFull[] = {0x1.6a2164p-10f, 0x1.123b96p-7f, 0x1.5558fcp-5f, 0x1.55549p-3f, 0x1.fffffcp-2f, 1.0f, 1.0f};
+constexpr float kExpFull[] = {
+    0x1.6a2164p-10f, 0x1.123b96p-7f, 0x1.5558fcp-5f, 0x1.55549p-3f, 0x1.fffffcp-2f, 1.0f, 1.0f};
 
 // The polynomial's coefficients as vectors, each times k: the polynomial then gives k times
 // the exponential, so that a gradient's factor rides in it (one multiplication fewer per
@@ -75,9 +76,7 @@ constexpr float kExpFull[] = {0x1.6a2164p-10f, 0x1.123b96p-7f, 0x1.5558fcp-5f, 0
 template <ExpPrecision kPrecision, bool kBase2, bool kCompensated = false>
 struct ExpPolynomial {
   static constexpr bool kSums = kBase2 && kPrecision == ExpPrecision::kSums;
-  static constexpr const float* Table() {
-    return kBase2 ? (kSums ? kExp2Sums : kExp2Full) : kExpFull;
-  }
+  static constexpr const float* Table() { return kBase2 ? (kSums ? kExp2Sums : kExp2Full) : kExpFull; }
   static constexpr int kTerms = kSums ? 6 : 7;
   VF c[kTerms];
   VF constant_residual;  // k - fl32(k) (kCompensated)
@@ -127,11 +126,11 @@ constexpr int32_t kRoundingShiftBits = 0x4B400000;
 // normal, and E (as the bits of 1.5 x 2^23 minus E - 127: bits(x + 1.5 x 2^23) minus it is
 // n + E + 127, the biased exponent of 2^(n + E)).
 struct ScaledRange {
-  VF low;           // e^(low) 2^E is e^-150 (times any k up to 2^60: below fp32's subnormals)
-  VF normal_low;    // between it and normal_high, 2^(n + E) is normal: e^-87 (and E)
-  VF normal_high;   // e^88 (and E)
-  VF high;          // e^89 (and E)
-  VI exponent_bias; // bits of 1.5 x 2^23 minus E minus 127
+  VF low;            // e^(low) 2^E is e^-150 (times any k up to 2^60: below fp32's subnormals)
+  VF normal_low;     // between it and normal_high, 2^(n + E) is normal: e^-87 (and E)
+  VF normal_high;    // e^88 (and E)
+  VF high;           // e^89 (and E)
+  VI exponent_bias;  // bits of 1.5 x 2^23 minus E minus 127
 };
 
 HWY_INLINE ScaledRange MakeScaledRange(DF d, double s, int32_t exponent) {
@@ -152,7 +151,7 @@ HWY_INLINE Reduced Reduce(DF d, VF x, const ScaledRange& range) {
   const DI di;
   const VF shifted = hn::MulAdd(x, hn::Set(d, kLog2e), rounding_shift);
   const VF n = hn::Sub(shifted, rounding_shift);
-  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), x);  // ln2 to 15 bits
+  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), x);   // ln2 to 15 bits
   r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);  // the rest of ln2
   return {r, hn::Sub(hn::BitCast(di, shifted), range.exponent_bias)};
 }
@@ -262,15 +261,11 @@ HWY_INLINE LaneShift MakeLaneShift(DF d, double s) {
     const auto s32 = static_cast<float>(s);
     const double residual = static_cast<double>(s32) - s;
     const double factor = residual == 0.0 || !(residual - residual == 0.0) ? 1.0 : std::exp(residual);
-    return {{hn::Set(d, s32), MakeScaledRange(d, 0.0, 0)},
-            static_cast<double>(s32) * kLog2eExact,
-            factor,
-            true};
+    return {{hn::Set(d, s32), MakeScaledRange(d, 0.0, 0)}, static_cast<double>(s32) * kLog2eExact, factor, true};
   }
   const double exponent = std::nearbyint(-s_log2);  // E
-  return {{hn::Zero(d), MakeScaledRange(d, s, static_cast<int32_t>(exponent))},
-          -exponent,
-          std::exp2(-exponent - s_log2)};
+  return {
+      {hn::Zero(d), MakeScaledRange(d, s, static_cast<int32_t>(exponent))}, -exponent, std::exp2(-exponent - s_log2)};
 #endif
 }
 

@@ -39,9 +39,12 @@ constexpr size_t kMaxLanes = 64;  // more than any target's fp32 lanes
 template <class F>
 HWY_INLINE decltype(auto) WithStorageType(int32_t type, F&& f) {
   switch (static_cast<StorageType>(type)) {
-    case StorageType::kBFloat16: return f(static_cast<BFloat16*>(nullptr));
-    case StorageType::kFloat16: return f(static_cast<Float16*>(nullptr));
-    case StorageType::kFloat32: break;
+    case StorageType::kBFloat16:
+      return f(static_cast<BFloat16*>(nullptr));
+    case StorageType::kFloat16:
+      return f(static_cast<Float16*>(nullptr));
+    case StorageType::kFloat32:
+      break;
   }
   return f(static_cast<float*>(nullptr));
 }
@@ -113,8 +116,9 @@ HWY_INLINE void StoreBf16Hardware(VF v, BFloat16* p) {
 HWY_INLINE void StoreBf16PairsHardware(VF even, VF odd, BFloat16* p) {
   __m512i packed;
   asm("vcvtne2ps2bf16 %[low], %[high], %[out]" : [out] "=v"(packed) : [high] "v"(odd.raw), [low] "v"(even.raw));
-  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                           21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                           11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i order = _mm512_load_si512(kInterleave);
   _mm512_storeu_si512(p, _mm512_permutexvar_epi16(order, packed));
 }
@@ -127,8 +131,8 @@ HWY_INLINE void StoreBf16PairsRounded(VF even, VF odd, BFloat16* p) {
   const __m512i e = _mm512_castps_si512(even.raw), o = _mm512_castps_si512(odd.raw);
   // (o & 0xFFFF0000) | (e >> 16): 0xE4 selects the first operand where the third has a 1
   // bit, the second elsewhere.
-  const __m512i packed = _mm512_ternarylogic_epi32(o, _mm512_srli_epi32(e, 16),
-                                                   _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)), 0xE4);
+  const __m512i packed =
+      _mm512_ternarylogic_epi32(o, _mm512_srli_epi32(e, 16), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)), 0xE4);
   _mm512_storeu_si512(p, packed);
 }
 

@@ -158,9 +158,9 @@ Status begin(std::shared_ptr<void>* state, int device, cudaStream_t stream, Head
       return cublas_failure("cublasCreate", e);
     }
     // fp32 means fp32: no TF32, no reduced-precision reductions.
-    if (const cublasStatus_t e =
-            cublasSetMathMode(b.handle, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
-                                                                  CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
+    if (const cublasStatus_t e = cublasSetMathMode(
+            b.handle,
+            static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
         e != CUBLAS_STATUS_SUCCESS) {
       return cublas_failure("cublasSetMathMode", e);
     }
@@ -179,9 +179,7 @@ Status begin(std::shared_ptr<void>* state, int device, cudaStream_t stream, Head
   return {};
 }
 
-cudaDataType_t cuda_type(DataType d) {
-  return d == kFloat32 ? CUDA_R_32F : d == kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
-}
+cudaDataType_t cuda_type(DataType d) { return d == kFloat32 ? CUDA_R_32F : d == kBFloat16 ? CUDA_R_16BF : CUDA_R_16F; }
 
 // A GEMM operand: row-major, row stride ld elements.
 struct Operand {
@@ -198,9 +196,9 @@ Status gemm(cublasHandle_t handle, cudaStream_t stream, bool trans_a, bool trans
   if (m == 0 || n == 0) return {};
   if (k == 0) {
     if (beta != 0.0f) return {};
-    const cudaError_t e = cudaMemset2DAsync(c, static_cast<std::size_t>(ldc) * sizeof(float), 0,
-                                            static_cast<std::size_t>(n) * sizeof(float), static_cast<std::size_t>(m),
-                                            stream);
+    const cudaError_t e =
+        cudaMemset2DAsync(c, static_cast<std::size_t>(ldc) * sizeof(float), 0,
+                          static_cast<std::size_t>(n) * sizeof(float), static_cast<std::size_t>(m), stream);
     return e == cudaSuccess ? Status{} : cuda_failure("cudaMemset2DAsync", e);
   }
   const float alpha = 1.0f;
@@ -213,9 +211,9 @@ Status gemm(cublasHandle_t handle, cudaStream_t stream, bool trans_a, bool trans
 
 Status zero_matrix(float* c, int64_t rows, int64_t cols, int64_t ld, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return {};
-  const cudaError_t e = cudaMemset2DAsync(c, static_cast<std::size_t>(ld) * sizeof(float), 0,
-                                          static_cast<std::size_t>(cols) * sizeof(float),
-                                          static_cast<std::size_t>(rows), stream);
+  const cudaError_t e =
+      cudaMemset2DAsync(c, static_cast<std::size_t>(ld) * sizeof(float), 0,
+                        static_cast<std::size_t>(cols) * sizeof(float), static_cast<std::size_t>(rows), stream);
   return e == cudaSuccess ? Status{} : cuda_failure("cudaMemset2DAsync", e);
 }
 
@@ -311,9 +309,11 @@ Status check_inputs(const HeadInputs& inputs, const TensorView& targets, const T
   if (Status s = check_same_device(&targets, "targets", d); !s.ok()) return s;
   if (Status s = check_same_device(weights, "weights", d); !s.ok()) return s;
   if (Status s = check_cublas_sizes(*out); !s.ok()) return s;
-  const std::pair<const TensorView*, const char*> views[] = {
-      {&inputs.hidden, "hidden"}, {&inputs.weight, "weight"}, {inputs.bias, "bias"}, {&targets, "targets"},
-      {weights, "weights"}};
+  const std::pair<const TensorView*, const char*> views[] = {{&inputs.hidden, "hidden"},
+                                                             {&inputs.weight, "weight"},
+                                                             {inputs.bias, "bias"},
+                                                             {&targets, "targets"},
+                                                             {weights, "weights"}};
   for (const auto& [view, name] : views) {
     if (view == nullptr) continue;
     if (Status s = check_device_pointer(*view, name); !s.ok()) return s;
@@ -426,8 +426,8 @@ Status fold_rows(const Call& c, int64_t r0, int64_t rows, float* keep, int64_t k
       const int64_t nb = std::min(c.tiles.nb, rows - i0);
       float* z = keep != nullptr ? keep + keep_rows * j0 + i0 * vb : c.b->as<float>(c.b->tile);
       if (Status s = tile_gemm(c, r0 + i0, nb, j0, vb, z); !s.ok()) return s;
-      if (Status s = fold_tile(z, vb, nb, columns, slice(c.a.targets, r0 + i0, nb), c.vocab_begin, c.params,
-                               c.extras(), running + i0, c.stream);
+      if (Status s = fold_tile(z, vb, nb, columns, slice(c.a.targets, r0 + i0, nb), c.vocab_begin, c.params, c.extras(),
+                               running + i0, c.stream);
           !s.ok()) {
         return s;
       }
@@ -468,9 +468,9 @@ Status panel_gradients(const Call& c, const PanelGradients& pg, int64_t r0, int6
   void* hi = split ? c.b->hi.p : nullptr;
   void* lo = split && !c.a.bf16_logit_gradients ? c.b->lo.p : nullptr;
   const TokenVector grad_loss = pg.upstream != nullptr ? TokenVector{} : slice(pg.grad_loss, r0, rows);
-  if (Status s = tile_gradient(dz, vb, rows, c.columns(j0, vb), slice(c.a.targets, r0, rows),
-                               slice(c.a.weights, r0, rows), slice(pg.lse, r0, rows), grad_loss, pg.upstream,
-                               c.vocab_begin, c.params, hi, lo, c.stream);
+  if (Status s =
+          tile_gradient(dz, vb, rows, c.columns(j0, vb), slice(c.a.targets, r0, rows), slice(c.a.weights, r0, rows),
+                        slice(pg.lse, r0, rows), grad_loss, pg.upstream, c.vocab_begin, c.params, hi, lo, c.stream);
       !s.ok()) {
     return s;
   }
@@ -538,8 +538,8 @@ Status gradient_targets(const Call& c, const HeadGradientArgs& g, int64_t hidden
   auto target_of = [&](const GradientArgs& ga, Buffer& staging, int64_t rows, Target* t) -> Status {
     if (!ga.present()) return {};
     if (ga.matrix.dtype == kFloat32) {
-      *t = Target{reinterpret_cast<float*>(ga.matrix.base), std::max<int64_t>(ga.matrix.row_stride, std::max<int64_t>(h, 1)),
-                  false, ga.accumulate};
+      *t = Target{reinterpret_cast<float*>(ga.matrix.base),
+                  std::max<int64_t>(ga.matrix.row_stride, std::max<int64_t>(h, 1)), false, ga.accumulate};
       return {};
     }
     if (Status s = c.b->grow(staging, static_cast<std::size_t>(rows * h) * sizeof(float)); !s.ok()) return s;
@@ -571,8 +571,7 @@ Status grow_gradient_buffers(const Call& c, const HeadGradientArgs& g, int64_t r
     }
   }
   if (g.bias.present()) {
-    if (Status s = b.grow(b.bias_sums, static_cast<std::size_t>(std::max<int64_t>(c.a.vocab_rows(), 1)) * 8);
-        !s.ok()) {
+    if (Status s = b.grow(b.bias_sums, static_cast<std::size_t>(std::max<int64_t>(c.a.vocab_rows(), 1)) * 8); !s.ok()) {
       return s;
     }
     if (Status s = b.grow(b.partial, static_cast<std::size_t>(kColumnSegments * c.tiles.vb) * 8); !s.ok()) return s;
@@ -588,8 +587,8 @@ Status finish_gradients(const Call& c, const HeadGradientArgs& g, const PanelGra
     if (Status s = zero_matrix(pg.hidden.p, c.a.tokens(), h, pg.hidden.ld, c.stream); !s.ok()) return s;
   }
   if (g.hidden.present() && pg.hidden.staged) {
-    if (Status s = store_floats(pg.hidden.p, c.a.tokens(), h, pg.hidden.ld, g.hidden.matrix.base,
-                                g.hidden.matrix.dtype, g.hidden.matrix.row_stride, c.stream);
+    if (Status s = store_floats(pg.hidden.p, c.a.tokens(), h, pg.hidden.ld, g.hidden.matrix.base, g.hidden.matrix.dtype,
+                                g.hidden.matrix.row_stride, c.stream);
         !s.ok()) {
       return s;
     }
@@ -682,10 +681,10 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   const bool with_extras = f.extras->target_is_argmax != nullptr || f.extras->entropy != nullptr;
   const int64_t width = with_extras ? kStatsWidthWithExtras : kStatsWidth;
   const int64_t n = local.ok() ? a.tokens() : announced_tokens(*f.targets);
-  const int64_t vocab_rows = local.ok() ? a.vocab_rows() : std::max<int64_t>(f.shard->vocab_end - f.shard->vocab_begin, 0);
-  const Tiles tiles =
-      gpu_tiles(*f.head, n, vocab_rows, g != nullptr ? agreed_vocab_rows(*f.shard, comm.size()) : vocab_rows,
-                g != nullptr);
+  const int64_t vocab_rows =
+      local.ok() ? a.vocab_rows() : std::max<int64_t>(f.shard->vocab_end - f.shard->vocab_begin, 0);
+  const Tiles tiles = gpu_tiles(*f.head, n, vocab_rows,
+                                g != nullptr ? agreed_vocab_rows(*f.shard, comm.size()) : vocab_rows, g != nullptr);
   const int64_t chunk = g != nullptr ? std::min(tiles.chunk, n) : n;
   const int64_t chunks = chunk > 0 ? (n + chunk - 1) / chunk : 1;
   // Every gather of the call carries a whole chunk's payload (the last one's tail unused).
@@ -728,8 +727,8 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   if (Status s = cuda::write_header(mine, header, stream); !s.ok()) return local.ok() ? s : local;
   const bool reduced = options.reduction != Reduction::kNone;
   if (local.ok() && g != nullptr) {
-    if (Status s = cuda::shared_upstream(nullptr, grad_loss, a.targets, a.weights, n, c.params, c.b->as<double>(c.b->upstream),
-                                   c.stream);
+    if (Status s = cuda::shared_upstream(nullptr, grad_loss, a.targets, a.weights, n, c.params,
+                                         c.b->as<double>(c.b->upstream), c.stream);
         !s.ok()) {
       return s;
     }
@@ -741,9 +740,9 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
     if (local.ok()) {
       // The header is written once: a bad target or weight found in any chunk stays in it.
       if (Status s = fold_rows(c, r0, rows, keep, chunk, c.b->as<RunningStats>(c.b->running)); !s.ok()) return s;
-      if (Status s = finalize_stats(c.b->as<RunningStats>(c.b->running), rows, slice(a.targets, r0, rows),
-                                    slice(a.weights, r0, rows), c.vocab_begin, c.params, width, stats, width, header,
-                                    stream);
+      if (Status s =
+              finalize_stats(c.b->as<RunningStats>(c.b->running), rows, slice(a.targets, r0, rows),
+                             slice(a.weights, r0, rows), c.vocab_begin, c.params, width, stats, width, header, stream);
           !s.ok()) {
         return s;
       }
@@ -819,8 +818,8 @@ Status run_backward(Call& c, const HeadGradientArgs& g, const TokenVector& lse, 
   if (Status s = gradient_targets(c, g, n, &pg); !s.ok()) return s;
   if (c.params.reduction != Reduction::kNone) {
     pg.upstream = b.as<double>(b.upstream);
-    if (Status s = cuda::shared_upstream(reinterpret_cast<const float*>(grad_loss.base), 0.0f, c.a.targets, c.a.weights, n,
-                                   c.params, b.as<double>(b.upstream), c.stream);
+    if (Status s = cuda::shared_upstream(reinterpret_cast<const float*>(grad_loss.base), 0.0f, c.a.targets, c.a.weights,
+                                         n, c.params, b.as<double>(b.upstream), c.stream);
         !s.ok()) {
       return s;
     }
@@ -845,15 +844,14 @@ using head_cuda::Call;
 using head_cuda::ForwardCall;
 
 Status device_linear_cross_entropy_forward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets,
-                                           const VocabShard& shard, const LossOptions& options,
-                                           const HeadOptions& head, const TensorView& loss, const TensorView& lse,
-                                           const ForwardExtras& extras, Workspace* workspace) {
+                                           const VocabShard& shard, const LossOptions& options, const HeadOptions& head,
+                                           const TensorView& loss, const TensorView& lse, const ForwardExtras& extras,
+                                           Workspace* workspace) {
   HeadArgs a;
   LossOutputs out;
   Status local = head_cuda::check_inputs(inputs, targets, extras.weights, shard, options, head, &a);
   if (local.ok()) local = head_cuda::check_forward_outputs(a, inputs.hidden.device, options, loss, lse, extras, &out);
-  const ForwardCall f =
-      head_cuda::forward_call(comm, inputs, targets, shard, options, head, extras, workspace);
+  const ForwardCall f = head_cuda::forward_call(comm, inputs, targets, shard, options, head, extras, workspace);
   return head_cuda::run_forward(f, local, a, out, nullptr, 0.0f, nullptr);
 }
 
@@ -879,23 +877,22 @@ Status device_linear_cross_entropy_forward_backward(Communicator& comm, const He
   if (local.ok()) local = head_cuda::check_forward_outputs(a, inputs.hidden.device, options, loss, lse, extras, &out);
   if (local.ok()) {
     std::vector<NamedRegion> regions = input_regions(a);
-    for (const auto& [v, name] : {std::pair{&out.loss, "loss"}, std::pair{&out.lse, "lse"},
-                                  std::pair{&out.target_is_argmax, "target_is_argmax"},
-                                  std::pair{&out.entropy, "entropy"}}) {
+    for (const auto& [v, name] :
+         {std::pair{&out.loss, "loss"}, std::pair{&out.lse, "lse"},
+          std::pair{&out.target_is_argmax, "target_is_argmax"}, std::pair{&out.entropy, "entropy"}}) {
       regions.push_back(region_of(name, *v));
     }
     local = head_cuda::check_gradients(gradients, a, inputs.hidden.device, regions, &g);
   }
-  const ForwardCall f =
-      head_cuda::forward_call(comm, inputs, targets, shard, options, head, extras, workspace);
+  const ForwardCall f = head_cuda::forward_call(comm, inputs, targets, shard, options, head, extras, workspace);
   return head_cuda::run_forward(f, local, a, out, &g, grad_loss, collectives);
 }
 
-Status device_linear_cross_entropy_backward(const HeadInputs& inputs, const TensorView& targets,
-                                            const TensorView& lse, const TensorView& grad_loss,
-                                            const VocabShard& shard, const LossOptions& options,
-                                            const HeadOptions& head, const HeadGradients& gradients,
-                                            const TensorView* weights, Workspace* workspace) {
+Status device_linear_cross_entropy_backward(const HeadInputs& inputs, const TensorView& targets, const TensorView& lse,
+                                            const TensorView& grad_loss, const VocabShard& shard,
+                                            const LossOptions& options, const HeadOptions& head,
+                                            const HeadGradients& gradients, const TensorView* weights,
+                                            Workspace* workspace) {
   HeadArgs a;
   if (Status s = head_cuda::check_inputs(inputs, targets, weights, shard, options, head, &a); !s.ok()) return s;
   const Device d = inputs.hidden.device;

@@ -46,7 +46,6 @@ Bias bias_of(const TileColumns& c) {
   return Bias{first, c.bias_stride, dtype_kind(c.dtype)};
 }
 
-
 __global__ void init_running_kernel(RunningStats* running, int64_t rows) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= rows) return;
@@ -84,9 +83,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void finalize_kernel(const RunningStats* running, int64_t rows, const void* targets, bool wide_targets,
-                                int64_t target_stride, const float* weights, int64_t weight_stride,
-                                int64_t vocab_begin, LossParams params, int64_t width, float* stats, int64_t ld,
-                                RankHeader* header) {
+                                int64_t target_stride, const float* weights, int64_t weight_stride, int64_t vocab_begin,
+                                LossParams params, int64_t width, float* stats, int64_t ld, RankHeader* header) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= rows) return;
   const RunningStats s = running[i];
@@ -102,14 +100,14 @@ __global__ void finalize_kernel(const RunningStats* running, int64_t rows, const
   out[1] = static_cast<float>(s.sum_exp);
   out[2] = s.target;
   // The mean of the logits relative to the max (token_math.h), from the fp64 sum of z.
-  out[3] = params.with_sum_logits() ? logit_half_mean(rebased_logit_sum(s.sum_logits, s.columns, -INFINITY, s.max), s.columns)
-                                    : 0.0f;
+  out[3] = params.with_sum_logits()
+               ? logit_half_mean(rebased_logit_sum(s.sum_logits, s.columns, -INFINITY, s.max), s.columns)
+               : 0.0f;
   if (width == 6) {
     out[4] = int_as_float_bits(s.argmax < 0 ? -1 : static_cast<int32_t>(s.argmax + vocab_begin));
     out[5] = static_cast<float>(s.weighted);
   }
 }
-
 
 // One block per tile row: z <- the gradient, in place (cuda/kernels.cu's gradient_kernel,
 // element for element), and optionally its two bf16 parts, or (lo null) its bf16 rounding,
@@ -117,9 +115,9 @@ __global__ void finalize_kernel(const RunningStats* running, int64_t rows, const
 __global__ void __launch_bounds__(kThreads)
     tile_gradient_kernel(float* z, int64_t ld, int64_t cols, int64_t valid, int64_t col0, Bias bias,
                          const void* targets, bool wide_targets, int64_t target_stride, const float* weights,
-                         int64_t weight_stride, LseTokens lse, const float* grad_loss,
-                         int64_t grad_loss_stride, const double* shared_upstream, int64_t vocab_begin,
-                         LossParams params, Transform t, bool plain, __nv_bfloat16* hi, __nv_bfloat16* lo) {
+                         int64_t weight_stride, LseTokens lse, const float* grad_loss, int64_t grad_loss_stride,
+                         const double* shared_upstream, int64_t vocab_begin, LossParams params, Transform t, bool plain,
+                         __nv_bfloat16* hi, __nv_bfloat16* lo) {
   const int64_t r = blockIdx.x;
   const int64_t y = target_of(targets, wide_targets, target_stride, r);
   const double upstream =
@@ -242,7 +240,6 @@ __global__ void poison_kernel(T* base, int64_t rows, int64_t cols, int64_t ld, c
   }
 }
 
-
 // A grid-stride launch over `total` elements: at most 4096 blocks.
 unsigned strided_grid(int64_t total) {
   const int64_t blocks = (total + kThreads - 1) / kThreads;
@@ -268,9 +265,9 @@ Status fold_tile(const float* z, int64_t ld, int64_t rows, const TileColumns& co
   return launched("head: tile statistics");
 }
 
-Status finalize_stats(const RunningStats* running, int64_t rows, const TokenVector& targets,
-                      const TokenVector& weights, int64_t vocab_begin, const LossParams& params, int64_t width,
-                      float* stats, int64_t ld, RankHeader* header, cudaStream_t stream) {
+Status finalize_stats(const RunningStats* running, int64_t rows, const TokenVector& targets, const TokenVector& weights,
+                      int64_t vocab_begin, const LossParams& params, int64_t width, float* stats, int64_t ld,
+                      RankHeader* header, cudaStream_t stream) {
   if (rows == 0) return {};
   finalize_kernel<<<grid_for(rows, kThreads), kThreads, 0, stream>>>(
       running, rows, targets.base, targets.dtype == kInt64, targets.stride,
@@ -285,10 +282,9 @@ Status tile_gradient(float* z, int64_t ld, int64_t rows, const TileColumns& colu
   if (rows == 0 || columns.cols == 0) return {};
   tile_gradient_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
       z, ld, columns.cols, columns.valid, columns.col0, bias_of(columns), targets.base, targets.dtype == kInt64,
-      targets.stride, reinterpret_cast<const float*>(weights.base), weights.stride,
-      lse_tokens(lse), reinterpret_cast<const float*>(grad_loss.base),
-      grad_loss.stride, shared, vocab_begin, params, transform_of(params),
-      is_plain(params) && columns.bias == nullptr, static_cast<__nv_bfloat16*>(hi),
+      targets.stride, reinterpret_cast<const float*>(weights.base), weights.stride, lse_tokens(lse),
+      reinterpret_cast<const float*>(grad_loss.base), grad_loss.stride, shared, vocab_begin, params,
+      transform_of(params), is_plain(params) && columns.bias == nullptr, static_cast<__nv_bfloat16*>(hi),
       static_cast<__nv_bfloat16*>(lo));
   return launched("head: tile gradient");
 }
@@ -308,8 +304,8 @@ Status store_doubles(const double* values, int64_t n, void* out, DataType out_dt
   if (n == 0) return {};
   with_type(out_dtype, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    store_doubles_kernel<T><<<grid_for(n, kThreads), kThreads, 0, stream>>>(values, n, static_cast<T*>(out), stride,
-                                                                            accumulate);
+    store_doubles_kernel<T>
+        <<<grid_for(n, kThreads), kThreads, 0, stream>>>(values, n, static_cast<T*>(out), stride, accumulate);
   });
   return launched("head: bias gradient");
 }
@@ -319,8 +315,8 @@ Status store_floats(const float* values, int64_t rows, int64_t cols, int64_t ld,
   if (rows == 0 || cols == 0) return {};
   with_type(out_dtype, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    store_floats_kernel<T><<<strided_grid(rows * cols), kThreads, 0, stream>>>(values, rows, cols, ld,
-                                                                               static_cast<T*>(out), ld_out);
+    store_floats_kernel<T>
+        <<<strided_grid(rows * cols), kThreads, 0, stream>>>(values, rows, cols, ld, static_cast<T*>(out), ld_out);
   });
   return launched("head: gradient store");
 }
@@ -330,8 +326,8 @@ Status widen(const void* in, DataType dtype, int64_t rows, int64_t cols, int64_t
   if (rows == 0 || cols == 0) return {};
   with_type(dtype, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    widen_kernel<T><<<strided_grid(rows * cols), kThreads, 0, stream>>>(static_cast<const T*>(in), rows, cols, ld,
-                                                                        out, ld_out);
+    widen_kernel<T>
+        <<<strided_grid(rows * cols), kThreads, 0, stream>>>(static_cast<const T*>(in), rows, cols, ld, out, ld_out);
   });
   return launched("head: fp32 staging");
 }
@@ -340,8 +336,8 @@ Status poison(void* base, DataType dtype, int64_t rows, int64_t cols, int64_t ld
               cudaStream_t stream) {
   if (base == nullptr || rows == 0 || cols == 0) return {};
   if (dtype == kFloat64) {  // an lse kept in fp64
-    poison_kernel<double><<<strided_grid(rows * cols), kThreads, 0, stream>>>(static_cast<double*>(base), rows, cols,
-                                                                             ld, error);
+    poison_kernel<double>
+        <<<strided_grid(rows * cols), kThreads, 0, stream>>>(static_cast<double*>(base), rows, cols, ld, error);
     return launched("head: poisoning the outputs");
   }
   with_type(dtype, [&](auto* type) {

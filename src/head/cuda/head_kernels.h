@@ -54,9 +54,9 @@ Status fold_tile(const float* z, int64_t ld, int64_t rows, const TileColumns& co
 // running[0, rows) -> stats [rows, width] (row stride ld) as calculate_local_stats writes
 // them. A target outside [0, Vv) that is not ignore_index, or a weight that is negative or
 // not finite, sets header->status (when header is not null), as cuda::local_stats does.
-Status finalize_stats(const RunningStats* running, int64_t rows, const TokenVector& targets,
-                      const TokenVector& weights, int64_t vocab_begin, const LossParams& params, int64_t width,
-                      float* stats, int64_t ld, RankHeader* header, cudaStream_t stream);
+Status finalize_stats(const RunningStats* running, int64_t rows, const TokenVector& targets, const TokenVector& weights,
+                      int64_t vocab_begin, const LossParams& params, int64_t width, float* stats, int64_t ld,
+                      RankHeader* header, cudaStream_t stream);
 
 // The logit gradient of a tile, in place: z [rows, cols] (row stride ld) <- dloss/dx, the
 // formula of src/cuda/kernels.cu's gradient kernel (0 on padding columns and for tokens
