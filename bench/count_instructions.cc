@@ -135,14 +135,9 @@ Counts steps(const std::function<void()>& work, const char* trace_path = nullptr
         c.vector_ops += 1;
         c.weighted += intel_slots(encoding);
         break;
-      case kVectorMemory:
-        c.memory += 1;
-        break;
-      case kVectorMove:
-        c.moves += 1;
-        break;
-      case kOther:
-        break;
+      case kVectorMemory: c.memory += 1; break;
+      case kVectorMove: c.moves += 1; break;
+      case kOther: break;
     }
   }
   if (trace != nullptr) std::fclose(trace);

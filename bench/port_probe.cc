@@ -27,8 +27,9 @@ namespace {
 #define VPCE_FMA(R, k) "vfmadd132ps %%" R "mm12, %%" R "mm13, %%" R "mm" #k "\n\t"
 #define VPCE_FMAS(R)                                                                                       \
   VPCE_FMA(R, 0)                                                                                           \
-  VPCE_FMA(R, 1) VPCE_FMA(R, 2) VPCE_FMA(R, 3) VPCE_FMA(R, 4) VPCE_FMA(R, 5) VPCE_FMA(R, 6) VPCE_FMA(R, 7) \
-      VPCE_FMA(R, 8) VPCE_FMA(R, 9) VPCE_FMA(R, 10) VPCE_FMA(R, 11)
+  VPCE_FMA(R, 1)                                                                                           \
+  VPCE_FMA(R, 2) VPCE_FMA(R, 3) VPCE_FMA(R, 4) VPCE_FMA(R, 5) VPCE_FMA(R, 6) VPCE_FMA(R, 7) VPCE_FMA(R, 8) \
+      VPCE_FMA(R, 9) VPCE_FMA(R, 10) VPCE_FMA(R, 11)
 #define VPCE_ONE(R, k) "vmovaps %%" R "mm12, %%" R "mm" #k "\n\t"
 
 // A loop of `iterations` (>= 1) times the FMAs and `probe`, on registers of width R. R12
@@ -111,84 +112,34 @@ const char* const kNames[] = {"fma",
 
 void run(Probe probe, int64_t iterations, void* buffer) {
   switch (probe) {
-    case kFma:
-      VPCE_PROBE_LOOP("");
-      break;
-    case kMulPs:
-      VPCE_PROBE_LOOP(VPCE_FOUR("vmulps %%zmm12, %%zmm14, %%zmm15\n\t"));
-      break;
-    case kCvtPh2PsMemory:
-      VPCE_PROBE_LOOP(VPCE_FOUR("vcvtph2ps (%[buffer]), %%zmm15\n\t"));
-      break;
-    case kCvtPh2PsRegister:
-      VPCE_PROBE_LOOP(VPCE_FOUR("vcvtph2ps %%ymm14, %%zmm15\n\t"));
-      break;
-    case kCvtPs2PhRegister:
-      VPCE_PROBE_LOOP(VPCE_FOUR("vcvtps2ph $8, %%zmm14, %%ymm15\n\t"));
-      break;
-    case kCvtPs2PhStore:
-      VPCE_PROBE_LOOP(VPCE_FOUR("vcvtps2ph $8, %%zmm14, 128(%[buffer])\n\t"));
-      break;
-    case kCvtNePs2Bf16:
-      VPCE_PROBE_LOOP(VPCE_FOUR("vcvtneps2bf16 %%zmm14, %%ymm15\n\t"));
-      break;
-    case kReducePs:
-      VPCE_PROBE_LOOP(VPCE_FOUR("vreduceps $9, %%zmm14, %%zmm15\n\t"));
-      break;
-    case kScalefPs:
-      VPCE_PROBE_LOOP(VPCE_FOUR("vscalefps %%zmm14, %%zmm14, %%zmm15\n\t"));
-      break;
-    case kCvtNe2Ps2Bf16:
-      VPCE_PROBE_LOOP(VPCE_FOUR("vcvtne2ps2bf16 %%zmm14, %%zmm12, %%zmm15\n\t"));
-      break;
-    case kPermW:
-      VPCE_PROBE_LOOP(VPCE_FOUR("vpermw %%zmm14, %%zmm12, %%zmm15\n\t"));
-      break;
+    case kFma: VPCE_PROBE_LOOP(""); break;
+    case kMulPs: VPCE_PROBE_LOOP(VPCE_FOUR("vmulps %%zmm12, %%zmm14, %%zmm15\n\t")); break;
+    case kCvtPh2PsMemory: VPCE_PROBE_LOOP(VPCE_FOUR("vcvtph2ps (%[buffer]), %%zmm15\n\t")); break;
+    case kCvtPh2PsRegister: VPCE_PROBE_LOOP(VPCE_FOUR("vcvtph2ps %%ymm14, %%zmm15\n\t")); break;
+    case kCvtPs2PhRegister: VPCE_PROBE_LOOP(VPCE_FOUR("vcvtps2ph $8, %%zmm14, %%ymm15\n\t")); break;
+    case kCvtPs2PhStore: VPCE_PROBE_LOOP(VPCE_FOUR("vcvtps2ph $8, %%zmm14, 128(%[buffer])\n\t")); break;
+    case kCvtNePs2Bf16: VPCE_PROBE_LOOP(VPCE_FOUR("vcvtneps2bf16 %%zmm14, %%ymm15\n\t")); break;
+    case kReducePs: VPCE_PROBE_LOOP(VPCE_FOUR("vreduceps $9, %%zmm14, %%zmm15\n\t")); break;
+    case kScalefPs: VPCE_PROBE_LOOP(VPCE_FOUR("vscalefps %%zmm14, %%zmm14, %%zmm15\n\t")); break;
+    case kCvtNe2Ps2Bf16: VPCE_PROBE_LOOP(VPCE_FOUR("vcvtne2ps2bf16 %%zmm14, %%zmm12, %%zmm15\n\t")); break;
+    case kPermW: VPCE_PROBE_LOOP(VPCE_FOUR("vpermw %%zmm14, %%zmm12, %%zmm15\n\t")); break;
     case kTernLogD:
       VPCE_PROBE_LOOP(VPCE_FOUR("vmovaps %%zmm14, %%zmm15\n\t vpternlogd $0xE4, %%zmm12, %%zmm13, %%zmm15\n\t"));
       break;
-    case kMaxSw:
-      VPCE_PROBE_LOOP(VPCE_FOUR("vpmaxsw %%zmm14, %%zmm12, %%zmm15\n\t"));
-      break;
-    case kFmaYmm:
-      VPCE_PROBE_LOOP_YMM("");
-      break;
-    case kMulPsYmm:
-      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vmulps %%ymm12, %%ymm14, %%ymm15\n\t"));
-      break;
-    case kAddPsYmm:
-      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vaddps %%ymm12, %%ymm14, %%ymm15\n\t"));
-      break;
-    case kSllDYmm:
-      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpslld $16, %%ymm14, %%ymm15\n\t"));
-      break;
-    case kAndYmm:
-      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpand %%ymm12, %%ymm14, %%ymm15\n\t"));
-      break;
-    case kAddDYmm:
-      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpaddd %%ymm12, %%ymm14, %%ymm15\n\t"));
-      break;
-    case kBlendVPsYmm:
-      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vblendvps %%ymm13, %%ymm12, %%ymm14, %%ymm15\n\t"));
-      break;
-    case kRoundPsYmm:
-      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vroundps $8, %%ymm14, %%ymm15\n\t"));
-      break;
-    case kCvtPs2DqYmm:
-      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcvtps2dq %%ymm14, %%ymm15\n\t"));
-      break;
-    case kPackUsDwYmm:
-      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpackusdw %%ymm12, %%ymm14, %%ymm15\n\t"));
-      break;
-    case kPermQYmm:
-      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpermq $0xD8, %%ymm14, %%ymm15\n\t"));
-      break;
-    case kCvtPh2PsYmm:
-      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcvtph2ps %%xmm14, %%ymm15\n\t"));
-      break;
-    case kCvtPs2PhYmm:
-      VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcvtps2ph $8, %%ymm14, %%xmm15\n\t"));
-      break;
+    case kMaxSw: VPCE_PROBE_LOOP(VPCE_FOUR("vpmaxsw %%zmm14, %%zmm12, %%zmm15\n\t")); break;
+    case kFmaYmm: VPCE_PROBE_LOOP_YMM(""); break;
+    case kMulPsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vmulps %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kAddPsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vaddps %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kSllDYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpslld $16, %%ymm14, %%ymm15\n\t")); break;
+    case kAndYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpand %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kAddDYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpaddd %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kBlendVPsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vblendvps %%ymm13, %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kRoundPsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vroundps $8, %%ymm14, %%ymm15\n\t")); break;
+    case kCvtPs2DqYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcvtps2dq %%ymm14, %%ymm15\n\t")); break;
+    case kPackUsDwYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpackusdw %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kPermQYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpermq $0xD8, %%ymm14, %%ymm15\n\t")); break;
+    case kCvtPh2PsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcvtph2ps %%xmm14, %%ymm15\n\t")); break;
+    case kCvtPs2PhYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcvtps2ph $8, %%ymm14, %%xmm15\n\t")); break;
   }
 }
 

@@ -5,22 +5,14 @@ namespace vpce {
 
 const char* code_name(Code code) {
   switch (code) {
-    case Code::kSuccess:
-      return "success";
-    case Code::kInvalidArgument:
-      return "invalid argument";
-    case Code::kInvalidUsage:
-      return "invalid usage";
-    case Code::kSystemError:
-      return "system error";
-    case Code::kInternalError:
-      return "internal error";
-    case Code::kRemoteError:
-      return "remote error";
-    case Code::kTimeout:
-      return "timeout";
-    case Code::kUnsupported:
-      return "unsupported";
+    case Code::kSuccess: return "success";
+    case Code::kInvalidArgument: return "invalid argument";
+    case Code::kInvalidUsage: return "invalid usage";
+    case Code::kSystemError: return "system error";
+    case Code::kInternalError: return "internal error";
+    case Code::kRemoteError: return "remote error";
+    case Code::kTimeout: return "timeout";
+    case Code::kUnsupported: return "unsupported";
   }
   return "unknown code";
 }

@@ -11,27 +11,13 @@ std::string to_string(DataType dtype) {
   // PyTorch spell them: "uint8", "bool", "complex64"; lanes as a suffix ("float32x4").
   std::string name;
   switch (static_cast<int>(dtype.code)) {
-    case 0:
-      name = "int" + std::to_string(dtype.bits);
-      break;
-    case 1:
-      name = "uint" + std::to_string(dtype.bits);
-      break;
-    case 2:
-      name = "float" + std::to_string(dtype.bits);
-      break;
-    case 3:
-      name = "opaque handle";
-      break;
-    case 4:
-      name = dtype.bits == 16 ? "bfloat16" : "bfloat" + std::to_string(dtype.bits);
-      break;
-    case 5:
-      name = "complex" + std::to_string(dtype.bits);
-      break;
-    case 6:
-      name = dtype.bits == 8 ? "bool" : "bool" + std::to_string(dtype.bits);
-      break;
+    case 0: name = "int" + std::to_string(dtype.bits); break;
+    case 1: name = "uint" + std::to_string(dtype.bits); break;
+    case 2: name = "float" + std::to_string(dtype.bits); break;
+    case 3: name = "opaque handle"; break;
+    case 4: name = dtype.bits == 16 ? "bfloat16" : "bfloat" + std::to_string(dtype.bits); break;
+    case 5: name = "complex" + std::to_string(dtype.bits); break;
+    case 6: name = dtype.bits == 8 ? "bool" : "bool" + std::to_string(dtype.bits); break;
     default:
       return "unknown dtype (code " + std::to_string(static_cast<int>(dtype.code)) + ", " + std::to_string(dtype.bits) +
              " bits, " + std::to_string(dtype.lanes) + " lanes)";
@@ -41,10 +27,8 @@ std::string to_string(DataType dtype) {
 
 std::string to_string(Device device) {
   switch (device.type) {
-    case DeviceType::kCPU:
-      return "cpu";
-    case DeviceType::kCUDA:
-      return "cuda:" + std::to_string(device.id);
+    case DeviceType::kCPU: return "cpu";
+    case DeviceType::kCUDA: return "cuda:" + std::to_string(device.id);
   }
   return "device type " + std::to_string(static_cast<int>(device.type)) + ":" + std::to_string(device.id);
 }

@@ -162,30 +162,22 @@ Status parse_header(const std::string& text, const std::string& name, Dtype* dty
 
 const char* descr(Dtype dtype) {
   switch (dtype) {
-    case Dtype::kFloat16:
-      return "<f2";
-    case Dtype::kFloat32:
-      return "<f4";
-    case Dtype::kFloat64:
-      return "<f8";
-    case Dtype::kInt32:
-      return "<i4";
-    case Dtype::kInt64:
-      return "<i8";
+    case Dtype::kFloat16: return "<f2";
+    case Dtype::kFloat32: return "<f4";
+    case Dtype::kFloat64: return "<f8";
+    case Dtype::kInt32: return "<i4";
+    case Dtype::kInt64: return "<i8";
   }
   return "?";
 }
 
 int item_bytes(Dtype dtype) {
   switch (dtype) {
-    case Dtype::kFloat16:
-      return 2;
+    case Dtype::kFloat16: return 2;
     case Dtype::kFloat32:
-    case Dtype::kInt32:
-      return 4;
+    case Dtype::kInt32: return 4;
     case Dtype::kFloat64:
-    case Dtype::kInt64:
-      return 8;
+    case Dtype::kInt64: return 8;
   }
   return 0;
 }

@@ -15,6 +15,8 @@
 #include <type_traits>
 
 #include "../common/token_math.h"
+#include "../protocol.h"
+#include "../validate.h"
 #include "vpce/status.h"
 
 namespace vpce::detail::cuda_common {
@@ -119,11 +121,6 @@ __device__ __forceinline__ float gradient_element(const GradientConstants& c, co
   if (is_target) e -= target_term;
   return e * c.upstream * t.slope(x);
 }
-
-// The counted weight of every token (for kMean), summed in a fixed tree by one block.
-__device__ inline double counted_weight(const void* targets, bool wide_targets, int64_t target_stride,
-                                        const float* weights, int64_t weight_stride, int64_t rows,
-                                        const LossParams& params);
 
 // The online-softmax fold of one transformed logit z, at global column v, into a thread's
 // Part (the loss's rows and the head's tiles alike): the sum of z when asked (label
@@ -370,16 +367,76 @@ __device__ inline double block_sum(double value) {
   return value;
 }
 
-__device__ inline double counted_weight(const void* targets, bool wide_targets, int64_t target_stride,
-                                        const float* weights, int64_t weight_stride, int64_t rows,
-                                        const LossParams& params) {
-  double mine = 0.0;
-  for (int64_t i = threadIdx.x; i < rows; i += kThreads) {
-    if (!params.ignored(target_of(targets, wide_targets, target_stride, i))) {
-      mine += weights != nullptr ? static_cast<double>(weights[i * weight_stride]) : 1.0;
+// The tokens' targets (int32 or int64) and optional weights (null: ones), as every kernel
+// takes them: one argument rather than five.
+struct TokenInputs {
+  const void* targets;
+  bool wide;  // int64 targets
+  int64_t target_stride;
+  const float* weights;
+  int64_t weight_stride;
+  __device__ __forceinline__ int64_t target(int64_t i) const { return target_of(targets, wide, target_stride, i); }
+  __device__ __forceinline__ float weight(int64_t i) const {
+    return weights != nullptr ? weights[i * weight_stride] : 1.0f;
+  }
+  // A target outside [0, Vv) that is not ignore_index, or a weight that is negative or not
+  // finite: sets header->status (its message is ready), when there is a header.
+  __device__ __forceinline__ void flag_bad(int64_t i, int64_t y, const LossParams& params, RankHeader* header) const {
+    const bool bad_target = !params.ignored(y) && (y < 0 || y >= params.valid_vocab);
+    const bool bad_weight =
+        weights != nullptr && !(isfinite(weights[i * weight_stride]) && weights[i * weight_stride] >= 0.0f);
+    if ((bad_target || bad_weight) && header != nullptr) {
+      atomicCAS(&header->status, 0, static_cast<int32_t>(Code::kInvalidArgument));
     }
   }
+};
+
+inline TokenInputs token_inputs(const TokenVector& targets, const TokenVector& weights) {
+  return {targets.base, targets.dtype == kInt64, targets.stride, reinterpret_cast<const float*>(weights.base),
+          weights.stride};
+}
+
+// The counted weight of every token (for kMean), summed in a fixed tree by one block.
+__device__ inline double counted_weight(const TokenInputs& tokens, int64_t rows, const LossParams& params) {
+  double mine = 0.0;
+  for (int64_t i = threadIdx.x; i < rows; i += kThreads) {
+    if (!params.ignored(tokens.target(i))) mine += static_cast<double>(tokens.weight(i));
+  }
   return block_sum(mine);
+}
+
+// What the gradient of token i needs beyond its logits, for the loss's and the head's
+// gradient kernels alike: the tokens, the lse, the upstream gradient (per token, or the one
+// a reduced loss shares), this rank's first column, the loss's parameters and transform.
+struct GradientParams {
+  TokenInputs tokens;
+  LseTokens lse;
+  const float* grad_loss;
+  int64_t grad_loss_stride;
+  const double* shared_upstream;  // null: per token
+  int64_t vocab_begin;
+  LossParams params;
+  Transform t;
+  // Token i's gradient constants, y its target.
+  __device__ __forceinline__ GradientConstants constants(int64_t i, int64_t y) const {
+    const double upstream =
+        shared_upstream != nullptr ? *shared_upstream : static_cast<double>(grad_loss[i * grad_loss_stride]);
+    return gradient_constants(y, upstream, tokens.weight(i), lse.get(i), params);
+  }
+};
+
+// The gradient's parameters from the validated arguments (shared_upstream null: per token).
+inline GradientParams gradient_params(const TokenVector& targets, const TokenVector& weights, const TokenVector& lse,
+                                      const TokenVector& grad_loss, const double* shared_upstream, int64_t vocab_begin,
+                                      const LossParams& params) {
+  return {token_inputs(targets, weights),
+          lse_tokens(lse),
+          reinterpret_cast<const float*>(grad_loss.base),
+          grad_loss.stride,
+          shared_upstream,
+          vocab_begin,
+          params,
+          transform_of(params)};
 }
 
 // ---- host side of the launches ----

@@ -44,9 +44,9 @@ __device__ __forceinline__ void for_each_element(const T* row, int64_t cols, F&&
 // transform, label smoothing or extras (fold_row_plain).
 template <class T, bool kPlain>
 __global__ void __launch_bounds__(kThreads)
-    local_stats_kernel(const T* logits, int64_t ld, int64_t cols, int64_t valid, const void* targets, bool wide_targets,
-                       int64_t target_stride, const float* weights, int64_t weight_stride, int64_t vocab_begin,
-                       LossParams params, Transform t, float* stats, int64_t width, RankHeader* header) {
+    local_stats_kernel(const T* logits, int64_t ld, int64_t cols, int64_t valid, TokenInputs tokens,
+                       int64_t vocab_begin, LossParams params, Transform t, float* stats, int64_t width,
+                       RankHeader* header) {
   const int64_t i = blockIdx.x;
   const T* row = logits + i * ld;
   const bool sum_logits = params.with_sum_logits();
@@ -61,13 +61,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   p = block_combine(p);
   if (threadIdx.x != 0) return;
-  const int64_t y = target_of(targets, wide_targets, target_stride, i);
-  const bool bad_target = !params.ignored(y) && (y < 0 || y >= params.valid_vocab);
-  const bool bad_weight =
-      weights != nullptr && !(isfinite(weights[i * weight_stride]) && weights[i * weight_stride] >= 0.0f);
-  if ((bad_target || bad_weight) && header != nullptr) {
-    atomicCAS(&header->status, 0, static_cast<int32_t>(Code::kInvalidArgument));  // its message is ready
-  }
+  const int64_t y = tokens.target(i);
+  tokens.flag_bad(i, y, params, header);
   const int64_t column = y - vocab_begin;
   float* out = stats + i * width;
   out[0] = p.max;
@@ -108,15 +103,13 @@ __global__ void merge_kernel(const float* gathered, int64_t rank_stride, int ran
 
 // merged [rows, width] -> loss (per token, or per-token terms into `terms` for a
 // reduction), lse, extras. Poisons the outputs with NaN when the device found an error.
-__global__ void loss_kernel(const float* merged, int64_t rows, int64_t width, const void* targets, bool wide_targets,
-                            int64_t target_stride, const float* weights, int64_t weight_stride, LossParams params,
+__global__ void loss_kernel(const float* merged, int64_t rows, int64_t width, TokenInputs tokens, LossParams params,
                             float* loss, int64_t loss_stride, double* terms, LseTokens lse, float* target_is_argmax,
                             int64_t argmax_stride, float* entropy, int64_t entropy_stride, const DeviceError* error) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= rows) return;
-  const int64_t y = target_of(targets, wide_targets, target_stride, i);
-  const double weight = weights != nullptr ? static_cast<double>(weights[i * weight_stride]) : 1.0;
-  TokenLoss t = token_loss(merged + i * width, y, weight, params, width == 6);
+  TokenLoss t =
+      token_loss(merged + i * width, tokens.target(i), static_cast<double>(tokens.weight(i)), params, width == 6);
   if (error->code != 0) {
     t.weighted_loss = NAN;
     t.lse = NAN;
@@ -135,8 +128,7 @@ __global__ void loss_kernel(const float* merged, int64_t rows, int64_t width, co
 
 // One block: the reduced loss from the per-token terms, in a fixed order.
 __global__ void __launch_bounds__(kThreads)
-    reduce_loss_kernel(const double* terms, int64_t rows, const void* targets, bool wide_targets, int64_t target_stride,
-                       const float* weights, int64_t weight_stride, LossParams params, float* loss,
+    reduce_loss_kernel(const double* terms, int64_t rows, TokenInputs tokens, LossParams params, float* loss,
                        const DeviceError* error) {
   double mine = 0.0;
   for (int64_t i = threadIdx.x; i < rows; i += kThreads) mine += terms[i];
@@ -144,7 +136,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   double denominator = 1.0;
   if (params.reduction == Reduction::kMean) {
-    denominator = counted_weight(targets, wide_targets, target_stride, weights, weight_stride, rows, params);
+    denominator = counted_weight(tokens, rows, params);
   }
   if (threadIdx.x == 0) {
     loss[0] = error->code != 0 ? NAN
@@ -157,13 +149,10 @@ __global__ void __launch_bounds__(kThreads)
 // One block: the upstream gradient shared by every token of a reduced loss, from grad_loss
 // (device memory) or, when it is null, `value`.
 __global__ void __launch_bounds__(kThreads)
-    shared_upstream_kernel(const float* grad_loss, float value, const void* targets, bool wide_targets,
-                           int64_t target_stride, const float* weights, int64_t weight_stride, int64_t rows,
-                           LossParams params, double* out) {
+    shared_upstream_kernel(const float* grad_loss, float value, TokenInputs tokens, int64_t rows, LossParams params,
+                           double* out) {
   double denominator = 1.0;
-  if (params.reduction == Reduction::kMean) {
-    denominator = counted_weight(targets, wide_targets, target_stride, weights, weight_stride, rows, params);
-  }
+  if (params.reduction == Reduction::kMean) denominator = counted_weight(tokens, rows, params);
   if (threadIdx.x == 0) {
     const double g = static_cast<double>(grad_loss != nullptr ? grad_loss[0] : value);
     *out = params.reduction == Reduction::kMean ? (denominator != 0.0 ? g / denominator : 0.0) : g;
@@ -216,19 +205,14 @@ __device__ __forceinline__ void map_row(const TIn* in, TOut* out, int64_t cols, 
 // and 0 on padding columns and on tokens that do not count (written without reading the
 // logits). kPlain: no transform (PlainGradient's exp on the special-function unit).
 template <class TIn, class TOut, bool kPlain>
-__global__ void __launch_bounds__(kThreads)
-    gradient_kernel(const TIn* logits, int64_t ld, TOut* grad, int64_t grad_ld, int64_t cols, int64_t valid,
-                    const void* targets, bool wide_targets, int64_t target_stride, const float* weights,
-                    int64_t weight_stride, LseTokens lse, const float* grad_loss, int64_t grad_loss_stride,
-                    const double* shared_upstream, int64_t vocab_begin, LossParams params, Transform t) {
+__global__ void __launch_bounds__(kThreads) gradient_kernel(const TIn* logits, int64_t ld, TOut* grad, int64_t grad_ld,
+                                                            int64_t cols, int64_t valid, GradientParams p) {
   const int64_t i = blockIdx.x;
-  const int64_t y = target_of(targets, wide_targets, target_stride, i);
-  const double upstream =
-      shared_upstream != nullptr ? *shared_upstream : static_cast<double>(grad_loss[i * grad_loss_stride]);
-  const float weight = weights != nullptr ? weights[i * weight_stride] : 1.0f;
-  const GradientConstants c = gradient_constants(y, upstream, weight, lse.get(i), params);
-  const float target_term = target_weight(params);
-  const int64_t target_column = y - vocab_begin;
+  const int64_t y = p.tokens.target(i);
+  const GradientConstants c = p.constants(i, y);
+  const Transform t = p.t;
+  const float target_term = target_weight(p.params);
+  const int64_t target_column = y - p.vocab_begin;
   TOut* out = grad + i * grad_ld;
   if (c.upstream == 0.0f) {  // a token that does not count
     for (int64_t v = threadIdx.x; v < cols; v += kThreads) out[v] = from_float<TOut>(0.0f);
@@ -312,8 +296,7 @@ Status local_stats(const RowMatrix& logits, const TokenVector& targets, const To
     using T = std::remove_pointer_t<decltype(type)>;
     auto* kernel = plain ? local_stats_kernel<T, true> : local_stats_kernel<T, false>;
     kernel<<<static_cast<unsigned>(logits.rows), kThreads, 0, stream>>>(
-        reinterpret_cast<const T*>(logits.base), logits.row_stride, logits.cols, valid, targets.base,
-        targets.dtype == kInt64, targets.stride, reinterpret_cast<const float*>(weights.base), weights.stride,
+        reinterpret_cast<const T*>(logits.base), logits.row_stride, logits.cols, valid, token_inputs(targets, weights),
         vocab_begin, params, transform_of(params), reinterpret_cast<float*>(stats.base), stats.row_stride, header);
   });
   return launched("local statistics");
@@ -322,11 +305,10 @@ Status local_stats(const RowMatrix& logits, const TokenVector& targets, const To
 Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int64_t rows, int64_t width, float* merged,
                       const TokenVector& targets, const TokenVector& weights, const LossParams& params,
                       const LossOutputs& out, double* terms, const DeviceError* error, cudaStream_t stream) {
-  const auto* w = reinterpret_cast<const float*>(weights.base);
+  const TokenInputs tokens = token_inputs(targets, weights);
   if (rows == 0) {  // nothing to merge; a reduction of no tokens is 0, as on the CPU
     if (params.reduction == Reduction::kNone) return {};
-    reduce_loss_kernel<<<1, kThreads, 0, stream>>>(terms, 0, targets.base, targets.dtype == kInt64, targets.stride, w,
-                                                   weights.stride, params, reinterpret_cast<float*>(out.loss.base),
+    reduce_loss_kernel<<<1, kThreads, 0, stream>>>(terms, 0, tokens, params, reinterpret_cast<float*>(out.loss.base),
                                                    error);
     return launched("reduction");
   }
@@ -335,31 +317,26 @@ Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int
                                                                 merged);
   if (Status s = launched("merge"); !s.ok()) return s;
   loss_kernel<<<grid_for(rows, kTokens), kTokens, 0, stream>>>(
-      merged, rows, width, targets.base, targets.dtype == kInt64, targets.stride, w, weights.stride, params,
-      reinterpret_cast<float*>(out.loss.base), out.loss.stride, terms, lse_tokens(out.lse),
-      reinterpret_cast<float*>(out.target_is_argmax.base), out.target_is_argmax.stride,
+      merged, rows, width, tokens, params, reinterpret_cast<float*>(out.loss.base), out.loss.stride, terms,
+      lse_tokens(out.lse), reinterpret_cast<float*>(out.target_is_argmax.base), out.target_is_argmax.stride,
       reinterpret_cast<float*>(out.entropy.base), out.entropy.stride, error);
   if (Status s = launched("loss"); !s.ok()) return s;
   if (params.reduction == Reduction::kNone) return {};
-  reduce_loss_kernel<<<1, kThreads, 0, stream>>>(terms, rows, targets.base, targets.dtype == kInt64, targets.stride, w,
-                                                 weights.stride, params, reinterpret_cast<float*>(out.loss.base),
+  reduce_loss_kernel<<<1, kThreads, 0, stream>>>(terms, rows, tokens, params, reinterpret_cast<float*>(out.loss.base),
                                                  error);
   return launched("reduction");
 }
 
 Status reduce_loss(const double* terms, int64_t rows, const TokenVector& targets, const TokenVector& weights,
                    const LossParams& params, float* loss, const DeviceError* error, cudaStream_t stream) {
-  reduce_loss_kernel<<<1, kThreads, 0, stream>>>(terms, rows, targets.base, targets.dtype == kInt64, targets.stride,
-                                                 reinterpret_cast<const float*>(weights.base), weights.stride, params,
-                                                 loss, error);
+  reduce_loss_kernel<<<1, kThreads, 0, stream>>>(terms, rows, token_inputs(targets, weights), params, loss, error);
   return launched("reduction");
 }
 
 Status shared_upstream(const float* grad_loss, float value, const TokenVector& targets, const TokenVector& weights,
                        int64_t rows, const LossParams& params, double* out, cudaStream_t stream) {
-  shared_upstream_kernel<<<1, kThreads, 0, stream>>>(grad_loss, value, targets.base, targets.dtype == kInt64,
-                                                     targets.stride, reinterpret_cast<const float*>(weights.base),
-                                                     weights.stride, rows, params, out);
+  shared_upstream_kernel<<<1, kThreads, 0, stream>>>(grad_loss, value, token_inputs(targets, weights), rows, params,
+                                                     out);
   return launched("upstream gradient");
 }
 
@@ -367,8 +344,6 @@ Status gradient(const RowMatrix& logits, const TokenVector& targets, const Token
                 const TokenVector& grad_loss, int64_t vocab_begin, const LossParams& params, const RowMatrix& grad,
                 double* shared_upstream, cudaStream_t stream) {
   if (logits.rows == 0) return {};
-  const auto* w = reinterpret_cast<const float*>(weights.base);
-  const bool wide = targets.dtype == kInt64;
   double* shared = nullptr;
   if (params.reduction != Reduction::kNone) {
     if (Status s = cuda::shared_upstream(reinterpret_cast<const float*>(grad_loss.base), 0.0f, targets, weights,
@@ -379,6 +354,7 @@ Status gradient(const RowMatrix& logits, const TokenVector& targets, const Token
     shared = shared_upstream;
   }
   const int64_t valid = valid_columns(vocab_begin, logits.cols, params);
+  const GradientParams p = gradient_params(targets, weights, lse, grad_loss, shared, vocab_begin, params);
   with_type(logits.dtype, [&](auto* in_type) {
     using TIn = std::remove_pointer_t<decltype(in_type)>;
     with_type(grad.dtype, [&](auto* out_type) {
@@ -386,9 +362,7 @@ Status gradient(const RowMatrix& logits, const TokenVector& targets, const Token
       auto* kernel = is_plain(params) ? gradient_kernel<TIn, TOut, true> : gradient_kernel<TIn, TOut, false>;
       kernel<<<static_cast<unsigned>(logits.rows), kThreads, 0, stream>>>(
           reinterpret_cast<const TIn*>(logits.base), logits.row_stride, reinterpret_cast<TOut*>(grad.base),
-          grad.row_stride, logits.cols, valid, targets.base, wide, targets.stride, w, weights.stride, lse_tokens(lse),
-          reinterpret_cast<const float*>(grad_loss.base), grad_loss.stride, shared, vocab_begin, params,
-          transform_of(params));
+          grad.row_stride, logits.cols, valid, p);
     });
   });
   return launched("gradient");

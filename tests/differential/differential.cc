@@ -91,8 +91,7 @@ void inject_non_finite(Choices& c, Case& k) {
         end = s.vocab_end;
         break;
       }
-      default:
-        break;  // the row
+      default: break;  // the row
     }
     for (int64_t v = begin; v < end; ++v) p.set(i, v, value);
     // Sometimes the rest of the row is -inf, so only the non-finite values remain.

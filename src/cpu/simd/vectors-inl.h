@@ -39,12 +39,9 @@ constexpr size_t kMaxLanes = 64;  // more than any target's fp32 lanes
 template <class F>
 HWY_INLINE decltype(auto) WithStorageType(int32_t type, F&& f) {
   switch (static_cast<StorageType>(type)) {
-    case StorageType::kBFloat16:
-      return f(static_cast<BFloat16*>(nullptr));
-    case StorageType::kFloat16:
-      return f(static_cast<Float16*>(nullptr));
-    case StorageType::kFloat32:
-      break;
+    case StorageType::kBFloat16: return f(static_cast<BFloat16*>(nullptr));
+    case StorageType::kFloat16: return f(static_cast<Float16*>(nullptr));
+    case StorageType::kFloat32: break;
   }
   return f(static_cast<float*>(nullptr));
 }

@@ -25,14 +25,10 @@ struct Bias {
   int kind;  // 0 none, 1 fp32, 2 bf16, 3 fp16
   __device__ __forceinline__ float at(int64_t c) const {
     switch (kind) {
-      case 1:
-        return static_cast<const float*>(base)[c * stride];
-      case 2:
-        return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[c * stride]);
-      case 3:
-        return __half2float(static_cast<const __half*>(base)[c * stride]);
-      default:
-        return 0.0f;
+      case 1: return static_cast<const float*>(base)[c * stride];
+      case 2: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[c * stride]);
+      case 3: return __half2float(static_cast<const __half*>(base)[c * stride]);
+      default: return 0.0f;
     }
   }
 };
@@ -55,9 +51,9 @@ __global__ void init_running_kernel(RunningStats* running, int64_t rows) {
 // One block per tile row: the row's Part over the tile's valid columns (as
 // cuda/kernels.cu's local_stats_kernel folds a row), then running[r] <- running[r] then it.
 __global__ void __launch_bounds__(kThreads)
-    fold_tile_kernel(const float* z, int64_t ld, int64_t valid, int64_t col0, Bias bias, const void* targets,
-                     bool wide_targets, int64_t target_stride, int64_t vocab_begin, LossParams params, Transform t,
-                     bool extras, bool plain, RunningStats* running) {
+    fold_tile_kernel(const float* z, int64_t ld, int64_t valid, int64_t col0, Bias bias, TokenInputs tokens,
+                     int64_t vocab_begin, LossParams params, Transform t, bool extras, bool plain,
+                     RunningStats* running) {
   const int64_t r = blockIdx.x;
   const float* row = z + r * ld;
   const bool sum_logits = params.with_sum_logits();
@@ -76,25 +72,18 @@ __global__ void __launch_bounds__(kThreads)
   s.sum_logits = a.sum_logits;
   s.weighted = a.weighted;
   s.argmax = a.argmax;
-  const int64_t column = target_of(targets, wide_targets, target_stride, r) - vocab_begin - col0;
+  const int64_t column = tokens.target(r) - vocab_begin - col0;
   if (column >= 0 && column < valid) s.target = t.apply(row[column] + bias.at(column));
   s.columns += static_cast<int32_t>(valid);
   running[r] = s;
 }
 
-__global__ void finalize_kernel(const RunningStats* running, int64_t rows, const void* targets, bool wide_targets,
-                                int64_t target_stride, const float* weights, int64_t weight_stride, int64_t vocab_begin,
+__global__ void finalize_kernel(const RunningStats* running, int64_t rows, TokenInputs tokens, int64_t vocab_begin,
                                 LossParams params, int64_t width, float* stats, int64_t ld, RankHeader* header) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= rows) return;
   const RunningStats s = running[i];
-  const int64_t y = target_of(targets, wide_targets, target_stride, i);
-  const bool bad_target = !params.ignored(y) && (y < 0 || y >= params.valid_vocab);
-  const bool bad_weight =
-      weights != nullptr && !(isfinite(weights[i * weight_stride]) && weights[i * weight_stride] >= 0.0f);
-  if ((bad_target || bad_weight) && header != nullptr) {
-    atomicCAS(&header->status, 0, static_cast<int32_t>(Code::kInvalidArgument));  // its message is ready
-  }
+  tokens.flag_bad(i, tokens.target(i), params, header);
   float* out = stats + i * ld;
   out[0] = s.max;
   out[1] = static_cast<float>(s.sum_exp);
@@ -113,19 +102,14 @@ __global__ void finalize_kernel(const RunningStats* running, int64_t rows, const
 // element for element), and optionally its two bf16 parts, or (lo null) its bf16 rounding,
 // which then replaces it in z too.
 __global__ void __launch_bounds__(kThreads)
-    tile_gradient_kernel(float* z, int64_t ld, int64_t cols, int64_t valid, int64_t col0, Bias bias,
-                         const void* targets, bool wide_targets, int64_t target_stride, const float* weights,
-                         int64_t weight_stride, LseTokens lse, const float* grad_loss, int64_t grad_loss_stride,
-                         const double* shared_upstream, int64_t vocab_begin, LossParams params, Transform t, bool plain,
-                         __nv_bfloat16* hi, __nv_bfloat16* lo) {
+    tile_gradient_kernel(float* z, int64_t ld, int64_t cols, int64_t valid, int64_t col0, Bias bias, GradientParams p,
+                         bool plain, __nv_bfloat16* hi, __nv_bfloat16* lo) {
   const int64_t r = blockIdx.x;
-  const int64_t y = target_of(targets, wide_targets, target_stride, r);
-  const double upstream =
-      shared_upstream != nullptr ? *shared_upstream : static_cast<double>(grad_loss[r * grad_loss_stride]);
-  const float weight = weights != nullptr ? weights[r * weight_stride] : 1.0f;
-  const GradientConstants k = gradient_constants(y, upstream, weight, lse.get(r), params);
-  const float target_term = target_weight(params);
-  const int64_t target_column = y - vocab_begin - col0;
+  const int64_t y = p.tokens.target(r);
+  const GradientConstants k = p.constants(r, y);
+  const Transform t = p.t;
+  const float target_term = target_weight(p.params);
+  const int64_t target_column = y - p.vocab_begin - col0;
   float* row = z + r * ld;
   int64_t done = 0;  // columns the plain path took
   if (plain && k.upstream != 0.0f) {
@@ -259,9 +243,8 @@ Status fold_tile(const float* z, int64_t ld, int64_t rows, const TileColumns& co
                  cudaStream_t stream) {
   if (rows == 0) return {};
   fold_tile_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-      z, ld, columns.valid, columns.col0, bias_of(columns), targets.base, targets.dtype == kInt64, targets.stride,
-      vocab_begin, params, transform_of(params), extras, is_plain(params) && !extras && columns.bias == nullptr,
-      running);
+      z, ld, columns.valid, columns.col0, bias_of(columns), token_inputs(targets, TokenVector{}), vocab_begin, params,
+      transform_of(params), extras, is_plain(params) && !extras && columns.bias == nullptr, running);
   return launched("head: tile statistics");
 }
 
@@ -269,9 +252,8 @@ Status finalize_stats(const RunningStats* running, int64_t rows, const TokenVect
                       int64_t vocab_begin, const LossParams& params, int64_t width, float* stats, int64_t ld,
                       RankHeader* header, cudaStream_t stream) {
   if (rows == 0) return {};
-  finalize_kernel<<<grid_for(rows, kThreads), kThreads, 0, stream>>>(
-      running, rows, targets.base, targets.dtype == kInt64, targets.stride,
-      reinterpret_cast<const float*>(weights.base), weights.stride, vocab_begin, params, width, stats, ld, header);
+  finalize_kernel<<<grid_for(rows, kThreads), kThreads, 0, stream>>>(running, rows, token_inputs(targets, weights),
+                                                                     vocab_begin, params, width, stats, ld, header);
   return launched("head: statistics");
 }
 
@@ -280,12 +262,10 @@ Status tile_gradient(float* z, int64_t ld, int64_t rows, const TileColumns& colu
                      const double* shared, int64_t vocab_begin, const LossParams& params, void* hi, void* lo,
                      cudaStream_t stream) {
   if (rows == 0 || columns.cols == 0) return {};
+  const GradientParams p = gradient_params(targets, weights, lse, grad_loss, shared, vocab_begin, params);
   tile_gradient_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-      z, ld, columns.cols, columns.valid, columns.col0, bias_of(columns), targets.base, targets.dtype == kInt64,
-      targets.stride, reinterpret_cast<const float*>(weights.base), weights.stride, lse_tokens(lse),
-      reinterpret_cast<const float*>(grad_loss.base), grad_loss.stride, shared, vocab_begin, params,
-      transform_of(params), is_plain(params) && columns.bias == nullptr, static_cast<__nv_bfloat16*>(hi),
-      static_cast<__nv_bfloat16*>(lo));
+      z, ld, columns.cols, columns.valid, columns.col0, bias_of(columns), p,
+      is_plain(params) && columns.bias == nullptr, static_cast<__nv_bfloat16*>(hi), static_cast<__nv_bfloat16*>(lo));
   return launched("head: tile gradient");
 }
 
