@@ -25,11 +25,11 @@ namespace {
 
 // 12 FMAs on the registers of width R ("z": zmm, "y": ymm).
 #define VPCE_FMA(R, k) "vfmadd132ps %%" R "mm12, %%" R "mm13, %%" R "mm" #k "\n\t"
-#define VPCE_FMAS(R)                                                                                       \
-  VPCE_FMA(R, 0)                                                                                           \
-  VPCE_FMA(R, 1)                                                                                           \
-  VPCE_FMA(R, 2) VPCE_FMA(R, 3) VPCE_FMA(R, 4) VPCE_FMA(R, 5) VPCE_FMA(R, 6) VPCE_FMA(R, 7) VPCE_FMA(R, 8) \
-      VPCE_FMA(R, 9) VPCE_FMA(R, 10) VPCE_FMA(R, 11)
+// clang-format off
+#define VPCE_FMAS(R)                                                                          \
+  VPCE_FMA(R, 0) VPCE_FMA(R, 1) VPCE_FMA(R, 2) VPCE_FMA(R, 3) VPCE_FMA(R, 4) VPCE_FMA(R, 5)  \
+  VPCE_FMA(R, 6) VPCE_FMA(R, 7) VPCE_FMA(R, 8) VPCE_FMA(R, 9) VPCE_FMA(R, 10) VPCE_FMA(R, 11)
+// clang-format on
 #define VPCE_ONE(R, k) "vmovaps %%" R "mm12, %%" R "mm" #k "\n\t"
 
 // A loop of `iterations` (>= 1) times the FMAs and `probe`, on registers of width R. R12

@@ -4,7 +4,7 @@
 set -euo pipefail
 # ocl-icd-opencl-dev: libdnnl-dev only recommends it, but oneDNN's CMake config fails
 # without OpenCL's library and headers, and the install skips recommendations.
-packages=(g++ cmake make libgtest-dev libbenchmark-dev libcli11-dev libdlpack-dev libxxhash-dev libhwy-dev libdnnl-dev ocl-icd-opencl-dev python3-torch clang libclang-rt-14-dev
+packages=(g++ cmake make libgtest-dev libbenchmark-dev libcli11-dev libdlpack-dev libxxhash-dev libhwy-dev libdnnl-dev ocl-icd-opencl-dev python3-torch clang clang-format libclang-rt-14-dev
   libopenmpi-dev openmpi-bin libmpich-dev mpich python3-venv python3-pip python3-pytest)
 missing=()
 for p in "${packages[@]}"; do

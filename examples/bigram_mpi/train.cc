@@ -172,8 +172,9 @@ int main(int argc, char** argv) {
     const auto x = vpce::TensorView::contiguous(logits.data(), vpce::kFloat32, {n, cols});
     const auto y = vpce::TensorView::contiguous(targets.data(), vpce::kInt64, {n});
     const auto lse_view = vpce::TensorView::contiguous(lse.data(), vpce::kFloat64, {n});
-    if (vpce::Status s = vpce::forward(*comm, x, y, shard, options, vpce::TensorView::contiguous(&loss, vpce::kFloat32, {1}),
-                                       lse_view, {}, &workspace);
+    if (vpce::Status s =
+            vpce::forward(*comm, x, y, shard, options, vpce::TensorView::contiguous(&loss, vpce::kFloat32, {1}),
+                          lse_view, {}, &workspace);
         !s.ok()) {
       abort_job(rank, s);
     }

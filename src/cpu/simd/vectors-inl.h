@@ -37,7 +37,7 @@ constexpr size_t kMaxLanes = 64;  // more than any target's fp32 lanes
 // f(tag) with tag a null pointer to the storage type `type` names (float, BFloat16 or
 // Float16): the one switch from a run-time dtype to the kernels' templates.
 template <class F>
-HWY_INLINE decltype(auto) WithStorageType(int32_t type, F&& f) {
+decltype(auto) WithStorageType(int32_t type, F&& f) {
   switch (static_cast<StorageType>(type)) {
     case StorageType::kBFloat16: return f(static_cast<BFloat16*>(nullptr));
     case StorageType::kFloat16: return f(static_cast<Float16*>(nullptr));
@@ -140,7 +140,7 @@ HWY_INLINE void StoreBf16PairsRounded(VF even, VF odd, BFloat16* p) {
 // operations per 32 values, against about 22 for two StoreFull calls.
 HWY_INLINE void StoreBf16PairsSoftware(VF even, VF odd, BFloat16* p) {
   const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-  auto round = [&](VF v) {
+  auto round = [&](VF v) __attribute__((always_inline)) {
     const __m512i bits = _mm512_castps_si512(v.raw);
     const __mmask16 ordered = _mm512_cmp_ps_mask(v.raw, v.raw, _CMP_ORD_Q);
     const __m512i increment = _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one));
@@ -162,7 +162,7 @@ inline bool HasAvx512Bf16() { return cpu_has_avx512_bf16() && bf16_instructions_
 // blend, a narrowing and a lane permutation).
 HWY_INLINE void StoreBf16PairsNearest(DF d, VF even, VF odd, BFloat16* p) {
   const hn::RebindToUnsigned<DF> du;
-  auto round = [&](VF v) {
+  auto round = [&](VF v) __attribute__((always_inline)) {
     const auto binade = hn::Max(hn::And(hn::BitCast(du, v), hn::Set(du, 0x7F800000u)), hn::Set(du, 0x00800000u));
     const VF m = hn::BitCast(d, hn::Add(binade, hn::Set(du, 0x08400000u)));  // + 16 in the exponent, mantissa 1.5
     return hn::BitCast(du, hn::Sub(hn::Add(v, m), m));
@@ -243,7 +243,7 @@ HWY_INLINE void StoreGradient(DF d, VF v, G* p) {
 // Returns the groups read (all of them); *max the max as fp32, -inf for none.
 #if HWY_TARGET != HWY_SCALAR
 template <class T>
-HWY_INLINE int64_t RawMax16(const T* p, int64_t groups, float* max) {
+int64_t RawMax16(const T* p, int64_t groups, float* max) {
   const hn::Repartition<int16_t, DF> d16;
   const auto lanes16 = static_cast<int64_t>(hn::Lanes(d16));
   const auto* bits = reinterpret_cast<const int16_t*>(p);
