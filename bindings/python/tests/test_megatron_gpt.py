@@ -1,0 +1,181 @@
+"""vpce.megatron.fuse_output_layer on the real megatron-core GPTModel (from PyPI), trained:
+a tiny GPTModel (2 layers, tensor parallelism 2 on gloo, on the CPU) trained a few steps of
+Adam with Megatron's own output layer and loss, then from the same initial weights with the
+integration (recompute and chunked modes), tied and untied embeddings, a bias on the output
+layer, a loss mask with zeros, gradient-accumulation fusion into main_grad: step 1's loss and
+every parameter's gradient within fp32 rounding of Megatron's, every rank's loss identical,
+the training curves together. A forward without labels still returns Megatron's logits.
+
+The CPU patches GPTModel needs, and only those (docs/python.md lists them): Megatron's CUDA
+RNG tracker replaced by one whose fork() does nothing (dropout is 0 here), and
+torch.cuda.current_device answering "cpu". Sequence parallelism needs reduce-scatter, which
+gloo lacks, so it is not trained here (vpce.torch's head is tested with it in
+test_linear_cross_entropy.py); multi-token prediction is not built here either."""
+import contextlib
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core (needs PyTorch >= 2.6) is not installed")
+
+import torch.distributed as dist  # noqa: E402
+
+import vpce.torch as vt  # noqa: E402
+from reference import relative_error  # noqa: E402
+from test_distributed import spawn  # noqa: E402
+
+VOCAB, HIDDEN, SEQUENCE, BATCH, STEPS = 96, 32, 16, 2, 4
+
+
+def cpu_patches():
+    """The two patches GPTModel needs on a CPU (the docs' recipe)."""
+    import megatron.core.tensor_parallel.random as random  # noqa: PLC0415
+
+    class Tracker:  # Megatron's CUDA RNG tracker: forks only around dropout
+        def fork(self, name=None):
+            return contextlib.nullcontext()
+
+        def add(self, name, seed):
+            pass
+
+    import megatron.core.tensor_parallel as tensor_parallel  # noqa: PLC0415
+
+    tracker = Tracker()
+    random.get_cuda_rng_tracker = tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: tracker
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def build(size, tied, bias, fusion):
+    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
+    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
+
+    torch.manual_seed(0)  # the same weights on every rank before each layer takes its part
+    config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True,
+                               tensor_model_parallel_size=size, params_dtype=torch.float32, hidden_dropout=0.0,
+                               attention_dropout=0.0, add_bias_linear=bias,
+                               gradient_accumulation_fusion=False)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                     max_sequence_length=SEQUENCE, share_embeddings_and_output_weights=tied)
+    if fusion:  # Megatron's DDP buffers, as gradient-accumulation fusion adds into them
+        model.output_layer.gradient_accumulation_fusion = True
+    return model
+
+
+def batch(step):
+    generator = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=generator)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=generator)
+    loss_mask = (torch.rand(BATCH, SEQUENCE, generator=generator) > 0.25).float()
+    position_ids = torch.arange(SEQUENCE).unsqueeze(0).expand(BATCH, SEQUENCE)
+    attention_mask = torch.ones(BATCH, 1, SEQUENCE, SEQUENCE, dtype=torch.bool).tril().logical_not()
+    return tokens, position_ids, attention_mask, labels, loss_mask
+
+
+def train(size, tied, bias, fused, mode="recompute", fusion=False):
+    """(losses of each step, step 1's gradients, the no-label logits of step 1)."""
+    import vpce.megatron  # noqa: PLC0415
+
+    model = build(size, tied, bias, fusion)
+    if fusion:
+        for parameter in model.parameters():
+            parameter.main_grad = torch.zeros_like(parameter)
+    if fused:
+        vpce.megatron.fuse_output_layer(model, mode=mode)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses, first_gradients = [], None
+    calls = []  # vpce's head, counted: a fused model must take it at every step, never the logits
+    head = vt.linear_cross_entropy
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("mode"))
+        return head(*args, **kwargs)
+
+    vt.linear_cross_entropy = counted
+    for step in range(STEPS):
+        tokens, position_ids, attention_mask, labels, loss_mask = batch(step)
+        optimizer.zero_grad()
+        if fusion:
+            for parameter in model.parameters():
+                parameter.main_grad.zero_()
+        per_token = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+        assert per_token.shape == (BATCH, SEQUENCE)
+        loss = (per_token * loss_mask).sum() / loss_mask.sum()  # Megatron's loss function
+        loss.backward()
+        if fusion:  # what Megatron's optimizer does: main_grad is the gradient
+            for parameter in model.parameters():
+                if parameter.grad is None:
+                    parameter.grad = parameter.main_grad.clone()
+                else:
+                    parameter.grad += parameter.main_grad
+        if step == 0:
+            first_gradients = {name: parameter.grad.detach().clone() for name, parameter in model.named_parameters()}
+        losses.append(loss.detach())
+        optimizer.step()
+    with torch.no_grad():
+        tokens, position_ids, attention_mask, _, _ = batch(0)
+        logits = model(tokens, position_ids, attention_mask)  # no labels: Megatron's logits
+    vt.linear_cross_entropy = head
+    assert calls == ([mode] * STEPS if fused else []), calls
+    return losses, first_gradients, logits
+
+
+def worker(rank, size, init_file):
+    from test_megatron_core import megatron_init  # noqa: PLC0415
+
+    group = megatron_init(rank, size, init_file)
+    cpu_patches()
+    for tied, bias, fusion in ((True, False, False), (False, True, False), (True, False, True)):
+        # (Megatron's own gradient-accumulation fusion is a CUDA kernel: its run here is without.)
+        want_losses, want_gradients, want_logits = train(size, tied, bias, fused=False)
+        for mode in ("recompute", "chunked"):
+            losses, grads, logits = train(size, tied, bias, fused=True, mode=mode, fusion=fusion)
+            case = f"tied={tied} bias={bias} fusion={fusion} mode={mode}"
+            # Step 1 from the same weights: the loss within fp32 rounding, every gradient too.
+            assert relative_error(losses[0], want_losses[0]) < 4e-7, (case, losses[0], want_losses[0])
+            for name, want in want_gradients.items():
+                assert relative_error(grads[name], want) < 2e-5, (case, name, relative_error(grads[name], want))
+            # The curves stay together; without labels the model still gives the logits.
+            for step in range(STEPS):
+                assert relative_error(losses[step], want_losses[step]) < 1e-4, (case, step)
+            assert logits.shape == want_logits.shape and relative_error(logits, want_logits) < 1e-3, case
+            # Every rank has the same loss, bit for bit.
+            gathered = [torch.zeros_like(losses[0]) for _ in range(size)]
+            dist.all_gather(gathered, losses[0], group=group)
+            assert all(torch.equal(g, gathered[0]) for g in gathered), (case, gathered)
+    dist.destroy_process_group()
+
+
+def refusal_worker(rank, size, init_file):
+    from test_megatron_core import megatron_init  # noqa: PLC0415
+
+    import vpce.megatron  # noqa: PLC0415
+
+    megatron_init(rank, size, init_file)
+    cpu_patches()
+    model = build(size, tied=False, bias=False, fusion=False)
+    with pytest.raises(ValueError, match="mode: expected one of"):
+        vpce.megatron.fuse_output_layer(model, mode="fast")
+    with pytest.raises(ValueError, match="reduction: set by the mode"):
+        vpce.megatron.fuse_output_layer(model, reduction="sum")
+    model.output_layer.gather_output = True
+    with pytest.raises(ValueError, match="not supported: an output layer with gather_output=True"):
+        vpce.megatron.fuse_output_layer(model)
+    model.output_layer.gather_output = False
+    vpce.megatron.fuse_output_layer(model, mode="chunked")
+    assert vpce.megatron.is_fused(model)
+    tokens, position_ids, attention_mask, labels, _ = batch(0)
+    with pytest.raises(ValueError, match="the chunked mode needs the forward's loss_mask"):
+        model(tokens, position_ids, attention_mask, labels=labels)
+    vpce.megatron.unfuse_output_layer(model)
+    assert not vpce.megatron.is_fused(model)
+    assert "forward" not in vars(model) and "forward" not in vars(model.output_layer)
+    dist.destroy_process_group()
+
+
+def test_fused_gpt_model_trains_as_megatrons():
+    spawn(worker, 2)
+
+
+def test_fuse_output_layer_refuses_what_it_does_not_support():
+    spawn(refusal_worker, 1)

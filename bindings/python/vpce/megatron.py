@@ -1,0 +1,216 @@
+"""vpce.megatron: megatron-core's GPTModel with its output layer and loss fused by vpce.
+
+    import vpce.megatron
+    model = GPTModel(config, ...)                       # as usual
+    vpce.megatron.fuse_output_layer(model)              # one call, before training
+
+From then on a forward given `labels` computes the output layer and the per-token loss with
+`vpce.torch.linear_cross_entropy`, without building the logits: the hidden states and this
+rank's output-weight rows go straight to vpce's fused head (tensor parallelism, sequence
+parallelism, tied embeddings, gradient-accumulation fusion into `main_grad`, the layer's bias,
+multi-token prediction, the last pipeline stage). A forward without labels, and inference,
+keep Megatron's own path and get the logits. Nothing of Megatron's code is edited: the model
+instance's `forward`, its `compute_language_model_loss` and its output layer's `forward` are
+wrapped (the parameters, their names and the checkpoints are unchanged), and
+`unfuse_output_layer(model)` takes the wrappers off.
+
+Modes (keyword `mode`):
+- "recompute" (default): the per-token loss [b, s], as GPTModel returns it; the backward
+  recomputes the logit tiles (vpce/head.h).
+- "chunked": the gradients are computed in the forward, chunk by chunk, for the loss summed
+  over the tokens that `loss_mask` keeps (the forward must be given `loss_mask`). The model
+  still returns a [b, s] tensor, each kept token holding the mean loss of the kept tokens (the
+  per-token values are not computed), so that `(loss * loss_mask).sum()`, as Megatron's loss
+  functions take it, is the exact sum and its gradient the exact gradient; a loss function
+  that weighs tokens differently must use "recompute".
+
+Precision: the logits are fp32 products of the operands (bf16 operands too), as vpce's head
+computes them; Megatron's bf16 output layer rounds them to bf16 before its loss, so a bf16
+run's losses differ from Megatron's by that rounding (vpce's are the more exact).
+
+What it refuses, naming it (rather than computing something else): an output layer that
+gathers its output (`gather_output` or `runtime_gather_output=True`), deferred embedding
+weight-gradients (`defer_embedding_wgrad_compute`), `disable_grad_reduce` or
+`explicit_expert_comm` output layers, and the config logger (it would log the logits).
+"""
+from __future__ import annotations
+
+import contextvars
+import inspect
+
+import torch
+
+from . import torch as vt
+
+__all__ = ["fuse_output_layer", "unfuse_output_layer", "is_fused"]
+
+_MODES = ("recompute", "chunked")
+# Set while a fused model's forward runs with labels: (the fused model, its loss_mask).
+_ACTIVE = contextvars.ContextVar("vpce_megatron_active", default=None)
+
+
+class _Deferred:
+    """What the fused output layer returns instead of logits: its operands, for
+    compute_language_model_loss to hand to vpce's head."""
+
+    def __init__(self, layer, hidden, weight):
+        self.layer, self.hidden, self.weight = layer, hidden, weight
+
+
+def _unwrap(model):
+    """The GPTModel inside Megatron's wrappers (DDP, Float16Module: their .module)."""
+    seen = model
+    while not hasattr(seen, "compute_language_model_loss") and hasattr(seen, "module"):
+        seen = seen.module
+    if not (hasattr(seen, "compute_language_model_loss") and hasattr(seen, "forward")):
+        raise TypeError(f"vpce.megatron: expected a megatron-core GPTModel (or a wrapper of one), got "
+                        f"{type(model).__name__}")
+    return seen
+
+
+def _check_layer(model, layer, mode):
+    config = model.config
+    refused = []
+    if getattr(layer, "gather_output", False):
+        refused.append("an output layer with gather_output=True")
+    if getattr(config, "defer_embedding_wgrad_compute", False):
+        refused.append("defer_embedding_wgrad_compute")
+    if getattr(layer, "disable_grad_reduce", False):
+        refused.append("an output layer with disable_grad_reduce")
+    if getattr(layer, "explicit_expert_comm", False):
+        refused.append("an output layer with explicit_expert_comm")
+    if getattr(config, "config_logger_dir", ""):
+        refused.append("the config logger (config_logger_dir: it logs the logits)")
+    if mode == "chunked" and getattr(config, "mtp_num_layers", None):
+        refused.append("the chunked mode with multi-token prediction (its heads' masks roll with their labels: use "
+                       "mode='recompute')")
+    if refused:
+        raise ValueError("vpce.megatron.fuse_output_layer: not supported: " + ", ".join(refused))
+
+
+def fuse_output_layer(model, *, mode="recompute", **options):
+    """Makes `model` (a megatron-core GPTModel, a wrapper of one, or a list of them: the
+    virtual pipeline's chunks) compute its output layer and loss with
+    vpce.torch.linear_cross_entropy whenever its forward is given labels. `mode`: "recompute"
+    or "chunked" (see the module's documentation); `options`: linear_cross_entropy's keyword
+    options (token_block, vocab_block, chunk_tokens, bf16_logit_gradients, num_threads,
+    logit_scale, softcap, z_loss_weight, ...; not reduction, which the mode sets). Returns
+    `model`. A model on a stage without the output layer is left as it is."""
+    if isinstance(model, (list, tuple)):
+        for chunk in model:
+            fuse_output_layer(chunk, mode=mode, **options)
+        return model
+    if mode not in _MODES:
+        raise ValueError(f"mode: expected one of {list(_MODES)}, got {mode!r}")
+    if "reduction" in options:
+        raise ValueError("reduction: set by the mode (recompute: per token, chunked: the kept tokens' sum), "
+                         f"got reduction={options['reduction']!r}")
+    gpt = _unwrap(model)
+    if is_fused(gpt):
+        raise ValueError("vpce.megatron.fuse_output_layer: the model is fused already")
+    if not getattr(gpt, "post_process", True) or getattr(gpt, "output_layer", None) is None:
+        return model  # a pipeline stage without the output layer
+    layer = gpt.output_layer
+    _check_layer(gpt, layer, mode)
+    _wrap(gpt, layer, mode, dict(options))
+    return model
+
+
+def is_fused(model):
+    """Whether fuse_output_layer has been applied to `model` (or the GPTModel inside it)."""
+    return "_vpce_fused" in vars(_unwrap(model))
+
+
+def unfuse_output_layer(model):
+    """Takes fuse_output_layer's wrappers off `model` (a list: each chunk). Returns `model`."""
+    if isinstance(model, (list, tuple)):
+        for chunk in model:
+            unfuse_output_layer(chunk)
+        return model
+    gpt = _unwrap(model)
+    state = vars(gpt).pop("_vpce_fused", None)
+    if state is not None:
+        for owner, name in ((gpt, "forward"), (gpt, "compute_language_model_loss"), (state["layer"], "forward")):
+            vars(owner).pop(name, None)
+    return model
+
+
+def _wrap(gpt, layer, mode, options):
+    model_forward = gpt.forward
+    model_loss = gpt.compute_language_model_loss
+    layer_forward = layer.forward
+    signature = inspect.signature(model_forward)
+    if "labels" not in signature.parameters:
+        raise TypeError("vpce.megatron: expected GPTModel.forward to take `labels`; this megatron-core's does not")
+
+    def forward(*args, **kwargs):
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        inference = bound.get("inference_context") is not None or bound.get("inference_params") is not None
+        if bound.get("labels") is None or (inference and not gpt.training):
+            return model_forward(*args, **kwargs)
+        if mode == "chunked" and bound.get("loss_mask") is None:
+            raise ValueError("vpce.megatron: the chunked mode needs the forward's loss_mask (it sums the kept tokens' "
+                             "losses in the forward)")
+        token = _ACTIVE.set((gpt, bound.get("loss_mask")))
+        try:
+            return model_forward(*args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+
+    def output_layer_forward(input_, weight=None, runtime_gather_output=None):
+        active = _ACTIVE.get()
+        if active is None or active[0] is not gpt:
+            return layer_forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        if runtime_gather_output:
+            raise ValueError("vpce.megatron: runtime_gather_output=True is not supported with labels (the fused "
+                             "head never builds the logits it would gather)")
+        if weight is None:
+            weight = layer.weight
+        elif tuple(weight.shape) != (layer.output_size_per_partition, layer.input_size):
+            raise RuntimeError(f"supplied weight's shape is {tuple(weight.shape)}, not "
+                               f"{(layer.output_size_per_partition, layer.input_size)} as expected")
+        return _Deferred(layer, input_, weight), (layer.bias if layer.skip_bias_add else None)
+
+    def compute_language_model_loss(labels, logits):
+        if not isinstance(logits, _Deferred):
+            return model_loss(labels, logits)
+        return _fused_loss(gpt, labels, logits, mode, options, _ACTIVE.get()[1])
+
+    vars(gpt)["forward"] = forward
+    vars(gpt)["compute_language_model_loss"] = compute_language_model_loss
+    vars(layer)["forward"] = output_layer_forward
+    vars(gpt)["_vpce_fused"] = {"layer": layer, "mode": mode}
+
+
+def _tp_group(gpt, layer):
+    group = getattr(layer, "tp_group", None)
+    if group is None:
+        group = getattr(getattr(gpt, "pg_collection", None), "tp", None)
+    if group is None:
+        from megatron.core import parallel_state  # noqa: PLC0415
+
+        group = parallel_state.get_tensor_model_parallel_group()
+    return group
+
+
+def _fused_loss(gpt, labels, deferred, mode, options, loss_mask):
+    """GPTModel.compute_language_model_loss(labels [b, s], logits) on the deferred operands:
+    the per-token loss [b, s]."""
+    layer = deferred.layer
+    target = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
+    common = dict(tp_group=_tp_group(gpt, layer), bias=None if layer.skip_bias_add else layer.bias,
+                  sequence_parallel=bool(layer.sequence_parallel),
+                  gradient_accumulation_fusion=bool(layer.gradient_accumulation_fusion), **options)
+    if mode == "recompute":
+        loss = vt.linear_cross_entropy(deferred.hidden, deferred.weight, target, mode="recompute", reduction="none",
+                                       **common)
+        return loss.transpose(0, 1).contiguous()
+    # chunked (no MTP): the sum over the tokens loss_mask keeps (the others ignored), spread as
+    # its mean over them.
+    mask = loss_mask
+    ignore = options.get("ignore_index", -100)
+    kept = mask.transpose(0, 1) != 0
+    total = vt.linear_cross_entropy(deferred.hidden, deferred.weight, target.masked_fill(~kept, ignore),
+                                    mode="chunked", reduction="sum", **common)
+    count = kept.sum().clamp(min=1).to(total.dtype)
+    return (total / count).expand(labels.shape) * (mask != 0).to(total.dtype)
