@@ -435,7 +435,6 @@ TEST(Adversarial, NanLogitMakesItsTokenNanOnEveryTarget) {
 // loss and lse are NaN, as PyTorch and the oracle give; the other tokens stay exact. (A
 // chunk whose every element is NaN or -inf has max -inf, and was once taken for empty.)
 TEST(Adversarial, NanVectorsChunksRowsAndShardsReachTheLoss) {
-  const float nan = std::numeric_limits<float>::quiet_NaN();
   struct Span {
     int64_t vocab, begin, end;  // NaN in columns [begin, end) of token 0's row
     bool with_minus_inf;        // and -inf in the rest of that shard's columns
@@ -450,12 +449,7 @@ TEST(Adversarial, NanVectorsChunksRowsAndShardsReachTheLoss) {
       for (DataType dtype : {kFloat32, kBFloat16}) {
         for (bool extras : {false, true}) {
           for (int ranks : {1, 2}) {
-            Problem p = random_problem(2, span.vocab, dtype, 43, 1.0f);
-            p.targets = {0, 1};
-            for (int64_t v = span.begin; v < span.end; ++v) p.set(0, v, nan);
-            if (span.with_minus_inf) {
-              for (int64_t v = span.vocab / 2; v < span.begin; ++v) p.set(0, v, -kInf);
-            }
+            Problem p = nan_span_problem(span.vocab, span.begin, span.end, span.with_minus_inf, dtype, 1.0f);
             const std::vector<double> x = p.as_double();
             RunOptions options;
             options.extras = extras;

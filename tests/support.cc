@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include <hwy/targets.h>
 
@@ -48,6 +49,17 @@ std::vector<double> Problem::as_double() const {
 TensorView Problem::shard_view(const VocabShard& shard) {
   return TensorView::matrix(base() + shard.vocab_begin * dtype.bytes(), dtype, tokens,
                             shard.vocab_end - shard.vocab_begin, ld);
+}
+
+Problem nan_span_problem(int64_t vocab, int64_t nan_begin, int64_t nan_end, bool minus_inf, DataType dtype,
+                         float stddev) {
+  Problem p = random_problem(2, vocab, dtype, 43, stddev);
+  p.targets = {0, 1};
+  for (int64_t v = nan_begin; v < nan_end; ++v) p.set(0, v, std::numeric_limits<float>::quiet_NaN());
+  if (minus_inf) {
+    for (int64_t v = vocab / 2; v < nan_begin; ++v) p.set(0, v, -std::numeric_limits<float>::infinity());
+  }
+  return p;
 }
 
 Problem random_problem(int64_t tokens, int64_t vocab, DataType dtype, uint64_t seed, float stddev) {

@@ -41,6 +41,12 @@ struct Problem {
 // Normal(0, stddev) logits rounded to `dtype`, uniform targets, upstream gradients in [0.5, 2).
 Problem random_problem(int64_t tokens, int64_t vocab, DataType dtype, uint64_t seed, float stddev = 3.0f);
 
+// Two tokens (targets 0 and 1) of `vocab` columns whose token 0 holds NaN in columns
+// [nan_begin, nan_end) and, with minus_inf, -inf in [vocab / 2, nan_begin): NaN singly, as
+// vectors, a row's tail or a shard, beside -inf; token 1 stays finite.
+Problem nan_span_problem(int64_t vocab, int64_t nan_begin, int64_t nan_end, bool minus_inf, DataType dtype,
+                         float stddev = 3.0f);
+
 struct RankOutputs {
   std::vector<float> loss;  // [N] for kNone, [1] otherwise
   std::vector<double> lse;  // as RunOptions::lse_dtype keeps it, widened

@@ -227,7 +227,6 @@ TEST(Cuda, LongRowsAndAdversarialValues) {
 // the general one (extras); token 1 keeps its fp64 value (as Adversarial's CPU test).
 TEST(Cuda, NanVectorsRowsAndShardsReachTheLoss) {
   REQUIRE_GPU();
-  const float nan = std::numeric_limits<float>::quiet_NaN();
   struct Span {
     int64_t vocab, begin, end;  // NaN in columns [begin, end) of token 0's row
     bool with_minus_inf;        // and -inf in [vocab / 2, begin)
@@ -241,12 +240,7 @@ TEST(Cuda, NanVectorsRowsAndShardsReachTheLoss) {
     for (DataType dtype : {kFloat32, kBFloat16}) {
       for (bool extras : {false, true}) {
         for (int ranks : {1, 2}) {
-          Problem p = random_problem(2, span.vocab, dtype, 43);
-          p.targets = {0, 1};
-          for (int64_t v = span.begin; v < span.end; ++v) p.set(0, v, nan);
-          if (span.with_minus_inf) {
-            for (int64_t v = span.vocab / 2; v < span.begin; ++v) p.set(0, v, -INFINITY);
-          }
+          Problem p = nan_span_problem(span.vocab, span.begin, span.end, span.with_minus_inf, dtype);
           const std::vector<double> x = p.as_double();
           RunOptions o;
           o.extras = extras;
