@@ -119,8 +119,9 @@ vpce::LossOptions fuzz_options(FuzzedDataProvider& in) {
   vpce::LossOptions o;
   const float floats[] = {0.0f, 0.1f, 0.5f, 1.0f, -0.5f, 3.0f, 1e30f, __builtin_nanf("")};
   if (in.ConsumeBool()) o.label_smoothing = floats[in.ConsumeIntegralInRange(0, 7)];
+  // kMegatron, kPyTorch, kMegatronLegacy, or a value outside the enum.
   o.smoothing_semantics =
-      static_cast<vpce::SmoothingSemantics>(in.ConsumeIntegralInRange(0, 2) == 2 ? 7 : in.ConsumeIntegralInRange(0, 1));
+      static_cast<vpce::SmoothingSemantics>(in.ConsumeIntegralInRange(0, 3) == 3 ? 7 : in.ConsumeIntegralInRange(0, 2));
   o.ignore_index = in.ConsumeIntegralInRange<int64_t>(-101, 12);
   if (in.ConsumeBool()) o.z_loss_weight = floats[in.ConsumeIntegralInRange(0, 7)];
   if (in.ConsumeBool()) o.logit_scale = floats[in.ConsumeIntegralInRange(0, 7)];

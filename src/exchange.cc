@@ -73,15 +73,15 @@ Status exchange_stats(Communicator& comm, Workspace::Buffers& buffers, const Exc
 
   *merged = RowMatrix{reinterpret_cast<char*>(buffers.merged.data()), kFloat32, n, width, width};
   // With label smoothing each rank's sum of logits is relative to its max: the merge rebases
-  // it by the rank's valid columns, from the headers (checked above to partition [0, V)).
-  const LossParams params = loss_params(call.options, call.shard.vocab_size);
+  // it by the rank's valid columns, from the headers (checked above to partition [0, V));
+  // with Megatron's legacy smoothing only this rank's own shard counts.
+  const LossParams params = loss_params(call.options, call.shard);
   const int64_t* columns = nullptr;
   if (params.with_sum_logits() && buffers.rank_columns.size() == static_cast<std::size_t>(ranks)) {
     for (int r = 0; r < ranks; ++r) {
       RankHeader h;
       std::memcpy(&h, recv + static_cast<std::size_t>(r) * payload, sizeof(h));
-      buffers.rank_columns[static_cast<std::size_t>(r)] =
-          valid_columns(h.vocab_begin, h.vocab_end - h.vocab_begin, params);
+      buffers.rank_columns[static_cast<std::size_t>(r)] = merged_mean_columns(h.vocab_begin, h.vocab_end, params);
     }
     columns = buffers.rank_columns.data();
   }

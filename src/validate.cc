@@ -220,20 +220,23 @@ Status check_shard(const VocabShard& shard, int64_t logits_cols, const char* log
   return {};
 }
 
-Status check_options(const LossOptions& options, int64_t vocab_size) {
+Status check_options(const LossOptions& options, const VocabShard& shard) {
+  const int64_t vocab_size = shard.vocab_size;
   // PyTorch's F.cross_entropy takes 1 (the target's weight is then 0, the uniform one 1);
   // Megatron's a V / (V - 1) would exceed 1.
   const float a = options.label_smoothing;
   const bool pytorch = options.smoothing_semantics == SmoothingSemantics::kPyTorch;
+  const bool legacy = options.smoothing_semantics == SmoothingSemantics::kMegatronLegacy;
   if (!(a >= 0.0f && (a < 1.0f || (pytorch && a == 1.0f)))) {
     return {Code::kInvalidArgument,
             expected_got("options.label_smoothing",
                          pytorch ? "a value in [0, 1] (PyTorch's semantics)" : "a value in [0, 1)", number_text(a))};
   }
   const auto semantics = static_cast<int32_t>(options.smoothing_semantics);
-  if (semantics != 0 && semantics != 1) {
+  if (semantics < 0 || semantics > 2) {
     return {Code::kInvalidArgument,
-            expected_got("options.smoothing_semantics", "kMegatron (0) or kPyTorch (1)", std::to_string(semantics))};
+            expected_got("options.smoothing_semantics", "kMegatron (0), kPyTorch (1) or kMegatronLegacy (2)",
+                         std::to_string(semantics))};
   }
   const auto reduction = static_cast<int32_t>(options.reduction);
   if (reduction < 0 || reduction > 2) {
@@ -268,8 +271,29 @@ Status check_options(const LossOptions& options, int64_t vocab_size) {
     return {Code::kInvalidArgument,
             expected_got("valid vocabulary size", ">= 2 when Megatron label smoothing is used", std::to_string(valid))};
   }
+  if (a > 0.0f && legacy) {
+    // Megatron's legacy smoothing spreads over the shard's own columns: a K / (K - 1).
+    const int64_t begin = std::clamp<int64_t>(shard.vocab_begin, 0, vocab_size);
+    const int64_t end = std::clamp<int64_t>(shard.vocab_end, begin, vocab_size);
+    const int64_t shard_valid = std::clamp<int64_t>(valid - begin, 0, end - begin);
+    if (shard_valid < 2) {
+      return {Code::kInvalidArgument, expected_got("shard's valid columns",
+                                                   ">= 2 when Megatron's legacy label smoothing is used (it divides "
+                                                   "by K - 1, K the shard's columns)",
+                                                   std::to_string(shard_valid))};
+    }
+  }
   if (Status s = check_thread_count("options.num_threads", options.num_threads); !s.ok()) return s;
   return {};
+}
+
+Status check_not_legacy_smoothing(const LossOptions& options, const char* function) {
+  if (options.smoothing_semantics != SmoothingSemantics::kMegatronLegacy) return {};
+  return {Code::kInvalidArgument,
+          expected_got("options.smoothing_semantics",
+                       std::string("kMegatron or kPyTorch in ") + function +
+                           " (the legacy smoothing needs the rank's shard: use forward() and backward())",
+                       "kMegatronLegacy")};
 }
 
 Status check_targets(const TokenVector& targets, int64_t valid_vocab, int64_t ignore_index, uint64_t* hash) {
@@ -339,7 +363,7 @@ Status check_loss_inputs(const TensorView& logits, const TensorView& targets, co
   }
   if (Status s = as_row_matrix(logits, "logits", &in.logits); !s.ok()) return s;
   if (Status s = check_shard(shard, in.logits.cols, "logits"); !s.ok()) return s;
-  if (Status s = check_options(options, shard.vocab_size); !s.ok()) return s;
+  if (Status s = check_options(options, shard); !s.ok()) return s;
   if (Status s = check_dtype("targets", targets.dtype, {kInt32, kInt64}, "int32 or int64"); !s.ok()) {
     return s;
   }

@@ -62,8 +62,11 @@ Status check_dtype(const char* name, DataType actual, std::initializer_list<Data
 
 // 0 <= begin <= end <= size, 1 <= size < 2^31, cols == end - begin.
 Status check_shard(const VocabShard& shard, int64_t logits_cols, const char* logits_name);
-// Every option in its range, given the global V (see LossOptions).
-Status check_options(const LossOptions& options, int64_t vocab_size);
+// Every option in its range, given this rank's shard (see LossOptions).
+Status check_options(const LossOptions& options, const VocabShard& shard);
+// The staged functions' refusal of Megatron's legacy smoothing (they do not know the rank's
+// shard); `function` names the caller.
+Status check_not_legacy_smoothing(const LossOptions& options, const char* function);
 
 // Every target in [0, valid_vocab) or equal to ignore_index; also folds the targets'
 // values into the 64-bit hash `hash` (the same for int32 and int64 storage).

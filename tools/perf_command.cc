@@ -335,7 +335,7 @@ Status check_perf_config(const PerfConfig& config) {
   for (int64_t vocab : config.vocab) {
     LossOptions options;
     options.label_smoothing = config.label_smoothing;
-    if (Status s = detail::check_options(options, vocab); !s.ok()) {
+    if (Status s = detail::check_options(options, VocabShard{0, vocab, vocab}); !s.ok()) {
       return {s.code(), "--label-smoothing: " + s.message()};
     }
     // Logits, their pristine copy and an fp32 gradient, at 4 bytes per element at most.

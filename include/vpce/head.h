@@ -99,6 +99,13 @@ struct HeadOptions {
   // 2^-126 |w| per term). Ranks may differ in it: each rank's gradients then carry its own
   // choice's rounding.
   bool bf16_logit_gradients = false;
+  // bf16 and fp16 operands: the logits rounded to the operands' dtype before the loss, as a
+  // bf16 or fp16 output layer returns them (torch.matmul, then + bias: z = round(round(h W^T) +
+  // b)), so that the loss and its logit gradients are those of a framework's bf16 or fp16 run
+  // (Megatron's) up to the GEMMs' order of summation; the gradient passes through the
+  // rounding unchanged, as theirs does. Off by default: fp32 logits, the more exact. No
+  // effect on fp32 operands. Every rank must pass the same value (the forward checks it).
+  bool round_logits = false;
 };
 
 // ---- recompute mode ---------------------------------------------------------------------

@@ -19,12 +19,20 @@ struct VocabShard {
 };
 
 enum class Reduction : int32_t { kNone = 0, kSum = 1, kMean = 2 };
-enum class SmoothingSemantics : int32_t { kMegatron = 0, kPyTorch = 1 };
+// kMegatron: the target keeps 1 - s, every other valid class s / (Vv - 1), s the label
+// smoothing; the same loss on every rank. kPyTorch: F.cross_entropy's (1 - s) onehot + s / Vv.
+// kMegatronLegacy: Megatron's vocab_parallel_cross_entropy(label_smoothing=s), which smooths
+// over this rank's shard only: with K the shard's valid columns and s' = s K / (K - 1), the
+// loss (1 - s') (lse - z_target) + s' (lse - mean of the shard's z) and its gradient
+// p - (1 - s') onehot - s' / K, different on every rank (for parity with Megatron's runs).
+enum class SmoothingSemantics : int32_t { kMegatron = 0, kPyTorch = 1, kMegatronLegacy = 2 };
 
 struct LossOptions {
-  // Label smoothing a in [0, 1), with Megatron's semantics (the default), or in [0, 1]
-  // with PyTorch's (F.cross_entropy takes 1: the target's weight is then 0).
-  // Megatron's needs at least 2 valid classes when a > 0.
+  // Label smoothing a in [0, 1), with Megatron's semantics (the default) or its legacy
+  // per-shard ones, or in [0, 1] with PyTorch's (F.cross_entropy takes 1: the target's weight
+  // is then 0). Megatron's needs at least 2 valid classes when a > 0, the legacy ones 2 valid
+  // columns on every rank; the legacy ones only through forward() and backward() and the
+  // head (the staged calculate_loss and merge_stats do not know the rank's shard).
   float label_smoothing = 0.0f;
   SmoothingSemantics smoothing_semantics = SmoothingSemantics::kMegatron;
   // Tokens whose target equals this get loss 0 and a zero gradient, and are not counted.

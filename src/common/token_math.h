@@ -18,11 +18,16 @@
 
 namespace vpce::detail {
 
-// The constants of the loss, derived once from the options and the global V.
+// The constants of the loss, derived once from the options and this rank's shard.
 struct LossParams {
-  int64_t vocab_size = 0;   // V
-  int64_t valid_vocab = 0;  // Vv: columns [Vv, V) are padding
-  double smoothing = 0.0;   // s: a Vv / (Vv - 1) (Megatron) or a (PyTorch); 0 when off
+  int64_t vocab_size = 0;          // V
+  int64_t valid_vocab = 0;         // Vv: columns [Vv, V) are padding
+  double smoothing = 0.0;          // s: a Vv / (Vv - 1) (Megatron), a (PyTorch), a K / (K - 1) (legacy); 0 when off
+  double smoothing_columns = 0.0;  // the classes s spreads over: Vv, or K (the shard's valid columns, legacy)
+  // Megatron's legacy smoothing: the mean of logits is this shard's [shard_begin, shard_end).
+  bool shard_smoothing = false;
+  int64_t shard_begin = 0;
+  int64_t shard_end = 0;
   double z_loss = 0.0;
   float logit_scale = 1.0f;
   float softcap = 0.0f;
@@ -33,15 +38,27 @@ struct LossParams {
   VPCE_HD bool ignored(int64_t target) const { return target == ignore_index; }
 };
 
-inline LossParams loss_params(const LossOptions& options, int64_t vocab_size) {
+// The columns of a shard [vocab_begin, vocab_begin + cols) that are real classes (not
+// padding beyond Vv), counted from the shard's first column.
+VPCE_HD inline int64_t valid_columns(int64_t vocab_begin, int64_t cols, const LossParams& p) {
+  const int64_t valid = p.valid_vocab - vocab_begin;
+  return valid < 0 ? 0 : valid > cols ? cols : valid;
+}
+
+inline LossParams loss_params(const LossOptions& options, const VocabShard& shard) {
   LossParams p;
-  p.vocab_size = vocab_size;
-  p.valid_vocab = options.valid_vocab_size > 0 ? options.valid_vocab_size : vocab_size;
-  const auto a = static_cast<double>(options.label_smoothing);
-  const auto vv = static_cast<double>(p.valid_vocab);
-  if (a != 0.0) {
-    p.smoothing = options.smoothing_semantics == SmoothingSemantics::kPyTorch ? a : a * vv / (vv - 1.0);
+  p.vocab_size = shard.vocab_size;
+  p.valid_vocab = options.valid_vocab_size > 0 ? options.valid_vocab_size : shard.vocab_size;
+  p.smoothing_columns = static_cast<double>(p.valid_vocab);
+  if (options.smoothing_semantics == SmoothingSemantics::kMegatronLegacy) {
+    p.shard_smoothing = true;
+    p.shard_begin = shard.vocab_begin;
+    p.shard_end = shard.vocab_end;
+    p.smoothing_columns = static_cast<double>(valid_columns(shard.vocab_begin, shard.vocab_end - shard.vocab_begin, p));
   }
+  const auto a = static_cast<double>(options.label_smoothing);
+  const double k = p.smoothing_columns;
+  if (a != 0.0) p.smoothing = options.smoothing_semantics == SmoothingSemantics::kPyTorch ? a : a * k / (k - 1.0);
   p.z_loss = static_cast<double>(options.z_loss_weight);
   p.logit_scale = options.logit_scale;
   p.softcap = options.softcap;
@@ -50,11 +67,11 @@ inline LossParams loss_params(const LossOptions& options, int64_t vocab_size) {
   return p;
 }
 
-// The columns of a shard [vocab_begin, vocab_begin + cols) that are real classes (not
-// padding beyond Vv), counted from the shard's first column.
-VPCE_HD inline int64_t valid_columns(int64_t vocab_begin, int64_t cols, const LossParams& p) {
-  const int64_t valid = p.valid_vocab - vocab_begin;
-  return valid < 0 ? 0 : valid > cols ? cols : valid;
+// The columns whose mean of logits a rank's statistics (its shard [begin, end)) bring to the
+// merge: its valid columns; with Megatron's legacy smoothing, only this rank's own shard's.
+VPCE_HD inline int64_t merged_mean_columns(int64_t begin, int64_t end, const LossParams& p) {
+  if (p.shard_smoothing && (begin != p.shard_begin || end != p.shard_end)) return 0;
+  return valid_columns(begin, end - begin, p);
 }
 
 // The argmax column travels in a float slot of the statistics, bit for bit.
@@ -211,7 +228,7 @@ struct GradientConstants {
   float upstream;         // g_i w_i (0 for an ignored token)
   float lse;              // lse32
   float coefficient;      // (1 + 2 zl lse) e^(lse32 - lse)
-  float uniform;          // s / Vv
+  float uniform;          // s / Vv (s / K with the legacy smoothing)
   double exact_upstream;  // g_i w_i
   double exact_lse;       // the lse as the forward kept it
   double z_loss_factor;   // 1 + 2 zl lse
@@ -238,7 +255,7 @@ VPCE_HD inline GradientConstants make_gradient_constants(double upstream, double
 VPCE_HD inline GradientConstants gradient_constants(int64_t target, double upstream, float weight, double token_lse,
                                                     const LossParams& p) {
   return make_gradient_constants(p.ignored(target) ? 0.0 : upstream * static_cast<double>(weight), token_lse,
-                                 1.0 + 2.0 * p.z_loss * token_lse, p.smoothing / static_cast<double>(p.valid_vocab));
+                                 1.0 + 2.0 * p.z_loss * token_lse, p.smoothing / p.smoothing_columns);
 }
 
 // A token's lse as the forward stored it, float32 or float64 (host and device).

@@ -87,7 +87,7 @@ struct HeaderColumns {
   __device__ int64_t operator()(int r) const {
     const char* stats = reinterpret_cast<const char*>(gathered + r * rank_stride);
     const auto* h = reinterpret_cast<const RankHeader*>(stats - sizeof(RankHeader));
-    return valid_columns(h->vocab_begin, h->vocab_end - h->vocab_begin, params);
+    return merged_mean_columns(h->vocab_begin, h->vocab_end, params);
   }
 };
 

@@ -63,13 +63,13 @@ detail::ExchangeCall exchange_call(const HeadArgs& a, int64_t tokens, int64_t wi
   call.dtype = inputs.hidden.dtype;
   call.options = options;
   call.has_weights = has_weights;
-  call.operation = detail::head_operation(a.hidden_size(), chunked, head_tokens, grad_loss);
+  call.operation = detail::head_operation(a.hidden_size(), chunked, head_tokens, grad_loss, a.round_logits);
   call.inputs_hash = a.inputs_hash;
   return call;
 }
 
 detail::SweepContext sweep_context(const VocabShard& shard, const LossOptions& options) {
-  return {shard.vocab_begin, detail::loss_params(options, shard.vocab_size), options.num_threads};
+  return {shard.vocab_begin, detail::loss_params(options, shard), options.num_threads};
 }
 
 }  // namespace

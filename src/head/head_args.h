@@ -28,6 +28,7 @@ struct HeadArgs {
   uint64_t inputs_hash = 0;
   HeadTiles tiles;
   bool bf16_logit_gradients = false;  // HeadOptions' (bf16 operands only)
+  bool round_logits = false;          // HeadOptions' (bf16 and fp16 operands; false for fp32)
   int64_t tokens() const { return hidden.rows; }
   int64_t hidden_size() const { return hidden.cols; }
   int64_t vocab_rows() const { return weight.rows; }
@@ -64,7 +65,8 @@ int64_t agreed_chunk_tokens(const HeadOptions& head, const VocabShard& shard, in
 // The head's block of each gather's header (protocol.h): its mode, the hidden size H, and
 // in the chunked mode all its tokens (each gather carries a chunk's) and its upstream
 // gradient, bit for bit (0 in the recompute mode).
-OperationBlock head_operation(int64_t hidden_size, bool chunked, int64_t head_tokens, float grad_loss);
+OperationBlock head_operation(int64_t hidden_size, bool chunked, int64_t head_tokens, float grad_loss,
+                              bool round_logits);
 
 // The regions of hidden, weight, bias, targets and token weights.
 std::vector<NamedRegion> input_regions(const HeadArgs& args);

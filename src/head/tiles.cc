@@ -38,12 +38,26 @@ void widen_rows(const RowMatrix& m, int64_t begin, int64_t rows, float* out, int
   });
 }
 
-// tile [rows, cols] (row stride ld) += bias[cols] on every row.
-void add_bias(float* tile, int64_t ld, int64_t rows, int64_t cols, const float* bias) {
-  if (bias == nullptr) return;
+// n fp32 values rounded to the values of `dtype` (bf16 or fp16), in place.
+void round_to(DataType dtype, float* x, int64_t n) {
+  if (dtype == kBFloat16) {
+    round_to_bf16(x, n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) x[i] = to_float(from_float<Float16>(x[i]));
+  }
+}
+
+// tile [rows, cols] (row stride ld) += bias[cols] on every row; with `rounding` (bf16 or
+// fp16; fp32: none), the product rounded before, the sum after, as a bf16 or fp16 layer's
+// matmul and + bias round them.
+void finish_logits(float* tile, int64_t ld, int64_t rows, int64_t cols, const float* bias, DataType rounding) {
+  const bool round = rounding != kFloat32;
   for (int64_t r = 0; r < rows; ++r) {
     float* row = tile + r * ld;
+    if (round) round_to(rounding, row, cols);
+    if (bias == nullptr) continue;
     for (int64_t c = 0; c < cols; ++c) row[c] += bias[c];
+    if (round) round_to(rounding, row, cols);
   }
 }
 
@@ -101,6 +115,8 @@ void Fp32Operands::logits_tile(int64_t row, int64_t rows, int64_t col, int64_t c
   } else {
     gemm(false, true, rows, cols, h, hidden, ldh, w, ldw, 0.0f, tile, ld);
   }
+  finish_logits(tile, ld, rows, cols, bias() != nullptr ? bias() + col : nullptr,
+                args_.round_logits ? args_.hidden.dtype : kFloat32);
 }
 
 const float* Fp32Operands::hidden_rows(int64_t begin, int64_t count, std::vector<float>& staging, int threads,
@@ -137,7 +153,6 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
     float* tile = tile_buffers + worker * nb * vb;
     const int64_t ld = vb;
     ops.logits_tile(row_begin + r0, n, v0, cols, hidden, ldh, w, ldw, tile, ld);
-    add_bias(tile, ld, n, cols, ops.bias() != nullptr ? ops.bias() + v0 : nullptr);
     if (keep != nullptr) {
       for (int64_t r = 0; r < n; ++r) {
         std::memcpy(keep + (r0 + r) * vr + v0, tile + r * ld, static_cast<std::size_t>(cols) * sizeof(float));
@@ -374,7 +389,6 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
         float* tile = dx + (r0 - s0) * vb;
         ops.logits_tile(r0, rows, v0, cols, hidden != nullptr ? hidden + (r0 - s0) * ldh : nullptr, ldh, w, ldw, tile,
                         vb);
-        add_bias(tile, vb, rows, cols, ops.bias() != nullptr ? ops.bias() + v0 : nullptr);
         const RowMatrix x{reinterpret_cast<char*>(tile), kFloat32, rows, width, vb};
         Upstream up = upstream;
         up.per_token = token_slice(upstream.per_token, r0, rows);

@@ -49,8 +49,10 @@ class Fp32Operands {
   // dx is rounded to bf16's values in fp32 and the GEMMs stay fp32.
   bool bf16_gradient_gemms() const { return bf16_gradient_gemms_; }
   // tile [rows, cols] (row stride ld) = hidden rows [row, row + rows) times weight rows
-  // [col, col + cols) transposed: from the bf16 operands when bf16_tiles(), else from their
-  // fp32 rows `hidden` (row stride ldh) and `w` (ldw), which may then be null.
+  // [col, col + cols) transposed, plus the bias of those columns: from the bf16 operands when
+  // bf16_tiles(), else from their fp32 rows `hidden` (row stride ldh) and `w` (ldw), which
+  // may then be null. With round_logits, rounded to the operands' dtype as a bf16 or fp16
+  // layer rounds them: the product, then its sum with the bias.
   void logits_tile(int64_t row, int64_t rows, int64_t col, int64_t cols, const float* hidden, int64_t ldh,
                    const float* w, int64_t ldw, float* tile, int64_t ld) const;
 

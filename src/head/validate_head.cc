@@ -105,7 +105,7 @@ Status check_head_inputs(const HeadInputs& inputs, const TensorView& targets, co
     if (Status s = as_token_vector(bias, "bias", a.weight.rows, &a.bias); !s.ok()) return s;
     a.has_bias = true;
   }
-  if (Status s = check_options(options, shard.vocab_size); !s.ok()) return s;
+  if (Status s = check_options(options, shard); !s.ok()) return s;
   if (Status s = resolve_tiles(head, a.weight.rows, &a.tiles); !s.ok()) return s;
   if (head.bf16_logit_gradients && hidden.dtype != kBFloat16) {
     return {Code::kInvalidArgument,
@@ -113,6 +113,7 @@ Status check_head_inputs(const HeadInputs& inputs, const TensorView& targets, co
                          "false for " + to_string(hidden.dtype) + " operands (bfloat16 only)", "true")};
   }
   a.bf16_logit_gradients = head.bf16_logit_gradients;
+  a.round_logits = head.round_logits && hidden.dtype != kFloat32;
   if (Status s = check_dtype("targets", targets.dtype, {kInt32, kInt64}, "int32 or int64"); !s.ok()) return s;
   if (Status s = as_token_vector(targets, "targets", a.hidden.rows, &a.targets); !s.ok()) return s;
   if (Status s = check_device(targets, "targets", hidden.device); !s.ok()) return s;
@@ -216,13 +217,15 @@ Status check_head_gradients(const HeadGradients& gradients, const HeadArgs& args
   return {};
 }
 
-OperationBlock head_operation(int64_t hidden_size, bool chunked, int64_t head_tokens, float grad_loss) {
+OperationBlock head_operation(int64_t hidden_size, bool chunked, int64_t head_tokens, float grad_loss,
+                              bool round_logits) {
   return operation_block(
       "fused head",
       chunked ? "chunked (linear_cross_entropy_forward_backward)" : "recompute (linear_cross_entropy_forward)",
       {{"the hidden size of the fused head", hidden_size},
        {"the number of tokens", chunked ? head_tokens : 0},
-       float_value("grad_loss (the chunked mode's upstream gradient)", chunked ? grad_loss : 0.0f)});
+       float_value("grad_loss (the chunked mode's upstream gradient)", chunked ? grad_loss : 0.0f),
+       {"head.round_logits", round_logits ? 1 : 0}});
 }
 
 }  // namespace vpce::detail

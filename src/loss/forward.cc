@@ -65,7 +65,7 @@ Status device_forward(Communicator& comm, const LossInputs& in, const detail::Lo
                                  n,
                                  width,
                                  shard.vocab_begin,
-                                 detail::loss_params(options, shard.vocab_size),
+                                 detail::loss_params(options, shard),
                                  options,
                                  tensors.logits->device.id};
   return detail::device_forward(comm, args, &buffers->device);
@@ -114,7 +114,7 @@ Status forward(Communicator& comm, const TensorView& logits, const TensorView& t
   call.has_weights = extras.weights != nullptr;
   call.inputs_hash = in.inputs_hash;
   call.operation = loss_operation();
-  const detail::LossParams params = detail::loss_params(options, shard.vocab_size);
+  const detail::LossParams params = detail::loss_params(options, shard);
   RowMatrix merged;
   Status group = detail::exchange_stats(
       comm, *buffers, call, local,

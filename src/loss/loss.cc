@@ -70,7 +70,7 @@ Status calculate_local_stats(const TensorView& logits, const TensorView& targets
     return overlap_error("stats", "the logits");
   }
   if (overlaps(in.targets, out.begin_byte(), out.end_byte())) return overlap_error("stats", "the targets");
-  detail::local_stats_kernel(in.logits, in.targets, shard.vocab_begin, detail::loss_params(options, shard.vocab_size),
+  detail::local_stats_kernel(in.logits, in.targets, shard.vocab_begin, detail::loss_params(options, shard),
                              options.num_threads, out);
   return {};
 }
@@ -113,7 +113,7 @@ Status shard_columns(std::span<const VocabShard> shards, int64_t ranks, const Lo
                                  (overlap ? "an overlap at column " : "a gap at column ") +
                                      std::to_string(overlap ? fault->first->begin : fault->covered))};
   }
-  const detail::LossParams params = detail::loss_params(options, vocab_size);
+  const detail::LossParams params = detail::loss_params(options, VocabShard{0, vocab_size, vocab_size});
   columns->clear();
   for (const VocabShard& shard : shards) {
     columns->push_back(detail::valid_columns(shard.vocab_begin, shard.vocab_end - shard.vocab_begin, params));
@@ -131,6 +131,7 @@ Status merge_stats(const TensorView& gathered, const LossOptions& options, const
                    std::span<const VocabShard> shards) {
   if (Status s = host_only(gathered, "gathered", "merge_stats"); !s.ok()) return s;
   if (Status s = host_only(stats, "stats", "merge_stats"); !s.ok()) return s;
+  if (Status s = detail::check_not_legacy_smoothing(options, "merge_stats"); !s.ok()) return s;
   if (Status s = detail::check_dtype("gathered", gathered.dtype, {kFloat32}, "float32"); !s.ok()) {
     return s;
   }
@@ -215,7 +216,9 @@ Status calculate_loss(const TensorView& stats, const TensorView& targets, int64_
     return {Code::kInvalidArgument,
             detail::expected_got("vocab_size", "a value in [1, 2^31 - 1]", std::to_string(vocab_size))};
   }
-  if (Status s = detail::check_options(options, vocab_size); !s.ok()) return s;
+  const VocabShard whole{0, vocab_size, vocab_size};
+  if (Status s = detail::check_not_legacy_smoothing(options, "calculate_loss"); !s.ok()) return s;
+  if (Status s = detail::check_options(options, whole); !s.ok()) return s;
   RowMatrix in;
   if (Status s = as_any_stats(stats, "stats", &in); !s.ok()) return s;
   const int64_t n = in.rows;
@@ -256,7 +259,7 @@ Status calculate_loss(const TensorView& stats, const TensorView& targets, int64_
       }
     }
   }
-  detail::loss_kernel(in, y, weights, detail::loss_params(options, vocab_size), options.num_threads, out);
+  detail::loss_kernel(in, y, weights, detail::loss_params(options, whole), options.num_threads, out);
   return {};
 }
 
@@ -317,11 +320,11 @@ Status backward(const TensorView& logits, const TensorView& targets, const Tenso
       if (view == nullptr) continue;
       if (Status s = detail::check_device_pointer(*view, name); !s.ok()) return s;
     }
-    return detail::device_backward({in, lse_in, upstream, grad, shard.vocab_begin,
-                                    detail::loss_params(options, shard.vocab_size), options, logits.device.id});
+    return detail::device_backward({in, lse_in, upstream, grad, shard.vocab_begin, detail::loss_params(options, shard),
+                                    options, logits.device.id});
   }
   detail::gradient_kernel(in.logits, in.targets, in.weights, lse_in, upstream, shard.vocab_begin,
-                          detail::loss_params(options, shard.vocab_size), options.num_threads, grad);
+                          detail::loss_params(options, shard), options.num_threads, grad);
   return {};
 }
 

@@ -17,13 +17,22 @@ double bf16_of(double x) {
   return std::bit_cast<float>(bits & 0xffff0000u);
 }
 
+// x rounded to `bits` significant bits, to nearest even (0: x itself); normal range only.
+double rounded(double x, int bits) {
+  if (bits == 0 || x == 0.0 || !std::isfinite(x)) return x;
+  int exponent = 0;
+  std::frexp(x, &exponent);
+  const double scale = std::ldexp(1.0, bits - exponent);
+  return std::nearbyint(x * scale) / scale;
+}
+
 }  // namespace
 
 HeadResult linear_cross_entropy(const std::vector<double>& hidden, const std::vector<double>& weight,
                                 const std::vector<double>& bias, int64_t n, int64_t h, int64_t v,
                                 const std::vector<int64_t>& targets, const std::vector<double>& weights,
-                                const std::vector<double>& grad_loss, const Options& options,
-                                bool bf16_logit_gradients) {
+                                const std::vector<double>& grad_loss, const Options& options, bool bf16_logit_gradients,
+                                int logit_bits) {
   auto at = [](const std::vector<double>& m, int64_t row, int64_t cols, int64_t col) {
     return m[static_cast<std::size_t>(row * cols + col)];
   };
@@ -31,8 +40,10 @@ HeadResult linear_cross_entropy(const std::vector<double>& hidden, const std::ve
   o.logits.assign(static_cast<std::size_t>(n * v), 0.0);
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t c = 0; c < v; ++c) {
-      double sum = bias.empty() ? 0.0 : bias[static_cast<std::size_t>(c)];
+      const double b = bias.empty() ? 0.0 : bias[static_cast<std::size_t>(c)];
+      double sum = logit_bits == 0 ? b : 0.0;
       for (int64_t k = 0; k < h; ++k) sum += at(hidden, i, h, k) * at(weight, c, h, k);
+      if (logit_bits != 0) sum = rounded(rounded(sum, logit_bits) + b, logit_bits);
       o.logits[static_cast<std::size_t>(i * v + c)] = sum;
     }
   }

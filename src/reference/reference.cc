@@ -44,6 +44,16 @@ double log_sum_exp(const std::vector<double>& z) {
 // The target distribution q over the valid columns.
 std::vector<double> target_distribution(size_t columns, int64_t target, const Options& o) {
   const double a = o.label_smoothing;
+  if (o.smoothing_end > o.smoothing_begin) {
+    const auto begin = static_cast<size_t>(o.smoothing_begin);
+    const size_t end = std::min(static_cast<size_t>(o.smoothing_end), columns);
+    const auto k = static_cast<double>(end - begin);
+    const double s = a > 0.0 ? a * k / (k - 1.0) : 0.0;
+    std::vector<double> q(columns, 0.0);
+    for (size_t j = begin; j < end; ++j) q[j] = s / k;
+    q[static_cast<size_t>(target)] += 1.0 - s;
+    return q;
+  }
   const auto vv = static_cast<double>(columns);
   std::vector<double> q(columns, o.pytorch_smoothing ? a / vv : (a > 0.0 ? a / (vv - 1.0) : 0.0));
   q[static_cast<size_t>(target)] = o.pytorch_smoothing ? 1.0 - a + a / vv : 1.0 - a;

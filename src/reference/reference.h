@@ -18,6 +18,11 @@ enum class Reduction { kNone, kSum, kMean };
 struct Options {
   double label_smoothing = 0.0;
   bool pytorch_smoothing = false;  // target distribution (1 - a) onehot + a / Vv
+  // Megatron's legacy smoothing, when end > begin: the target keeps 1 - s, and s spreads
+  // evenly over the valid columns of [begin, end) only, s = a K / (K - 1) for K of them
+  // (Megatron's per-rank loss on the shard [begin, end)).
+  int64_t smoothing_begin = 0;
+  int64_t smoothing_end = 0;
   int64_t ignore_index = -100;
   double z_loss = 0.0;
   double logit_scale = 1.0;

@@ -16,6 +16,7 @@
 
 #include "cpu/dtype.h"
 #include "cuda_support.h"
+#include "reference/head_reference.h"
 #include "support.h"
 #include "vpce/head.h"
 
@@ -399,6 +400,71 @@ TEST(CudaHead, Bf16LogitGradientsWithinTheirRounding) {
     EXPECT_LT(relative_error(run.grad_weight, exact.grad_weight), 8e-3);
     EXPECT_LE(distance(run.grad_weight, rounded.grad_weight), 0.25 * distance(exact.grad_weight, rounded.grad_weight));
     EXPECT_LE(distance(run.grad_bias, rounded.grad_bias), 0.25 * distance(exact.grad_bias, rounded.grad_bias));
+  }
+}
+
+// round_logits (bf16: the product rounded, then its sum with the bias) with Megatron's
+// legacy smoothing (each rank over its own rows), in both modes, against each rank's oracle.
+// Exact products (integer hidden states, weights in 64ths) keep the GEMMs' fp32 sums exact,
+// so every rounding is the oracle's.
+TEST(CudaHead, RoundLogitsAndLegacySmoothing) {
+  REQUIRE_GPU();
+  HeadProblem p = head_problem(40, 32, 300, kBFloat16, true, 21);
+  std::mt19937_64 rng(3);
+  const auto e = static_cast<std::size_t>(p.dtype.bytes());
+  for (std::size_t k = 0; k < p.h.size() / e; ++k) {
+    detail::narrow(static_cast<float>(static_cast<int>(rng() % 17) - 8), p.h.data() + k * e, p.dtype);
+  }
+  for (std::size_t k = 0; k < p.w.size() / e; ++k) {
+    detail::narrow(static_cast<float>(static_cast<int>(rng() % 129) - 64) / 64.0f, p.w.data() + k * e, p.dtype);
+  }
+  const std::vector<VocabShard> shards = shards_from_sizes({120, 180});
+  const int64_t n = p.tokens, h = p.hidden, v = p.vocab;
+  std::vector<double> hidden(static_cast<std::size_t>(n * h)), weight(static_cast<std::size_t>(v * h)), bias;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t k = 0; k < h; ++k) hidden[static_cast<std::size_t>(i * h + k)] = p.hv(i, k);
+  }
+  for (int64_t c = 0; c < v; ++c) {
+    for (int64_t k = 0; k < h; ++k) weight[static_cast<std::size_t>(c * h + k)] = p.wv(c, k);
+    bias.push_back(p.bv(c));
+  }
+  for (bool chunked : {false, true}) {
+    SCOPED_TRACE(chunked ? "chunked" : "recompute");
+    Settings s;
+    s.chunked = chunked;
+    s.loss.reduction = chunked ? Reduction::kMean : Reduction::kNone;
+    s.loss.label_smoothing = 0.1f;
+    s.loss.smoothing_semantics = SmoothingSemantics::kMegatronLegacy;
+    s.head.round_logits = true;
+    const HeadRun run = run_head(p, shards, s);
+    for (std::size_t r = 0; r < shards.size(); ++r) {
+      const RankRun& got = run.ranks[r];
+      ASSERT_TRUE(got.status.ok()) << got.status.to_string();
+      ASSERT_TRUE(got.device_status.ok()) << got.device_status.to_string();
+      reference::Options o = oracle_options(s.loss);
+      o.smoothing_begin = shards[r].vocab_begin;
+      o.smoothing_end = shards[r].vocab_end;
+      const std::vector<double> upstream =
+          chunked ? std::vector<double>{1.0} : std::vector<double>(p.grad_loss.begin(), p.grad_loss.end());
+      const reference::HeadResult want = reference::linear_cross_entropy(hidden, weight, bias, n, h, v, p.targets, {},
+                                                                         upstream, o, false, /*logit_bits=*/8);
+      EXPECT_LT(relative_error(widen(got.loss), want.loss.loss), 1e-5) << "rank " << r;
+      std::vector<double> part(static_cast<std::size_t>(n * h), 0.0), rows, want_rows;
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t c = shards[r].vocab_begin; c < shards[r].vocab_end; ++c) {
+          const double dx = want.loss.grad[static_cast<std::size_t>(i * v + c)];
+          for (int64_t k = 0; k < h; ++k) part[static_cast<std::size_t>(i * h + k)] += dx * p.wv(c, k);
+        }
+      }
+      EXPECT_LT(relative_error(got.grad_hidden, part), 1e-5) << "rank " << r;
+      for (int64_t c = shards[r].vocab_begin; c < shards[r].vocab_end; ++c) {
+        for (int64_t k = 0; k < h; ++k) {
+          rows.push_back(run.grad_weight[static_cast<std::size_t>(c * h + k)]);
+          want_rows.push_back(want.grad_weight[static_cast<std::size_t>(c * h + k)]);
+        }
+      }
+      EXPECT_LT(relative_error(rows, want_rows), 1e-5) << "rank " << r;
+    }
   }
 }
 

@@ -70,7 +70,8 @@ HeadProblem random_head_problem(int64_t tokens, int64_t hidden, int64_t vocab, D
   return p;
 }
 
-HeadOracle head_oracle(const HeadProblem& p, const LossOptions& options, float grad_scalar, bool bf16_logit_gradients) {
+HeadOracle head_oracle(const HeadProblem& p, const LossOptions& options, float grad_scalar, bool bf16_logit_gradients,
+                       const VocabShard* legacy_shard, bool round_logits) {
   const int64_t n = p.tokens, h = p.hidden, v = p.vocab;
   std::vector<double> hidden(static_cast<std::size_t>(n * h)), weight(static_cast<std::size_t>(v * h)), bias;
   for (int64_t i = 0; i < n; ++i) {
@@ -83,8 +84,14 @@ HeadOracle head_oracle(const HeadProblem& p, const LossOptions& options, float g
   const std::vector<double> grad_loss = options.reduction == Reduction::kNone
                                             ? widen(p.grad_loss)
                                             : std::vector<double>{static_cast<double>(grad_scalar)};
-  return reference::linear_cross_entropy(hidden, weight, bias, n, h, v, p.targets, widen(p.weights), grad_loss,
-                                         reference_options(options), bf16_logit_gradients);
+  reference::Options o = reference_options(options);
+  if (legacy_shard != nullptr) {
+    o.smoothing_begin = legacy_shard->vocab_begin;
+    o.smoothing_end = legacy_shard->vocab_end;
+  }
+  const int logit_bits = !round_logits || p.dtype == kFloat32 ? 0 : p.dtype == kBFloat16 ? 8 : 11;
+  return reference::linear_cross_entropy(hidden, weight, bias, n, h, v, p.targets, widen(p.weights), grad_loss, o,
+                                         bf16_logit_gradients, logit_bits);
 }
 
 namespace {

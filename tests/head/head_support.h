@@ -52,8 +52,12 @@ using HeadOracle = reference::HeadResult;  // (src/reference/head_reference.h)
 // grad_scalar: the upstream gradient of a reduced loss (per-token grad_loss otherwise).
 // bf16_logit_gradients: the logit gradients rounded to bf16 (through fp32, to nearest even)
 // before the gradients' sums, as HeadOptions::bf16_logit_gradients asks.
+// legacy_shard: with SmoothingSemantics::kMegatronLegacy, the rank's shard whose loss the
+// oracle computes (that rank's smoothing over its own columns). round_logits: the logits
+// rounded to the problem's dtype as HeadOptions::round_logits asks.
 HeadOracle head_oracle(const HeadProblem& p, const LossOptions& options, float grad_scalar,
-                       bool bf16_logit_gradients = false);
+                       bool bf16_logit_gradients = false, const VocabShard* legacy_shard = nullptr,
+                       bool round_logits = false);
 
 enum class Mode { kRecompute, kChunked };
 

@@ -284,6 +284,91 @@ TEST_P(HeadModes, SmoothingWithLargeCloseTogetherLogitsKeepsItsAccuracy) {
   }
 }
 
+// Megatron's legacy smoothing: each rank's loss smooths over its own rows of the weight, and
+// its logit gradients (hence its part of the hidden gradient, its rows' weight and bias
+// gradients) are those of its own loss: against the oracle of each rank's shard.
+TEST_P(HeadModes, MegatronLegacySmoothingMatchesEachShardsOracle) {
+  HeadProblem p = random_head_problem(23, 24, 301, kFloat32, 17);
+  HeadRun run;
+  run.mode = GetParam();
+  run.loss.label_smoothing = 0.1f;
+  run.loss.smoothing_semantics = SmoothingSemantics::kMegatronLegacy;
+  if (run.mode == Mode::kChunked) {
+    run.loss.reduction = Reduction::kMean;
+    run.grad_scalar = 1.0f;  // the chunked mode's upstream gradient
+  }
+  run.ranks = 3;
+  run.sizes = {120, 2, 179};
+  run.head.token_block = 4;
+  run.head.vocab_block = 16;
+  run.head.chunk_tokens = 8;
+  const HeadResult r = run_head(p, run);
+  expect_ok(r);
+  const std::vector<VocabShard> shards = shards_from_sizes(run.sizes);
+  std::vector<double> grad_hidden(static_cast<std::size_t>(p.tokens * p.hidden), 0.0);
+  std::vector<double> grad_weight(static_cast<std::size_t>(p.vocab * p.hidden)),
+      grad_bias(static_cast<std::size_t>(p.vocab));
+  for (int rank = 0; rank < run.ranks; ++rank) {
+    const VocabShard& shard = shards[static_cast<std::size_t>(rank)];
+    const HeadOracle o = head_oracle(p, run.loss, run.grad_scalar, false, &shard);
+    EXPECT_LE(relative_error(widen(r.loss_of_rank[static_cast<std::size_t>(rank)]), o.loss.loss), 1e-6) << rank;
+    for (int64_t v = shard.vocab_begin; v < shard.vocab_end; ++v) {
+      grad_bias[static_cast<std::size_t>(v)] = o.grad_bias[static_cast<std::size_t>(v)];
+      for (int64_t k = 0; k < p.hidden; ++k) {
+        const auto vk = static_cast<std::size_t>(v * p.hidden + k);
+        grad_weight[vk] = o.grad_weight[vk];
+        for (int64_t i = 0; i < p.tokens; ++i) {
+          grad_hidden[static_cast<std::size_t>(i * p.hidden + k)] +=
+              o.loss.grad[static_cast<std::size_t>(i * p.vocab + v)] * p.weight_at(v, k);
+        }
+      }
+    }
+  }
+  EXPECT_LE(relative_error(r.grad_hidden, grad_hidden), 1e-5);
+  EXPECT_LE(relative_error(r.grad_weight, grad_weight), 1e-5);
+  EXPECT_LE(relative_error(r.grad_bias, grad_bias), 1e-5);
+  EXPECT_NE(r.loss_of_rank[0][0], r.loss_of_rank[2][0]);  // each rank its own smoothing, as in Megatron
+}
+
+// round_logits: the logits rounded to the operands' dtype, the product and then its sum with
+// the bias, as a bf16 or fp16 layer rounds them. Exact products (integer hidden states,
+// weights in 64ths) keep the GEMMs' fp32 sums exact, so every rounding is the oracle's.
+TEST_P(HeadModes, RoundLogitsRoundsAsAHalfPrecisionLayerDoes) {
+  for (DataType dtype : {kBFloat16, kFloat16}) {
+    HeadProblem p = random_head_problem(21, 24, 230, dtype, 23);
+    std::mt19937_64 rng(5);
+    for (int64_t i = 0; i < p.tokens; ++i) {
+      for (int64_t k = 0; k < p.hidden; ++k) p.set_hidden(i, k, static_cast<float>(static_cast<int>(rng() % 17) - 8));
+    }
+    for (int64_t v = 0; v < p.vocab; ++v) {
+      for (int64_t k = 0; k < p.hidden; ++k) {
+        const float w = static_cast<float>(static_cast<int>(rng() % 129) - 64) / 64.0f;
+        detail::narrow(w, p.weight_storage.data() + (v * p.ld_weight + k) * dtype.bytes(), dtype);
+      }
+      p.set_bias(v, static_cast<float>(static_cast<int>(rng() % 41) - 20) * 0.3f);  // stored rounded
+    }
+    HeadRun run;
+    run.mode = GetParam();
+    if (run.mode == Mode::kChunked) run.loss.reduction = Reduction::kMean;
+    run.ranks = 2;
+    run.head.round_logits = true;
+    run.head.token_block = 8;
+    run.head.vocab_block = 32;
+    run.head.chunk_tokens = 8;
+    const HeadResult r = run_head(p, run);
+    expect_ok(r);
+    const HeadOracle o = head_oracle(p, run.loss, run.grad_scalar, false, nullptr, true);
+    const char* name = dtype == kBFloat16 ? "bf16" : "fp16";
+    EXPECT_LE(relative_error(widen(r.loss), o.loss.loss), 1e-6) << name;
+    EXPECT_LE(relative_error(r.grad_hidden, o.grad_hidden), 1e-5) << name;
+    EXPECT_LE(relative_error(r.grad_weight, o.grad_weight), 1e-5) << name;
+    EXPECT_LE(relative_error(r.grad_bias, o.grad_bias), 1e-5) << name;
+    // The exact logits give another loss: the rounding is there.
+    const HeadOracle exact = head_oracle(p, run.loss, run.grad_scalar);
+    EXPECT_GT(relative_error(widen(r.loss), exact.loss.loss), 1e-5) << name;
+  }
+}
+
 TEST_P(HeadModes, EveryTokenIgnoredOrNoTokensGivesZeroGradients) {
   for (int64_t tokens : {int64_t{0}, int64_t{9}}) {
     HeadProblem p = random_head_problem(tokens, 8, 40, kFloat32, 3);

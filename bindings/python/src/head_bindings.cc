@@ -77,7 +77,8 @@ void bind_head(nb::module_& m) {
   using HeadOpts = vpce::HeadOptions;
   def_fields(head, std::pair{"token_block", &HeadOpts::token_block}, std::pair{"vocab_block", &HeadOpts::vocab_block},
              std::pair{"chunk_tokens", &HeadOpts::chunk_tokens},
-             std::pair{"bf16_logit_gradients", &HeadOpts::bf16_logit_gradients});
+             std::pair{"bf16_logit_gradients", &HeadOpts::bf16_logit_gradients},
+             std::pair{"round_logits", &HeadOpts::round_logits});
 
   m.def(
       "linear_cross_entropy_forward",

@@ -20,7 +20,8 @@ void bind_loss(nb::module_& m) {
       .value("MEAN", vpce::Reduction::kMean);
   nb::enum_<vpce::SmoothingSemantics>(m, "SmoothingSemantics")
       .value("MEGATRON", vpce::SmoothingSemantics::kMegatron)
-      .value("PYTORCH", vpce::SmoothingSemantics::kPyTorch);
+      .value("PYTORCH", vpce::SmoothingSemantics::kPyTorch)
+      .value("MEGATRON_LEGACY", vpce::SmoothingSemantics::kMegatronLegacy);
 
   auto options = nb::class_<vpce::LossOptions>(m, "LossOptions", "Every loss option; see include/vpce/loss.h");
   options.def(nb::init<>());

@@ -204,14 +204,15 @@ def one_rank_fails(x, target):
     return [
         ("an unknown option", (x, target, 0.0, {"colour": "red"}), "TypeError", "unexpected options ['colour']"),
         ("an unknown smoothing semantics", (x, target, 0.1, {"smoothing_semantics": "nemo"}), "ValueError",
-         "smoothing_semantics: expected 'megatron' or 'pytorch', got 'nemo'"),
+         "smoothing_semantics: expected 'megatron', 'pytorch' or 'megatron_legacy', got 'nemo'"),
         ("an option of the wrong type", (x, target, 0.0, {"ignore_index": "x"}), "TypeError",
          "options.ignore_index: expected an integer, got str 'x'"),
         ("an option out of range", (x, target, 0.0, {"num_threads": 2**40}), "ValueError",
          "options.num_threads: expected an integer in [-2147483648, 2147483647], got 1099511627776"),
-        ("the legacy flag with another option",
-         (x, target, 0.1, {"megatron_legacy_label_smoothing": True, "z_loss_weight": 0.1}), "ValueError",
-         "megatron_legacy_label_smoothing: expected no other options"),
+        ("the legacy flag with other semantics",
+         (x, target, 0.1, {"megatron_legacy_label_smoothing": True, "smoothing_semantics": "pytorch"}), "ValueError",
+         "megatron_legacy_label_smoothing: expected no smoothing_semantics (the flag sets them), got "
+         "smoothing_semantics='pytorch'"),
         ("legacy smoothing out of range", (x, target, 1.5, {"megatron_legacy_label_smoothing": True}), "ValueError",
          "label_smoothing: expected a value in [0, 1), got 1.5"),
         ("0-d logits", (torch.tensor(1.0), target, 0.0, {}), "ValueError",
@@ -259,8 +260,8 @@ def check_legacy_smoothing_disagrees(group, rank, size):
     x = logits[..., rank * (logits.shape[-1] // size):(rank + 1) * (logits.shape[-1] // size)]
     outcome = same_outcome_on_every_rank(group, size, lambda: vt.vocab_parallel_cross_entropy(
         x, target, 0.1 if rank == 0 else 0.2, tp_group=group, megatron_legacy_label_smoothing=True))
-    assert outcome == ("Error", "invalid usage: ranks disagree on label_smoothing (with megatron_legacy_label_"
-                                "smoothing): expected rank 0's 0.1 on every rank, got 0.2 on rank 1"), outcome
+    assert outcome == ("Error", "invalid usage: ranks disagree on options.label_smoothing: expected rank 0's 0.1 on "
+                                "every rank, got 0.2 on rank 1"), outcome
 
 
 def check_legacy_flag_disagrees(group, rank, size):

@@ -45,7 +45,7 @@ def cpu_patches():
     torch.cuda.current_device = lambda: "cpu"
 
 
-def build(size, tied, bias, fusion):
+def build(size, tied, bias, fusion, bf16=False):
     from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
     from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
@@ -54,9 +54,14 @@ def build(size, tied, bias, fusion):
     config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True,
                                tensor_model_parallel_size=size, params_dtype=torch.float32, hidden_dropout=0.0,
                                attention_dropout=0.0, add_bias_linear=bias,
-                               gradient_accumulation_fusion=False)
+                               gradient_accumulation_fusion=False, bf16=bf16,
+                               pipeline_dtype=torch.bfloat16 if bf16 else None)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
                      max_sequence_length=SEQUENCE, share_embeddings_and_output_weights=tied)
+    if bf16:  # as Megatron's training wraps a bf16 model
+        from megatron.core.transformer.module import Float16Module  # noqa: PLC0415
+
+        model = Float16Module(config, model)
     if fusion:  # Megatron's DDP buffers, as gradient-accumulation fusion adds into them
         model.output_layer.gradient_accumulation_fusion = True
     return model
@@ -146,6 +151,108 @@ def worker(rank, size, init_file):
     dist.destroy_process_group()
 
 
+def smoothed_step(size, loss_kind):
+    """One forward and backward of the untied, biased model with label smoothing 0.1, the loss
+    by `loss_kind`: "megatron" (Megatron's own vocab_parallel_cross_entropy, whose smoothing
+    is over each rank's shard), "vpce-legacy" (the integration with
+    megatron_legacy_label_smoothing), "vpce" (the integration, vpce's exact smoothing) or
+    "vpce-swap" (Megatron's output layer, then vpce's vocab_parallel_cross_entropy on its
+    logits). (this rank's per-token losses [b, s], the gradients)."""
+    import megatron.core.tensor_parallel as tensor_parallel  # noqa: PLC0415
+
+    import vpce.megatron  # noqa: PLC0415
+
+    model = build(size, tied=False, bias=True, fusion=False)
+    if loss_kind in ("megatron", "vpce-swap"):
+        function = (tensor_parallel.vocab_parallel_cross_entropy if loss_kind == "megatron"
+                    else vt.vocab_parallel_cross_entropy)
+
+        def compute_language_model_loss(labels, logits):  # GPTModel's, with the smoothing
+            return function(logits, labels.transpose(0, 1).contiguous(), 0.1).transpose(0, 1).contiguous()
+
+        model.compute_language_model_loss = compute_language_model_loss
+    else:
+        vpce.megatron.fuse_output_layer(model, label_smoothing=0.1,
+                                        megatron_legacy_label_smoothing=loss_kind == "vpce-legacy")
+    tokens, position_ids, attention_mask, labels, loss_mask = batch(0)
+    per_token = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    ((per_token * loss_mask).sum() / loss_mask.sum()).backward()
+    return per_token.detach(), {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+
+
+def bf16_step(size, loss_kind):
+    """One forward and backward of a bf16 model (Float16Module), tied embeddings, a bias: the
+    loss by Megatron ("megatron"), by the integration with fp32 logits ("vpce") or rounding
+    them as Megatron's bf16 layer does ("vpce-rounded"). (per-token losses, gradients)."""
+    import vpce.megatron  # noqa: PLC0415
+
+    model = build(size, tied=True, bias=True, fusion=False, bf16=True)
+    if loss_kind == "vpce-rounded":
+        vpce.megatron.fuse_output_layer(model, round_logits=True, bf16_logit_gradients=True)
+    elif loss_kind == "vpce":
+        vpce.megatron.fuse_output_layer(model)
+    tokens, position_ids, attention_mask, labels, loss_mask = batch(0)
+    per_token = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    ((per_token * loss_mask).sum() / loss_mask.sum()).backward()
+    return per_token.detach(), {name: parameter.grad.float() for name, parameter in model.named_parameters()}
+
+
+def bf16_worker(rank, size, init_file):
+    from test_megatron_core import megatron_init  # noqa: PLC0415
+
+    megatron_init(rank, size, init_file)
+    cpu_patches()
+    want, want_gradients = bf16_step(size, "megatron")
+    rounded, rounded_gradients = bf16_step(size, "vpce-rounded")
+    exact, _ = bf16_step(size, "vpce")
+    # Rounding the logits as Megatron's bf16 layer does: each token's loss within a few fp32
+    # ulps of Megatron's (the GEMMs sum in another order, which moves a rare logit across a
+    # bf16 rounding boundary), the step's loss within one; the gradients within a few bf16
+    # ulps (the model's bf16 backward carries those differences on).
+    loss_mask = batch(0)[4]
+    step_loss = lambda per_token: (per_token * loss_mask).sum() / loss_mask.sum()  # noqa: E731
+    ulp = torch.finfo(torch.float32).eps * step_loss(want).abs()
+    assert (step_loss(rounded) - step_loss(want)).abs() <= ulp, (step_loss(rounded), step_loss(want))
+    assert (rounded - want).abs().max() < 2e-6, (rounded - want).abs().max()
+    for name, expected in want_gradients.items():
+        assert relative_error(rounded_gradients[name], expected) < 3e-2, (name, relative_error(
+            rounded_gradients[name], expected))
+    # The default, fp32 logits: another loss, by bf16's rounding of the logits.
+    assert (exact - want).abs().max() > 1e-4, (exact - want).abs().max()
+    dist.destroy_process_group()
+
+
+def test_bf16_through_the_fused_head():
+    spawn(bf16_worker, 2)
+
+
+def smoothing_worker(rank, size, init_file):
+    from test_megatron_core import megatron_init  # noqa: PLC0415
+
+    group = megatron_init(rank, size, init_file)
+    cpu_patches()
+    # Megatron's legacy smoothing through the head: Megatron's own per-rank losses (they differ
+    # by rank) and gradients, within fp32 rounding.
+    want, want_gradients = smoothed_step(size, "megatron")
+    got, gradients = smoothed_step(size, "vpce-legacy")
+    assert (got - want).abs().max() < 1e-5, (got - want).abs().max()
+    for name, expected in want_gradients.items():
+        assert relative_error(gradients[name], expected) < 2e-5, (name, relative_error(gradients[name], expected))
+    gathered = [torch.zeros_like(got) for _ in range(size)]
+    dist.all_gather(gathered, got, group=group)
+    assert not torch.equal(gathered[0], gathered[1])  # each rank its own smoothing, as Megatron's
+    # vpce's exact smoothing through the head: as vpce's loss on Megatron's logits, the same on
+    # every rank.
+    want, want_gradients = smoothed_step(size, "vpce-swap")
+    got, gradients = smoothed_step(size, "vpce")
+    assert relative_error(got, want) < 1e-6, relative_error(got, want)
+    for name, expected in want_gradients.items():
+        assert relative_error(gradients[name], expected) < 2e-5, (name, relative_error(gradients[name], expected))
+    dist.all_gather(gathered, got, group=group)
+    assert torch.equal(gathered[0], gathered[1])
+    dist.destroy_process_group()
+
+
 def refusal_worker(rank, size, init_file):
     from test_megatron_core import megatron_init  # noqa: PLC0415
 
@@ -175,6 +282,10 @@ def refusal_worker(rank, size, init_file):
 
 def test_fused_gpt_model_trains_as_megatrons():
     spawn(worker, 2)
+
+
+def test_label_smoothing_both_ways_through_the_fused_head():
+    spawn(smoothing_worker, 2)
 
 
 def test_fuse_output_layer_refuses_what_it_does_not_support():

@@ -396,7 +396,8 @@ def test_legacy_smoothing_outside_its_range_is_refused(value):
 
 def test_legacy_smoothing_needs_two_columns():
     logits, target, _ = problem(vocab=1)
-    with pytest.raises(ValueError, match="megatron_legacy_label_smoothing: expected a shard of at least 2 columns"):
+    with pytest.raises(vpce.Error, match=r"shard's valid columns: expected >= 2 when Megatron's legacy label "
+                                         r"smoothing is used .*, got 1"):
         vt.vocab_parallel_cross_entropy(logits, target * 0, 0.1, megatron_legacy_label_smoothing=True)
     loss = vt.vocab_parallel_cross_entropy(logits, target * 0, 0.0, megatron_legacy_label_smoothing=True)
     assert (loss.abs() < 1e-6).all()  # one class, no smoothing: the plain loss, log(1)
@@ -471,7 +472,7 @@ def test_bad_logits_name_the_argument(logits, error, fragment):
     ("ignore_index", "x", TypeError, r"options\.ignore_index: expected an integer, got str 'x'"),
     ("num_threads", 1.5, TypeError, r"options\.num_threads: expected an integer, got float 1\.5"),
     ("z_loss_weight", "big", TypeError, r"options\.z_loss_weight: expected a number, got str 'big'"),
-    ("smoothing_semantics", ["pytorch"], ValueError, r"smoothing_semantics: expected 'megatron' or 'pytorch', got"),
+    ("smoothing_semantics", ["pytorch"], ValueError, r"smoothing_semantics: expected 'megatron', 'pytorch' or 'megatron_legacy', got"),
 ])
 def test_options_of_the_wrong_type_or_range_name_the_option(name, value, error, fragment):
     logits, target, _ = problem(vocab=50)

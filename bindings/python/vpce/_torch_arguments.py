@@ -7,7 +7,8 @@ import torch
 
 from . import _vpce
 
-_SEMANTICS = {"megatron": _vpce.SmoothingSemantics.MEGATRON, "pytorch": _vpce.SmoothingSemantics.PYTORCH}
+_SEMANTICS = {"megatron": _vpce.SmoothingSemantics.MEGATRON, "pytorch": _vpce.SmoothingSemantics.PYTORCH,
+              "megatron_legacy": _vpce.SmoothingSemantics.MEGATRON_LEGACY}
 _OPTION_NAMES = ("ignore_index", "z_loss_weight", "logit_scale", "softcap", "valid_vocab_size",
                  "smoothing_semantics", "num_threads")
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -27,7 +28,8 @@ def _options(label_smoothing, options):
     for name, value in options.items():
         if name == "smoothing_semantics":
             if not (isinstance(value, str) and value in _SEMANTICS):
-                raise ValueError(f"smoothing_semantics: expected 'megatron' or 'pytorch', got {value!r}")
+                raise ValueError(f"smoothing_semantics: expected 'megatron', 'pytorch' or 'megatron_legacy', got "
+                                 f"{value!r}")
             value = _SEMANTICS[value]
         setattr(result, name, value)
     return result

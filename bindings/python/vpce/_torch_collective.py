@@ -26,7 +26,7 @@ import torch.distributed as dist
 from . import _vpce
 
 # One block per rank: [header][payload or its prefix][padding].
-_BLOCK_HEADER = struct.Struct("<IIIIIQd")  # magic, kind, flags, agreed mask, agreed values, payload bytes, smoothing
+_BLOCK_HEADER = struct.Struct("<IIIIIQ")  # magic, kind, flags, agreed mask, agreed values, payload bytes
 _BLOCK_MAGIC = 0x54435056  # "VPCT"
 _MIN_CAPACITY = 4096  # bytes per block at first
 # flags
@@ -143,7 +143,6 @@ class _Collective:
 
     def __init__(self, call, rank, size):
         self.call, self.rank, self.size = call, rank, size
-        self.legacy_smoothing = 0.0  # sent in the block header, so that ranks must agree on it
         self.agreed_mask = self.agreed_values = 0
         self.joined = False
         self.error = None  # the group's error, once the gathered blocks show one
@@ -206,7 +205,7 @@ class _Collective:
         if self.call.concurrent:
             flags |= _CONCURRENT
         header = _BLOCK_HEADER.pack(_BLOCK_MAGIC, self.kind, flags, self.agreed_mask, self.agreed_values,
-                                    payload.numel(), self.legacy_smoothing)
+                                    payload.numel())
         send[:_BLOCK_HEADER.size] = torch.tensor(list(header), dtype=torch.uint8)
         kept = min(payload.numel(), capacity - _BLOCK_HEADER.size)
         send[_BLOCK_HEADER.size:_BLOCK_HEADER.size + kept] = payload[:kept]
@@ -246,10 +245,4 @@ class _Collective:
                 message = bytes(gathered[r, _BLOCK_HEADER.size:end].tolist()).decode(errors="replace")
                 kind, _, text = message.partition("\n")
                 return _ERROR_KINDS.get(kind, _vpce.Error)(f"rank {r} of {self.size}: {text}")
-        first = headers[0][6]
-        for r, header in enumerate(headers):
-            if header[6] != first:
-                return _vpce.Error(f"invalid usage: ranks disagree on label_smoothing (with "
-                                   f"megatron_legacy_label_smoothing): expected rank 0's {first} on every rank, got "
-                                   f"{header[6]} on rank {r}")
         return None

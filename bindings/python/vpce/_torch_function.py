@@ -14,7 +14,7 @@ from ._torch_arguments import (_as_rows, _as_targets, _check_inplace, _check_log
                                _options)
 from ._torch_collective import _calling, _Collective
 from ._torch_groups import _group
-from ._torch_legacy import _legacy_grad, _legacy_loss, _legacy_smoothing
+from ._torch_legacy import _legacy_options
 
 
 def _increment_version(tensor):
@@ -51,22 +51,17 @@ def _function_forward(ctx, logits, target, label_smoothing, tp_group, inplace_ba
 def _function_backward(ctx, grad_loss):
     x, y, lse = ctx.saved_tensors
     g = grad_loss.to(torch.float32).contiguous()
-    grad = _gradient(x, y, lse, g, ctx.shard, ctx.smoothing, ctx.options, ctx.legacy_smoothing, ctx.inplace)
-    if ctx.inplace and not ctx.legacy_smoothing:
+    grad = _gradient(x, y, lse, g, ctx.shard, ctx.smoothing, ctx.options, ctx.inplace)
+    if ctx.inplace:
         _increment_version(x)
     if ctx.input_dtype != grad.dtype:
         grad = grad.to(ctx.input_dtype)
     return grad
 
 
-def _gradient(x, y, lse, g, shard, smoothing, options, legacy_smoothing, inplace):
+def _gradient(x, y, lse, g, shard, smoothing, options, inplace):
     """The gradient of vpce's forward (no collective): over x when in place, else new."""
     opts = _options(smoothing, options)
-    if legacy_smoothing:
-        grad = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        _vpce.backward(x, y, lse, g, *shard, opts, grad)
-        _legacy_grad(grad, y, g, shard, legacy_smoothing)
-        return grad.to(x.dtype)
     grad = x if inplace else _new_gradient(x)
     _vpce.backward(x, y, lse, g, *shard, opts, grad)
     return grad
@@ -107,28 +102,28 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def _forward(ctx, collective, rank, size, logits, target, label_smoothing, inplace, legacy, options):
     """The autograd forward: every check, then vpce's forward (its one collective through
     `collective`, None for one rank). Any error raised here reaches the other ranks."""
-    loss, x, y, lse, shard, smoothing, alpha = _loss(collective, rank, size, logits, target, label_smoothing, inplace,
-                                                     legacy, options)
+    loss, x, y, lse, shard, options = _loss(collective, rank, size, logits, target, label_smoothing, inplace, legacy,
+                                            options)
     ctx.save_for_backward(x, y, lse)
-    ctx.shard, ctx.smoothing, ctx.options = shard, smoothing, options  # plain values, not bound objects
+    ctx.shard, ctx.smoothing, ctx.options = shard, label_smoothing, options  # plain values, not bound objects
     ctx.inplace = inplace
-    ctx.legacy_smoothing = alpha
     ctx.input_dtype = logits.dtype
     return loss
 
 
 def _loss(collective, rank, size, logits, target, label_smoothing, inplace, legacy, options):
-    """Checks, then vpce's forward: (loss, x read, y read, lse, shard, smoothing, legacy alpha)."""
+    """Checks, then vpce's forward: (loss, x read, y read, lse, shard, the options as the
+    backward takes them)."""
     _check_logits(logits)
     if isinstance(target, torch.Tensor) and tuple(target.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"target.shape: expected the logits' leading shape {tuple(logits.shape[:-1])} (one target "
                          f"per token, as Megatron), got {tuple(target.shape)}")
     y = _as_targets(target, logits)
-    alpha = _legacy_smoothing(label_smoothing, options, logits) if legacy else 0.0
+    if legacy:
+        options = _legacy_options(label_smoothing, options)
     if inplace:
         _check_inplace(logits)
-    smoothing = 0.0 if legacy else label_smoothing
-    opts = _options(smoothing, options)
+    opts = _options(label_smoothing, options)
     x = _as_rows(logits)
     local = x.shape[-1]
     shard = (rank * local, (rank + 1) * local, size * local)
@@ -137,12 +132,9 @@ def _loss(collective, rank, size, logits, target, label_smoothing, inplace, lega
     lse = torch.empty(target.shape, dtype=torch.float64, device=x.device)
     if collective is not None:
         collective.agree("megatron_legacy_label_smoothing", legacy)
-        collective.legacy_smoothing = alpha
     _vpce.forward(x, y, *shard, opts, loss, lse, rank=rank, size=size, all_gather=collective)
-    if alpha > 0:
-        loss = _legacy_loss(x, y, lse, loss, alpha)
     loss = loss.double() if logits.dtype == torch.float64 else loss
-    return loss, x, y, lse, shard, smoothing, alpha
+    return loss, x, y, lse, shard, options
 
 
 _HUGE_PAGE = 2 << 20  # bytes

@@ -31,9 +31,10 @@ from ._torch_arguments import (_GRADIENT_DTYPES, _LOGITS_DTYPES, _LSE_DTYPES, _O
 from ._torch_collective import _BLOCK_HEADER, _HIDDEN_GRADIENT, _HIDDEN_STATES, _calling, _Collective
 from ._torch_compile import _CUSTOM_OPS, _compiling
 from ._torch_groups import _group
+from ._torch_legacy import _legacy_options
 from ._torch_ops import _decode_options, _encode_options, _group_key, _keyed_group
 
-_HEAD_OPTION_NAMES = ("token_block", "vocab_block", "chunk_tokens", "bf16_logit_gradients")
+_HEAD_OPTION_NAMES = ("token_block", "vocab_block", "chunk_tokens", "bf16_logit_gradients", "round_logits")
 _OWN_OPTION_NAMES = ("mode", "reduction", "gradient_accumulation_fusion", "vocab_range")
 _MODES = ("recompute", "chunked")
 _REDUCTIONS = {"none": _vpce.Reduction.NONE, "sum": _vpce.Reduction.SUM, "mean": _vpce.Reduction.MEAN}
@@ -646,7 +647,7 @@ def _fits_head_op(hidden, weight, bias, target, label_smoothing, options):
 # ---- the public function ----------------------------------------------------------------
 
 def linear_cross_entropy(hidden, weight, target, label_smoothing=0.0, tp_group=None, *, bias=None,
-                         sequence_parallel=False, **options):
+                         sequence_parallel=False, megatron_legacy_label_smoothing=False, **options):
     """The loss of the output layer's logits, hidden @ weight.T + bias, without building
     them: Megatron's output layer (ColumnParallelLinear over the vocabulary) and its
     vocab-parallel cross-entropy in one step.
@@ -660,6 +661,9 @@ def linear_cross_entropy(hidden, weight, target, label_smoothing=0.0, tp_group=N
     target: [s, b] global class ids (the whole sequence also with sequence_parallel).
     label_smoothing, tp_group: as vocab_parallel_cross_entropy's.
     bias: [V/R] or None.
+    megatron_legacy_label_smoothing: Megatron's vocab_parallel_cross_entropy smoothing, over
+        each rank's own rows (as vocab_parallel_cross_entropy's flag; the loss and the
+        gradients differ by rank, as in Megatron).
     options: every loss option of vocab_parallel_cross_entropy (ignore_index,
         z_loss_weight, logit_scale, softcap, valid_vocab_size, smoothing_semantics,
         num_threads) and
@@ -675,6 +679,11 @@ def linear_cross_entropy(hidden, weight, target, label_smoothing=0.0, tp_group=N
             those run on bfloat16 dot products (about a third faster where the CPU has
             AVX512-BF16; one tensor-core GEMM instead of two on CUDA). The loss does not
             change; the gradients then carry that rounding (False, the default: fp32);
+        round_logits: bfloat16 and float16 operands; True rounds the logits to the operands'
+            dtype before the loss, as a bf16 or fp16 output layer returns them
+            (round(round(hidden @ weight.T) + bias)), to reproduce a bf16 or fp16 Megatron
+            run's losses (with bf16_logit_gradients, its gradients too); False, the
+            default: fp32 logits, the more exact;
         gradient_accumulation_fusion: True to add the weight's gradient into
             weight.main_grad (fp32), when the weight has one, as Megatron's layer does,
             and return None for it (or a dummy where weight.grad_added_to_main_grad
@@ -687,6 +696,11 @@ def linear_cross_entropy(hidden, weight, target, label_smoothing=0.0, tp_group=N
     copy_to_tensor_model_parallel_region. Returns the loss in float32 (float64 for float64
     operands), the same on every rank.
     """
+    if not isinstance(megatron_legacy_label_smoothing, bool):
+        raise TypeError("megatron_legacy_label_smoothing: expected a bool, got "
+                        f"{type(megatron_legacy_label_smoothing).__name__}")
+    if megatron_legacy_label_smoothing:
+        options = _legacy_options(label_smoothing, options)
     args = (hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel, options)
     if _CUSTOM_OPS and isinstance(sequence_parallel, bool) and _fits_head_op(hidden, weight, bias, target,
                                                                              label_smoothing, options):

@@ -15,7 +15,7 @@ from ._torch_arguments import (_GRADIENT_DTYPES, _LOGITS_DTYPES, _LSE_DTYPES, _T
 from ._torch_compile import _CUSTOM_OPS, _compiling, _constant
 from ._torch_function import _function_forward, _gradient
 from ._torch_groups import _group
-from ._torch_legacy import _legacy_smoothing
+from ._torch_legacy import _legacy_options
 
 # The group cannot be an operator argument: the ops take an integer key, 0 for tp_group=None
 # (resolved when the op runs), others for the group's name (ProcessGroup.group_name, the same
@@ -119,10 +119,10 @@ def _op_backward_impl(logits, target, lse, grad_loss, label_smoothing, group_key
     options = _decode_options(options)
     x = _as_rows(logits)
     y = _as_targets(target, logits)
-    alpha = _legacy_smoothing(label_smoothing, options, logits) if legacy else 0.0
-    smoothing = 0.0 if legacy else label_smoothing
+    if legacy:
+        options = _legacy_options(label_smoothing, options)
     g = grad_loss.to(torch.float32).contiguous()
-    grad = _gradient(x, y, lse, g, _op_shard(logits, group_key), smoothing, options, alpha, False)
+    grad = _gradient(x, y, lse, g, _op_shard(logits, group_key), label_smoothing, options, False)
     if grad.dtype != logits.dtype:
         grad = grad.to(logits.dtype)
     if grad.shape != logits.shape or not grad.is_contiguous():

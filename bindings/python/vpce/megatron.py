@@ -24,9 +24,17 @@ Modes (keyword `mode`):
   functions take it, is the exact sum and its gradient the exact gradient; a loss function
   that weighs tokens differently must use "recompute".
 
-Precision: the logits are fp32 products of the operands (bf16 operands too), as vpce's head
-computes them; Megatron's bf16 output layer rounds them to bf16 before its loss, so a bf16
-run's losses differ from Megatron's by that rounding (vpce's are the more exact).
+Label smoothing (keywords, as linear_cross_entropy takes them): `label_smoothing=a` is vpce's
+exact smoothing over the whole vocabulary, the same loss on every rank; with
+`megatron_legacy_label_smoothing=True` it is Megatron's vocab_parallel_cross_entropy(...,
+label_smoothing=a), which smooths over each rank's own rows (the losses differ by rank).
+
+Precision: by default the logits are the fp32 products of the operands (bf16 operands too),
+the more exact; Megatron's bf16 output layer rounds them to bf16 before its loss, so a bf16
+run's losses then differ from Megatron's by that rounding. `round_logits=True` rounds them as
+that layer does (round(round(h W^T) + b)), and `bf16_logit_gradients=True` rounds the logit
+gradients to bf16 as its backward does: together they reproduce a bf16 Megatron run (the
+step's loss within one fp32 ulp in tests/test_megatron_gpt.py).
 
 What it refuses, naming it (rather than computing something else): an output layer that
 gathers its output (`gather_output` or `runtime_gather_output=True`), deferred embedding
@@ -93,8 +101,9 @@ def fuse_output_layer(model, *, mode="recompute", **options):
     virtual pipeline's chunks) compute its output layer and loss with
     vpce.torch.linear_cross_entropy whenever its forward is given labels. `mode`: "recompute"
     or "chunked" (see the module's documentation); `options`: linear_cross_entropy's keyword
-    options (token_block, vocab_block, chunk_tokens, bf16_logit_gradients, num_threads,
-    logit_scale, softcap, z_loss_weight, ...; not reduction, which the mode sets). Returns
+    options (label_smoothing, megatron_legacy_label_smoothing, round_logits,
+    bf16_logit_gradients, token_block, vocab_block, chunk_tokens, num_threads, logit_scale,
+    softcap, z_loss_weight, ...; not reduction, which the mode sets). Returns
     `model`. A model on a stage without the output layer is left as it is."""
     if isinstance(model, (list, tuple)):
         for chunk in model:

@@ -70,9 +70,9 @@ namespace {
 // device finds.
 RankHeader head_header(const Communicator& comm, int64_t n, int64_t width, int64_t hidden, const VocabShard& shard,
                        DataType dtype, const LossOptions& options, bool has_weights, bool chunked, float grad_loss,
-                       const Status& local) {
+                       bool round_logits, const Status& local) {
   RankHeader header = make_header(comm.rank(), comm.size(), n, width, shard, dtype, options, has_weights, 0,
-                                  head_operation(hidden, chunked, n, grad_loss), local);
+                                  head_operation(hidden, chunked, n, grad_loss, round_logits), local);
   set_device_found_message(header, shard, options);
   return header;
 }
@@ -176,8 +176,9 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   auto* error = reinterpret_cast<cuda::DeviceError*>(protocol.error);
   auto* stats = reinterpret_cast<float*>(protocol.send + sizeof(RankHeader));
   auto* terms = reinterpret_cast<double*>(protocol.merged + stats_bytes);
-  const RankHeader mine = head_header(comm, n, width, local.ok() ? a.hidden_size() : f.hidden_size, *f.shard, f.dtype,
-                                      options, f.extras->weights != nullptr, g != nullptr, grad_loss, local);
+  const RankHeader mine =
+      head_header(comm, n, width, local.ok() ? a.hidden_size() : f.hidden_size, *f.shard, f.dtype, options,
+                  f.extras->weights != nullptr, g != nullptr, grad_loss, a.round_logits, local);
   if (Status s = cuda::write_header(mine, header, stream); !s.ok()) return local.ok() ? s : local;
   const bool reduced = options.reduction != Reduction::kNone;
   if (local.ok() && g != nullptr) {

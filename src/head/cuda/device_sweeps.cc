@@ -47,7 +47,7 @@ Call make_call(const HeadArgs& a, const Tiles& tiles, const VocabShard& shard, c
   Call c;
   c.a = a;
   c.tiles = tiles;
-  c.params = loss_params(options, shard.vocab_size);
+  c.params = loss_params(options, shard);
   c.vocab_begin = shard.vocab_begin;
   c.valid = valid_columns(shard.vocab_begin, a.vocab_rows(), c.params);
   c.width = width;

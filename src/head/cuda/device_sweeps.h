@@ -111,6 +111,7 @@ struct Call {
       c.bias_stride = a.bias.stride;
       c.dtype = a.bias.dtype;
     }
+    if (a.round_logits) c.rounding = a.hidden.dtype;
     return c;
   }
   int64_t panel_width(int64_t j0) const { return std::min(tiles.vb, a.vocab_rows() - j0); }

@@ -18,28 +18,42 @@ namespace {
 
 using namespace cuda_common;  // NOLINT: the shared device arithmetic, unqualified
 
-// The bias of the tile's column c (0 without a bias), as the operands' dtype stores it.
-struct Bias {
-  const void* base;
+// The logit at the tile's column c from the GEMM's value there: plus the bias (as the
+// operands' dtype stores it), and with round_logits rounded as a bf16 or fp16 layer rounds
+// it, the product and then its sum with the bias (tiles.cc's finish_logits on the CPU).
+struct TileLogits {
+  const void* bias;
   int64_t stride;
-  int kind;  // 0 none, 1 fp32, 2 bf16, 3 fp16
-  __device__ __forceinline__ float at(int64_t c) const {
+  int kind;      // the bias: 0 none, 1 fp32, 2 bf16, 3 fp16
+  int rounding;  // 0 none, 2 bf16, 3 fp16
+  __device__ __forceinline__ float bias_at(int64_t c) const {
     switch (kind) {
-      case 1: return static_cast<const float*>(base)[c * stride];
-      case 2: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[c * stride]);
-      case 3: return __half2float(static_cast<const __half*>(base)[c * stride]);
+      case 1: return static_cast<const float*>(bias)[c * stride];
+      case 2: return __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[c * stride]);
+      case 3: return __half2float(static_cast<const __half*>(bias)[c * stride]);
       default: return 0.0f;
     }
+  }
+  __device__ __forceinline__ float round(float x) const {
+    switch (rounding) {
+      case 2: return __bfloat162float(__float2bfloat16_rn(x));
+      case 3: return __half2float(__float2half_rn(x));
+      default: return x;
+    }
+  }
+  __device__ __forceinline__ float at(float product, int64_t c) const {
+    return rounding == 0 ? product + bias_at(c) : round(round(product) + bias_at(c));
   }
 };
 
 int dtype_kind(DataType d) { return d == kFloat32 ? 1 : d == kBFloat16 ? 2 : 3; }
 
-// The tile's bias, pointing at its first column.
-Bias bias_of(const TileColumns& c) {
-  if (c.bias == nullptr) return Bias{nullptr, 0, 0};
+// The tile's bias, pointing at its first column, and its rounding.
+TileLogits tile_logits(const TileColumns& c) {
+  const int rounding = c.rounding == kFloat32 ? 0 : dtype_kind(c.rounding);
+  if (c.bias == nullptr) return TileLogits{nullptr, 0, 0, rounding};
   const auto* first = static_cast<const char*>(c.bias) + c.col0 * c.bias_stride * c.dtype.bytes();
-  return Bias{first, c.bias_stride, dtype_kind(c.dtype)};
+  return TileLogits{first, c.bias_stride, dtype_kind(c.dtype), rounding};
 }
 
 __global__ void init_running_kernel(RunningStats* running, int64_t rows) {
@@ -51,7 +65,7 @@ __global__ void init_running_kernel(RunningStats* running, int64_t rows) {
 // One block per tile row: the row's Part over the tile's valid columns (as
 // cuda/kernels.cu's local_stats_kernel folds a row), then running[r] <- running[r] then it.
 __global__ void __launch_bounds__(kThreads)
-    fold_tile_kernel(const float* z, int64_t ld, int64_t valid, int64_t col0, Bias bias, TokenInputs tokens,
+    fold_tile_kernel(const float* z, int64_t ld, int64_t valid, int64_t col0, TileLogits logits, TokenInputs tokens,
                      int64_t vocab_begin, LossParams params, Transform t, bool extras, bool plain,
                      RunningStats* running) {
   const int64_t r = blockIdx.x;
@@ -60,7 +74,7 @@ __global__ void __launch_bounds__(kThreads)
   Part p = empty_part();
   if (plain) p = fold_row_plain(row, valid);
   for (int64_t c = plain ? valid : threadIdx.x; c < valid; c += kThreads) {
-    fold_element(p, t.apply(row[c] + bias.at(c)), static_cast<int32_t>(col0 + c), sum_logits, extras);
+    fold_element(p, t.apply(logits.at(row[c], c)), static_cast<int32_t>(col0 + c), sum_logits, extras);
   }
   p = block_combine(p);
   if (threadIdx.x != 0) return;
@@ -73,7 +87,7 @@ __global__ void __launch_bounds__(kThreads)
   s.weighted = a.weighted;
   s.argmax = a.argmax;
   const int64_t column = tokens.target(r) - vocab_begin - col0;
-  if (column >= 0 && column < valid) s.target = t.apply(row[column] + bias.at(column));
+  if (column >= 0 && column < valid) s.target = t.apply(logits.at(row[column], column));
   s.columns += static_cast<int32_t>(valid);
   running[r] = s;
 }
@@ -102,8 +116,8 @@ __global__ void finalize_kernel(const RunningStats* running, int64_t rows, Token
 // element for element), and optionally its two bf16 parts, or (lo null) its bf16 rounding,
 // which then replaces it in z too.
 __global__ void __launch_bounds__(kThreads)
-    tile_gradient_kernel(float* z, int64_t ld, int64_t cols, int64_t valid, int64_t col0, Bias bias, GradientParams p,
-                         bool plain, __nv_bfloat16* hi, __nv_bfloat16* lo) {
+    tile_gradient_kernel(float* z, int64_t ld, int64_t cols, int64_t valid, int64_t col0, TileLogits logits,
+                         GradientParams p, bool plain, __nv_bfloat16* hi, __nv_bfloat16* lo) {
   const int64_t r = blockIdx.x;
   const int64_t y = p.tokens.target(r);
   const GradientConstants k = p.constants(r, y);
@@ -141,7 +155,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t c = done + threadIdx.x; c < cols; c += kThreads) {
     float g = 0.0f;
     if (k.upstream != 0.0f && c < valid) {  // else a token that does not count, or padding
-      g = gradient_element(k, t, row[c] + bias.at(c), c == target_column, target_term);
+      g = gradient_element(k, t, logits.at(row[c], c), c == target_column, target_term);
     }
     if (hi != nullptr) {
       const __nv_bfloat16 h = __float2bfloat16_rn(g);
@@ -243,8 +257,8 @@ Status fold_tile(const float* z, int64_t ld, int64_t rows, const TileColumns& co
                  cudaStream_t stream) {
   if (rows == 0) return {};
   fold_tile_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-      z, ld, columns.valid, columns.col0, bias_of(columns), token_inputs(targets, TokenVector{}), vocab_begin, params,
-      transform_of(params), extras, is_plain(params) && !extras && columns.bias == nullptr, running);
+      z, ld, columns.valid, columns.col0, tile_logits(columns), token_inputs(targets, TokenVector{}), vocab_begin,
+      params, transform_of(params), extras, is_plain(params) && !extras && columns.as_is(), running);
   return launched("head: tile statistics");
 }
 
@@ -264,8 +278,8 @@ Status tile_gradient(float* z, int64_t ld, int64_t rows, const TileColumns& colu
   if (rows == 0 || columns.cols == 0) return {};
   const GradientParams p = gradient_params(targets, weights, lse, grad_loss, shared, vocab_begin, params);
   tile_gradient_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-      z, ld, columns.cols, columns.valid, columns.col0, bias_of(columns), p,
-      is_plain(params) && columns.bias == nullptr, static_cast<__nv_bfloat16*>(hi), static_cast<__nv_bfloat16*>(lo));
+      z, ld, columns.cols, columns.valid, columns.col0, tile_logits(columns), p, is_plain(params) && columns.as_is(),
+      static_cast<__nv_bfloat16*>(hi), static_cast<__nv_bfloat16*>(lo));
   return launched("head: tile gradient");
 }
 

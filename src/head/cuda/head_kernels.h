@@ -31,7 +31,8 @@ struct RunningStats {
 static_assert(sizeof(RunningStats) == 40);
 
 // The tile's columns: [col0, col0 + cols) of this rank's V_r rows, `valid` of them real
-// classes (the others padding), the bias (T = the operands' dtype; null for none).
+// classes (the others padding), the bias (T = the operands' dtype; null for none), and the
+// rounding of HeadOptions::round_logits (the operands' dtype; fp32: none).
 struct TileColumns {
   int64_t col0 = 0;
   int64_t cols = 0;
@@ -39,6 +40,9 @@ struct TileColumns {
   const void* bias = nullptr;  // at bias + col * bias_stride elements
   int64_t bias_stride = 0;
   DataType dtype{};  // of the bias
+  DataType rounding = kFloat32;
+  // Whether the tile's values are its logits as they stand (no bias, no rounding).
+  bool as_is() const { return bias == nullptr && rounding == kFloat32; }
 };
 
 // running[0, rows) <- empty.
