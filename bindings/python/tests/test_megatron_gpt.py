@@ -2,9 +2,13 @@
 a tiny GPTModel (2 layers, tensor parallelism 2 on gloo, on the CPU) trained a few steps of
 Adam with Megatron's own output layer and loss, then from the same initial weights with the
 integration (recompute and chunked modes), tied and untied embeddings, a bias on the output
-layer, a loss mask with zeros, gradient-accumulation fusion into main_grad: step 1's loss and
-every parameter's gradient within fp32 rounding of Megatron's, every rank's loss identical,
-the training curves together. A forward without labels still returns Megatron's logits.
+layer, a loss mask with zeros, a padded vocabulary, gradient-accumulation fusion into
+main_grad: step 1's loss within one fp32 ulp of Megatron's and every parameter's gradient
+within fp32 rounding, every rank's loss identical, the training curves together. A forward
+without labels still returns Megatron's logits. Label smoothing both ways (Megatron's legacy
+one against Megatron's own function, vpce's exact one against vpce's loss on Megatron's
+logits) and a bf16 model (Float16Module; the logits rounded as Megatron's bf16 layer does)
+one step each.
 
 The CPU patches GPTModel needs, and only those (docs/python.md lists them): Megatron's CUDA
 RNG tracker replaced by one whose fork() does nothing (dropout is 0 here), and
@@ -25,6 +29,7 @@ from reference import relative_error  # noqa: E402
 from test_distributed import spawn  # noqa: E402
 
 VOCAB, HIDDEN, SEQUENCE, BATCH, STEPS = 96, 32, 16, 2, 4
+USED = 90  # a padded vocabulary: the tokenizer's 90 classes, padded to 96 (48 a rank)
 
 
 def cpu_patches():
@@ -70,7 +75,7 @@ def build(size, tied, bias, fusion, bf16=False):
 def batch(step):
     generator = torch.Generator().manual_seed(100 + step)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=generator)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=generator)
+    labels = torch.randint(0, USED, (BATCH, SEQUENCE), generator=generator)
     loss_mask = (torch.rand(BATCH, SEQUENCE, generator=generator) > 0.25).float()
     position_ids = torch.arange(SEQUENCE).unsqueeze(0).expand(BATCH, SEQUENCE)
     attention_mask = torch.ones(BATCH, 1, SEQUENCE, SEQUENCE, dtype=torch.bool).tril().logical_not()
@@ -136,8 +141,10 @@ def worker(rank, size, init_file):
         for mode in ("recompute", "chunked"):
             losses, grads, logits = train(size, tied, bias, fused=True, mode=mode, fusion=fusion)
             case = f"tied={tied} bias={bias} fusion={fusion} mode={mode}"
-            # Step 1 from the same weights: the loss within fp32 rounding, every gradient too.
-            assert relative_error(losses[0], want_losses[0]) < 4e-7, (case, losses[0], want_losses[0])
+            # Step 1 from the same weights: the loss within one fp32 ulp, every gradient within
+            # fp32 rounding.
+            ulp = torch.finfo(torch.float32).eps * want_losses[0].abs()
+            assert (losses[0] - want_losses[0]).abs() <= ulp, (case, losses[0], want_losses[0])
             for name, want in want_gradients.items():
                 assert relative_error(grads[name], want) < 2e-5, (case, name, relative_error(grads[name], want))
             # The curves stay together; without labels the model still gives the logits.
@@ -207,16 +214,16 @@ def bf16_worker(rank, size, init_file):
     exact, _ = bf16_step(size, "vpce")
     # Rounding the logits as Megatron's bf16 layer does: each token's loss within a few fp32
     # ulps of Megatron's (the GEMMs sum in another order, which moves a rare logit across a
-    # bf16 rounding boundary), the step's loss within one; the gradients within a few bf16
-    # ulps (the model's bf16 backward carries those differences on).
+    # bf16 rounding boundary), the step's loss within one; each gradient within a few bf16
+    # ulps in norm (the model's bf16 backward carries those differences on: 1.5 % at most).
     loss_mask = batch(0)[4]
     step_loss = lambda per_token: (per_token * loss_mask).sum() / loss_mask.sum()  # noqa: E731
     ulp = torch.finfo(torch.float32).eps * step_loss(want).abs()
     assert (step_loss(rounded) - step_loss(want)).abs() <= ulp, (step_loss(rounded), step_loss(want))
     assert (rounded - want).abs().max() < 2e-6, (rounded - want).abs().max()
     for name, expected in want_gradients.items():
-        assert relative_error(rounded_gradients[name], expected) < 3e-2, (name, relative_error(
-            rounded_gradients[name], expected))
+        distance = (rounded_gradients[name] - expected).norm() / expected.norm()
+        assert distance < 2e-2, (name, distance)  # bf16's ulp is 2^-8 to 2^-7 of a value
     # The default, fp32 logits: another loss, by bf16's rounding of the logits.
     assert (exact - want).abs().max() > 1e-4, (exact - want).abs().max()
     dist.destroy_process_group()

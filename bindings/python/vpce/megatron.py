@@ -19,10 +19,11 @@ Modes (keyword `mode`):
   recomputes the logit tiles (vpce/head.h).
 - "chunked": the gradients are computed in the forward, chunk by chunk, for the loss summed
   over the tokens that `loss_mask` keeps (the forward must be given `loss_mask`). The model
-  still returns a [b, s] tensor, each kept token holding the mean loss of the kept tokens (the
-  per-token values are not computed), so that `(loss * loss_mask).sum()`, as Megatron's loss
-  functions take it, is the exact sum and its gradient the exact gradient; a loss function
-  that weighs tokens differently must use "recompute".
+  still returns a [b, s] tensor, the first kept token holding the kept tokens' summed loss and
+  every other token 0 (the per-token values are not computed), so that
+  `(loss * loss_mask).sum()`, as Megatron's loss functions take it (a 0/1 mask), is that sum
+  exactly (it adds zeros) and its gradient the exact gradient; a loss function that weighs
+  tokens differently, or reads per-token losses, must use "recompute".
 
 Label smoothing (keywords, as linear_cross_entropy takes them): `label_smoothing=a` is vpce's
 exact smoothing over the whole vocabulary, the same loss on every rank; with
@@ -214,12 +215,15 @@ def _fused_loss(gpt, labels, deferred, mode, options, loss_mask):
         loss = vt.linear_cross_entropy(deferred.hidden, deferred.weight, target, mode="recompute", reduction="none",
                                        **common)
         return loss.transpose(0, 1).contiguous()
-    # chunked (no MTP): the sum over the tokens loss_mask keeps (the others ignored), spread as
-    # its mean over them.
-    mask = loss_mask
+    # chunked (no MTP): the sum over the tokens loss_mask keeps (the others ignored), held by the
+    # first kept token, every other token 0: (loss * loss_mask).sum() then adds zeros to it,
+    # exactly, where a sum of the mean at every kept token would round at every addition.
     ignore = options.get("ignore_index", -100)
-    kept = mask.transpose(0, 1) != 0
+    kept = loss_mask.transpose(0, 1) != 0
     total = vt.linear_cross_entropy(deferred.hidden, deferred.weight, target.masked_fill(~kept, ignore),
                                     mode="chunked", reduction="sum", **common)
-    count = kept.sum().clamp(min=1).to(total.dtype)
-    return (total / count).expand(labels.shape) * (mask != 0).to(total.dtype)
+    holder = torch.zeros(labels.numel(), dtype=total.dtype, device=total.device)
+    first = torch.nonzero(loss_mask.reshape(-1) != 0)
+    if first.numel() > 0:
+        holder[first[0, 0]] = 1.0
+    return total * holder.view(labels.shape)
