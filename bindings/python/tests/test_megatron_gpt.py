@@ -8,13 +8,13 @@ within fp32 rounding, every rank's loss identical, the training curves together.
 without labels still returns Megatron's logits. Label smoothing both ways (Megatron's legacy
 one against Megatron's own function, vpce's exact one against vpce's loss on Megatron's
 logits) and a bf16 model (Float16Module; the logits rounded as Megatron's bf16 layer does)
-one step each.
+one step each, and a model with a multi-token prediction layer.
 
 The CPU patches GPTModel needs, and only those (docs/python.md lists them): Megatron's CUDA
 RNG tracker replaced by one whose fork() does nothing (dropout is 0 here), and
 torch.cuda.current_device answering "cpu". Sequence parallelism needs reduce-scatter, which
 gloo lacks, so it is not trained here (vpce.torch's head is tested with it in
-test_linear_cross_entropy.py); multi-token prediction is not built here either."""
+test_linear_cross_entropy.py)."""
 import contextlib
 
 import pytest
@@ -233,6 +233,50 @@ def test_bf16_through_the_fused_head():
     spawn(bf16_worker, 2)
 
 
+def mtp_step(size, fused):
+    """One forward and backward of a model with a multi-token prediction layer (its loss
+    scaled by 0.3 into the main loss): (the step's loss, the gradients, the head's calls)."""
+    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,  # noqa: PLC0415
+                                                          get_gpt_mtp_block_spec)
+    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
+
+    import vpce.megatron  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True,
+                               tensor_model_parallel_size=size, params_dtype=torch.float32, hidden_dropout=0.0,
+                               attention_dropout=0.0, mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
+    spec = get_gpt_layer_local_spec()
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQUENCE,
+                     mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
+    if fused:
+        vpce.megatron.fuse_output_layer(model)
+    calls = []
+    head = vt.linear_cross_entropy
+    vt.linear_cross_entropy = lambda *args, **kwargs: calls.append(1) or head(*args, **kwargs)
+    tokens, position_ids, attention_mask, labels, loss_mask = batch(0)
+    per_token = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    loss = (per_token * loss_mask).sum() / loss_mask.sum()
+    loss.backward()
+    vt.linear_cross_entropy = head
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}, len(calls)
+
+
+def mtp_worker(rank, size, init_file):
+    from test_megatron_core import megatron_init  # noqa: PLC0415
+
+    megatron_init(rank, size, init_file)
+    cpu_patches()
+    want, want_gradients, _ = mtp_step(size, fused=False)
+    got, gradients, calls = mtp_step(size, fused=True)
+    assert calls == 2, calls  # the main head and the MTP layer's, both through vpce's head
+    assert (got - want).abs() <= torch.finfo(torch.float32).eps * want.abs(), (got, want)
+    for name, expected in want_gradients.items():
+        assert relative_error(gradients[name], expected) < 2e-5, (name, relative_error(gradients[name], expected))
+    dist.destroy_process_group()
+
+
 def smoothing_worker(rank, size, init_file):
     from test_megatron_core import megatron_init  # noqa: PLC0415
 
@@ -289,6 +333,10 @@ def refusal_worker(rank, size, init_file):
 
 def test_fused_gpt_model_trains_as_megatrons():
     spawn(worker, 2)
+
+
+def test_multi_token_prediction_through_the_fused_head():
+    spawn(mtp_worker, 2)
 
 
 def test_label_smoothing_both_ways_through_the_fused_head():
