@@ -52,6 +52,7 @@ void round_to(DataType dtype, float* x, int64_t n) {
 // matmul and + bias round them.
 void finish_logits(float* tile, int64_t ld, int64_t rows, int64_t cols, const float* bias, DataType rounding) {
   const bool round = rounding != kFloat32;
+  if (!round && bias == nullptr) return;
   for (int64_t r = 0; r < rows; ++r) {
     float* row = tile + r * ld;
     if (round) round_to(rounding, row, cols);

@@ -222,8 +222,7 @@ def _fused_loss(gpt, labels, deferred, mode, options, loss_mask):
     kept = loss_mask.transpose(0, 1) != 0
     total = vt.linear_cross_entropy(deferred.hidden, deferred.weight, target.masked_fill(~kept, ignore),
                                     mode="chunked", reduction="sum", **common)
-    holder = torch.zeros(labels.numel(), dtype=total.dtype, device=total.device)
-    first = torch.nonzero(loss_mask.reshape(-1) != 0)
-    if first.numel() > 0:
-        holder[first[0, 0]] = 1.0
+    # The first kept token, found on the device (no host synchronisation, as nonzero would make).
+    kept_flat = loss_mask.reshape(-1) != 0
+    holder = (kept_flat & (kept_flat.cumsum(0) == 1)).to(total.dtype)
     return total * holder.view(labels.shape)
