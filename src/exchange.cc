@@ -16,6 +16,13 @@ constexpr int64_t kMaxAnnouncedTokens = int64_t{1} << 26;
 
 }  // namespace
 
+Status check_comm(const Communicator& comm) {
+  if (comm.size() >= 1 && comm.rank() >= 0 && comm.rank() < comm.size()) return {};
+  return {Code::kInvalidArgument,
+          expected_got("comm", "0 <= rank() < size()",
+                       "rank " + std::to_string(comm.rank()) + " of " + std::to_string(comm.size()))};
+}
+
 int64_t announced_tokens(const TensorView& targets) {
   if (targets.ndim < 0 || targets.ndim > TensorView::kMaxDims) return 0;
   int64_t n = 1;

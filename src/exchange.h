@@ -26,6 +26,9 @@ struct ExchangeCall {
   uint64_t inputs_hash = 0;
 };
 
+// comm's rank and size make sense: 0 <= rank() < size() (kInvalidArgument naming `comm`).
+Status check_comm(const Communicator& comm);
+
 // The number of tokens a rank announces even when its own arguments are bad, so that the
 // payload sizes still agree and the other ranks learn its error: the targets' element
 // count when the targets view itself is valid and the count is plausible, else 0.

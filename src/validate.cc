@@ -466,4 +466,39 @@ Status check_forward_outputs(int64_t n, Device device, const LossOptions& option
                           inputs);
 }
 
+Status check_grad_logits(const TensorView& grad_logits, const RowMatrix& logits, const std::vector<NamedRegion>& inputs,
+                         RowMatrix* out) {
+  if (Status s = check_dtype("grad_logits", grad_logits.dtype, {kFloat32, kBFloat16, kFloat16},
+                             "float32, bfloat16 or float16");
+      !s.ok()) {
+    return s;
+  }
+  RowMatrix grad;
+  if (Status s = as_row_matrix(grad_logits, "grad_logits", &grad); !s.ok()) return s;
+  const int64_t n = logits.rows;
+  if (grad.rows != n || grad.cols != logits.cols) {
+    return {Code::kInvalidArgument,
+            expected_got("grad_logits.shape",
+                         std::to_string(n) + " rows of " + std::to_string(logits.cols) + " (the logits' shape)",
+                         std::to_string(grad.rows) + " rows of " + std::to_string(grad.cols))};
+  }
+  const bool in_place = grad.base == logits.base;
+  if (in_place && n > 0 && logits.cols > 0 &&
+      (grad.dtype != logits.dtype || (n > 1 && grad.row_stride != logits.row_stride))) {
+    return {Code::kInvalidArgument,
+            expected_got("grad_logits",
+                         "for an in-place gradient, the logits' dtype " + to_string(logits.dtype) + " and row stride " +
+                             std::to_string(logits.row_stride),
+                         to_string(grad.dtype) + " and row stride " + std::to_string(grad.row_stride))};
+  }
+  if (!in_place && overlaps(grad.begin_byte(), grad.end_byte(), logits.begin_byte(), logits.end_byte())) {
+    return {Code::kInvalidArgument,
+            expected_got("grad_logits", "memory that does not overlap the logits (or exactly the logits, for in place)",
+                         "an overlapping buffer")};
+  }
+  if (Status s = check_no_overlap({region_of("grad_logits", grad)}, inputs); !s.ok()) return s;
+  *out = grad;
+  return {};
+}
+
 }  // namespace vpce::detail

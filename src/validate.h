@@ -141,6 +141,12 @@ inline NamedRegion region_of(const char* name, const RowMatrix& m) { return {nam
 // `outputs` overlap neither each other nor `inputs` (kInvalidArgument naming both).
 Status check_no_overlap(const std::vector<NamedRegion>& outputs, const std::vector<NamedRegion>& inputs);
 
+// The gradient of the logits [rows, cols]: fp32/bf16/fp16 with the logits' shape, either the
+// logits' own view (in place: the same data, dtype and row stride) or memory overlapping
+// neither the logits nor `inputs` (the backward's other arguments).
+Status check_grad_logits(const TensorView& grad_logits, const RowMatrix& logits, const std::vector<NamedRegion>& inputs,
+                         RowMatrix* out);
+
 // The forward's outputs, validated.
 struct LossOutputs {
   TokenVector loss;              // [N] for kNone, [1] otherwise

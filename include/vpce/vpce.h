@@ -5,6 +5,7 @@
 #include "vpce/head.h"          // IWYU pragma: export
 #include "vpce/loss.h"          // IWYU pragma: export
 #include "vpce/options.h"       // IWYU pragma: export
+#include "vpce/rl.h"            // IWYU pragma: export
 #include "vpce/rows.h"          // IWYU pragma: export
 #include "vpce/status.h"        // IWYU pragma: export
 #include "vpce/tensor.h"        // IWYU pragma: export

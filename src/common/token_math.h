@@ -33,9 +33,21 @@ struct LossParams {
   float softcap = 0.0f;
   int64_t ignore_index = -100;
   Reduction reduction = Reduction::kNone;
+  // The temperature T, applied last: z = transform(x) / T. One for every token, or token i's
+  // at temperatures[i * temperature_stride] (host or device memory, as the logits) when given.
+  float temperature = 1.0f;
+  const float* temperatures = nullptr;
+  int64_t temperature_stride = 0;
+  // The backward has an entropy term (GradientConstants::entropy may be nonzero).
+  bool entropy_gradient = false;
 
   VPCE_HD bool with_sum_logits() const { return smoothing != 0.0; }
   VPCE_HD bool ignored(int64_t target) const { return target == ignore_index; }
+  VPCE_HD float temperature_of(int64_t i) const {
+    return temperatures != nullptr ? temperatures[i * temperature_stride] : temperature;
+  }
+  // No temperature other than 1 on any token.
+  VPCE_HD bool without_temperature() const { return temperatures == nullptr && temperature == 1.0f; }
 };
 
 // The columns of a shard [vocab_begin, vocab_begin + cols) that are real classes (not
@@ -215,7 +227,9 @@ VPCE_HD inline TokenLoss token_loss(const float* st, int64_t target, double weig
 }
 
 // The constants of one token's gradient:
-//   grad_v = upstream (exp(z_v - lse) coefficient - uniform [- target_weight at the target]) dz/dx_v
+//   grad_v = [upstream (exp(z_v - lse) coefficient - uniform [- target_weight at the target])
+//             + entropy exp(z_v - lse) (z_v - mean_logit)] dz/dx_v
+// (the entropy term is the RL outputs' (src/rl/): -g_H p_v (z_v - E_p[z]), 0 for the loss).
 // The device kernels take exp(z_v - lse) as exp(z_v - lse32) e^(lse32 - lse), lse32 the lse
 // rounded to fp32: the fp32 subtraction is exact for the terms that count, and the factor,
 // |lse32 - lse| <= min(ulp(lse) / 2, log Vv), rides in the coefficient. So an lse kept in
@@ -233,11 +247,23 @@ struct GradientConstants {
   double exact_lse;       // the lse as the forward kept it
   double z_loss_factor;   // 1 + 2 zl lse
   double exact_uniform;   // s / Vv
+  float entropy = 0.0f;   // -g_H e^(lse32 - lse)
+  float mean_logit = 0.0f;
+  double exact_entropy = 0.0;     // -g_H
+  double exact_mean_logit = 0.0;  // E_p[z], as the forward kept it
+
+  // Every element of the row is 0 (an ignored token, or one whose upstream gradients are 0).
+  VPCE_HD bool zero_row() const { return upstream == 0.0f && entropy == 0.0f; }
 };
+
+// The entropy's term of one element, e (z - mean) for e = exp(z - lse): 0 where e is 0 (also
+// for z = -inf, where z - mean is -inf); z - mean is above -117 wherever e is not 0 in fp32.
+VPCE_HD inline double entropy_term(double e, double z, double mean) { return e == 0.0 ? 0.0 : e * (z - mean); }
 
 // The constants from their fp64 values: upstream g_i w_i, the lse, 1 + 2 zl lse, s / Vv.
 VPCE_HD inline GradientConstants make_gradient_constants(double upstream, double lse, double z_loss_factor,
-                                                         double uniform) {
+                                                         double uniform, double entropy = 0.0,
+                                                         double mean_logit = 0.0) {
   const auto lse32 = static_cast<float>(lse);
   const double residual = static_cast<double>(lse32) - lse;
   // (An lse of +-inf or NaN leaves a NaN residual: no factor.)
@@ -249,7 +275,11 @@ VPCE_HD inline GradientConstants make_gradient_constants(double upstream, double
                            upstream,
                            lse,
                            z_loss_factor,
-                           uniform};
+                           uniform,
+                           static_cast<float>(entropy * factor),
+                           static_cast<float>(mean_logit),
+                           entropy,
+                           mean_logit};
 }
 
 VPCE_HD inline GradientConstants gradient_constants(int64_t target, double upstream, float weight, double token_lse,
@@ -278,5 +308,44 @@ struct LseTokens {
 
 // The weight of the one-hot target term: 1 - s.
 VPCE_HD inline float target_weight(const LossParams& p) { return static_cast<float>(1.0 - p.smoothing); }
+
+// ---- the RL outputs (src/rl/) ----------------------------------------------------------------
+
+// One token's log-probability of its token y and the entropy of softmax(z), from its merged
+// statistics with the extras (max M, S = sum e^(z - M), z_y, U = sum e^(z - M) (z - M)), and
+// what the backward keeps: lse = M + log S and E_p[z] = M + U / S.
+struct TokenPolicy {
+  double log_prob = 0.0;  // z_y - lse = -((M - z_y) + log S), at most 0; 0 for an ignored token
+  double entropy = 0.0;   // log S - U / S (the shifted form: no cancellation), at least 0; 0 ignored
+  double lse = 0.0;
+  double mean_logit = 0.0;  // E_p[z]
+};
+
+VPCE_HD inline TokenPolicy token_policy(const float* st, int64_t token, const LossParams& p) {
+  TokenPolicy out;
+  const auto max = static_cast<double>(st[0]);
+  const auto sum_exp = static_cast<double>(st[1]);
+  const double log_sum = log(sum_exp);
+  const double mean_offset = static_cast<double>(st[5]) / sum_exp;
+  out.lse = max + log_sum;
+  out.mean_logit = max + mean_offset;
+  if (p.ignored(token)) return out;
+  // The sums' roundings can take a certain token's log-probability a rounding above 0 and its
+  // entropy one below (both keep a NaN).
+  const double log_prob = -((max - static_cast<double>(st[2])) + log_sum);
+  out.log_prob = log_prob > 0.0 ? 0.0 : log_prob;
+  const double entropy = log_sum - mean_offset;
+  out.entropy = entropy < 0.0 ? 0.0 : entropy;
+  return out;
+}
+
+// The constants of one token's gradient of g_lp log p_y + g_H H: the loss's with the upstream
+// -g_lp (d log p_y / dz_v = 1[v = y] - p_v) and the entropy term -g_H p_v (z_v - E_p[z])
+// (dH / dz_v); none for an ignored token.
+VPCE_HD inline GradientConstants policy_gradient_constants(int64_t token, double grad_log_prob, double grad_entropy,
+                                                           double lse, double mean_logit, const LossParams& p) {
+  if (p.ignored(token)) return make_gradient_constants(0.0, lse, 1.0, 0.0);
+  return make_gradient_constants(-grad_log_prob, lse, 1.0, 0.0, -grad_entropy, mean_logit);
+}
 
 }  // namespace vpce::detail

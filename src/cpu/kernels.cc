@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 
 #include "dtype.h"
@@ -62,12 +63,17 @@ int64_t target_at(const TokenVector& targets, int64_t i) {
   return targets.dtype == kInt64 ? targets.at<int64_t>(i) : targets.at<int32_t>(i);
 }
 
-TransformParams logit_transform(const LossParams& p) {
+TransformParams logit_transform(const LossParams& p, int64_t row) {
   TransformParams t;
-  t.scale = p.logit_scale;
+  const double temperature = p.without_temperature() ? 1.0 : static_cast<double>(p.temperature_of(row));
+  const auto scaled = static_cast<float>(static_cast<double>(p.logit_scale) / temperature);
   if (p.softcap > 0.0f) {
-    t.cap = p.softcap;
+    t.scale = p.logit_scale;
+    t.cap = static_cast<float>(static_cast<double>(p.softcap) / temperature);
     t.inverse_cap = 1.0f / p.softcap;
+    t.slope_scale = scaled;
+  } else {
+    t.scale = scaled;
   }
   return t;
 }
@@ -97,18 +103,19 @@ void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets, int
   const int64_t blocks = block_count(valid);
   const bool with_extras = stats.cols == kStatsWidthWithExtras;
   const StorageType type = storage_of(logits.dtype);
-  const TransformParams transform = logit_transform(params);
   const int element = logits.dtype.bytes();
   auto block = [&](int64_t i, int64_t b) {
     const int64_t begin = b * kBlockColumns;
     return block_stats(logits.base + (i * logits.row_stride + begin) * element, type,
-                       std::min(kBlockColumns, valid - begin), transform, params.with_sum_logits(), with_extras);
+                       std::min(kBlockColumns, valid - begin), logit_transform(params, i), params.with_sum_logits(),
+                       with_extras);
   };
   // Writes the row's TokenStats (and extras) from its blocks folded in column order.
   auto finish = [&](int64_t i, const BlockStats& row) {
     const int64_t target_col = target_at(targets, i) - vocab_begin;
     const bool owns_target = target_col >= 0 && target_col < valid;
-    const float target_logit = owns_target ? transform_one(load_float(logits, i, target_col), transform) : kNegInf;
+    const float target_logit =
+        owns_target ? transform_one(load_float(logits, i, target_col), logit_transform(params, i)) : kNegInf;
     write_token_stats(row, target_logit, vocab_begin, params, with_extras, stats.row<float>(i));
   };
   if (split_blocks(logits.rows, blocks, thread_count(num_threads))) {
@@ -196,23 +203,33 @@ void gradient_kernel(const RowMatrix& logits, const TokenVector& targets, const 
 void gradient_rows_kernel(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights,
                           const TokenVector& lse, const Upstream& upstream, int64_t vocab_begin,
                           const LossParams& params, int num_threads, const RowMatrix& grad) {
+  const LseTokens token_lse = lse_tokens(lse);
+  gradient_rows(
+      logits, targets,
+      [&](int64_t i) {
+        const double g =
+            present(upstream.per_token) ? static_cast<double>(upstream.per_token.at<float>(i)) : upstream.shared;
+        return gradient_constants(target_at(targets, i), g, weight_at(weights, i), token_lse.get(i), params);
+      },
+      vocab_begin, params, num_threads, grad);
+}
+
+void gradient_rows(const RowMatrix& logits, const TokenVector& targets,
+                   const std::function<GradientConstants(int64_t)>& constants, int64_t vocab_begin,
+                   const LossParams& params, int num_threads, const RowMatrix& grad) {
   const int64_t valid = valid_columns(vocab_begin, logits.cols, params);
   const double target_term = 1.0 - params.smoothing;
   const int64_t blocks = block_count(valid);
   const StorageType in = storage_of(logits.dtype), out = storage_of(grad.dtype);
-  const TransformParams transform = logit_transform(params);
   const int in_bytes = logits.dtype.bytes(), out_bytes = grad.dtype.bytes();
-  const LseTokens token_lse = lse_tokens(lse);
-  auto constants = [&](int64_t i) {
-    const double g =
-        present(upstream.per_token) ? static_cast<double>(upstream.per_token.at<float>(i)) : upstream.shared;
-    return gradient_constants(target_at(targets, i), g, weight_at(weights, i), token_lse.get(i), params);
-  };
   // The target's gradient, from its logit read before the row is overwritten (in place), in
   // fp64 and rounded once: p - 1 cancels where p is about 1.
-  auto target_gradient = [&](float x, const GradientConstants& c) {
+  auto target_gradient = [&](int64_t i, float x, const GradientConstants& c) {
+    const TransformParams transform = logit_transform(params, i);
     const auto z = static_cast<double>(transform_one(x, transform));
-    double g = c.exact_upstream * ((std::exp(z - c.exact_lse) * c.z_loss_factor - c.exact_uniform) - target_term);
+    const double p = std::exp(z - c.exact_lse);
+    double g = c.exact_upstream * ((p * c.z_loss_factor - c.exact_uniform) - target_term);
+    if (c.exact_entropy != 0.0) g += c.exact_entropy * entropy_term(p, z, c.exact_mean_logit);
     if (!transform.identity()) g *= static_cast<double>(slope_one(x, transform));
     return g;
   };
@@ -224,14 +241,14 @@ void gradient_rows_kernel(const RowMatrix& logits, const TokenVector& targets, c
     const int64_t begin = b * kBlockColumns;
     block_gradient(logits.base + (i * logits.row_stride + begin) * in_bytes, in,
                    grad.base + (i * grad.row_stride + begin) * out_bytes, out, std::min(kBlockColumns, valid - begin),
-                   transform, c);
+                   logit_transform(params, i), c);
   };
   // Row i once its blocks are written: the padding, and the target column.
   auto finish = [&](int64_t i, float target_x, const GradientConstants& c) {
     zero(i, valid, logits.cols);
     const int64_t target_col = target_at(targets, i) - vocab_begin;
     if (target_col >= 0 && target_col < valid) {
-      narrow(target_gradient(target_x, c), grad.base + (i * grad.row_stride + target_col) * out_bytes, grad.dtype);
+      narrow(target_gradient(i, target_x, c), grad.base + (i * grad.row_stride + target_col) * out_bytes, grad.dtype);
     }
   };
   auto target_x = [&](int64_t i) {
@@ -243,11 +260,11 @@ void gradient_rows_kernel(const RowMatrix& logits, const TokenVector& targets, c
     for (int64_t i = 0; i < logits.rows; ++i) targets_x[i] = target_x(i);
     for_each_block(logits.rows, blocks, num_threads, [&](int64_t i, int64_t b) {
       const GradientConstants c = constants(i);
-      if (c.upstream != 0.0f) block(i, b, c);
+      if (!c.zero_row()) block(i, b, c);
     });
     for (int64_t i = 0; i < logits.rows; ++i) {
       const GradientConstants c = constants(i);
-      if (c.upstream == 0.0f) {
+      if (c.zero_row()) {
         zero(i, 0, logits.cols);
       } else {
         finish(i, targets_x[i], c);
@@ -257,7 +274,7 @@ void gradient_rows_kernel(const RowMatrix& logits, const TokenVector& targets, c
   }
   parallel_rows(logits.rows, num_threads, [&](int64_t i) {
     const GradientConstants c = constants(i);
-    if (c.upstream == 0.0f) {  // ignored, or weight 0: a row of zeros
+    if (c.zero_row()) {  // ignored, or weight 0: a row of zeros
       zero(i, 0, logits.cols);
       return;
     }

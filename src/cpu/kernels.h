@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 #include "../common/token_math.h"
 #include "../validate.h"
@@ -17,8 +18,9 @@ namespace vpce::detail {
 inline bool present(const TokenVector& v) { return v.base != nullptr; }
 int64_t target_at(const TokenVector& targets, int64_t i);
 
-// The logit transform of the options (scale, soft-cap), as the kernels apply it.
-TransformParams logit_transform(const LossParams& p);
+// The logit transform of the options (scale, soft-cap) and row i's temperature, as the
+// kernels apply it.
+TransformParams logit_transform(const LossParams& p, int64_t row);
 
 // Elements [begin, begin + count) of v (absent stays absent).
 TokenVector token_slice(const TokenVector& v, int64_t begin, int64_t count);
@@ -63,6 +65,13 @@ Upstream upstream_of(const TokenVector& grad_loss, const TokenVector& targets, c
 void gradient_rows_kernel(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights,
                           const TokenVector& lse, const Upstream& upstream, int64_t vocab_begin,
                           const LossParams& params, int num_threads, const RowMatrix& grad);
+
+// The gradient rows of any operation: grad [N, Vr] from the logits [N, Vr] and each token's
+// GradientConstants (constants(i), called once per row or per block), its target column
+// (targets[i] - vocab_begin, if this shard holds it) taking the one-hot term in fp64.
+void gradient_rows(const RowMatrix& logits, const TokenVector& targets,
+                   const std::function<GradientConstants(int64_t)>& constants, int64_t vocab_begin,
+                   const LossParams& params, int num_threads, const RowMatrix& grad);
 
 // logits [N, Vr], targets [N], weights [N] or absent, lse [N], grad_loss ([N] for kNone,
 // [1] otherwise) -> grad [N, Vr] (fp32/bf16/fp16), which may be the logits themselves.

@@ -59,11 +59,18 @@ float BlockMax(const T* row, int64_t cols, const TransformParams& t) {
 // polynomial (ExpPolynomial).
 // kBinade (AVX3, bf16 in and out, kFolded, no AVX512-BF16): the gradient rounded to bf16
 // inside the exp with `binade_shift`, the caller's valid BinadeShift of m and its factor.
-template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded, bool kBinade = false>
+// kEntropy (not kFolded): the RL outputs' entropy term too, g = e^(z - m) (k + ke (z - mean))
+// - u (token_math.h's GradientConstants), mean = E_p[z] as two floats (z - hi exact where z is
+// near it, then - lo: the rounding of E_p[z] to one float would cost 2^-24 |z| of z - mean,
+// 2.5e-4 of the term at logits of 1e4), z - mean held above -2^64 so that a column of -inf
+// (e^(z - m) = 0) gives 0, not 0 x -inf; wherever e^(z - m) k is not 0, z - mean is above -117.
+template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded, bool kBinade = false, bool kEntropy = false>
 void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t, const LaneShift& shift, double k,
-                  float u, [[maybe_unused]] const BinadeShift* binade_shift = nullptr) {
+                  float u, [[maybe_unused]] const BinadeShift* binade_shift = nullptr, [[maybe_unused]] double ke = 0.0,
+                  [[maybe_unused]] double mean = 0.0) {
   static_assert(!kBinade || (kFolded && !kHardwareBf16 && kKind == kIdentity && std::is_same_v<T, BFloat16> &&
                              std::is_same_v<G, BFloat16> && HWY_TARGET == HWY_AVX3));
+  static_assert(!kEntropy || (!kFolded && !kBinade));
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
 #if HWY_TARGET == HWY_AVX3
@@ -76,6 +83,11 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
   const bool subtract_first = shift.subtract_first;
   const VF scaled_coefficient = hn::Set(d, static_cast<float>(k));
   const VF scaled_uniform = hn::Set(d, u);
+  const VF entropy_coefficient = hn::Set(d, static_cast<float>(ke));
+  const auto mean_hi = static_cast<float>(mean);
+  const VF mean_logit_hi = hn::Set(d, mean_hi);
+  const VF mean_logit_lo = hn::Set(d, static_cast<float>(mean - static_cast<double>(mean_hi)));
+  const VF lowest_offset = hn::Set(d, -0x1p64f);
   // Every gradient takes the full exp, also one rounded to bf16 or fp16 afterwards: a
   // cheaper exp's error, though within one unit of the dtype, leans one way and takes a
   // rounding the wrong way a hundred times as often (docs/design.md).
@@ -94,7 +106,12 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
       // (z is at most lse, or 88 above a wrong one, given to the staged API)
       g = HWY_UNLIKELY(subtract_first) ? ExpShiftedAs<true, false, true>(d, z, lanes_shift, poly)
                                        : ExpShiftedAs<false, false, true>(d, z, lanes_shift, poly);
-      if constexpr (!kFolded) g = hn::MulSub(g, scaled_coefficient, scaled_uniform);
+      if constexpr (kEntropy) {
+        const VF offset = hn::Max(hn::Sub(hn::Sub(z, mean_logit_hi), mean_logit_lo), lowest_offset);
+        g = hn::MulSub(g, hn::MulAdd(offset, entropy_coefficient, scaled_coefficient), scaled_uniform);
+      } else if constexpr (!kFolded) {
+        g = hn::MulSub(g, scaled_coefficient, scaled_uniform);
+      }
     }
     if constexpr (kKind != kIdentity) g = hn::Mul(g, slope);
     return g;
@@ -137,8 +154,9 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
       }
     }
 #else
-    // bf16 pairs in and out, rounded in the FPU where every gradient is below 2^111.
-    if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16>) {
+    // bf16 pairs in and out, rounded in the FPU where every gradient is below 2^111 (not
+    // bounded so with the entropy's term).
+    if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16> && !kEntropy) {
       const double largest =
           (std::fabs(k) + static_cast<double>(std::fabs(u))) * std::fabs(static_cast<double>(t.scale));
       if (largest < 0x1p110) {
@@ -185,6 +203,10 @@ void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams&
   if constexpr (kExactArgument) {
     const LaneShift shift = MakeLaneShift(d, c.exact_lse);
     const double k = upstream * shift.correction;
+    if (c.exact_entropy != 0.0) {
+      return GradientLoop<T, G, kKind, kHardwareBf16, false, false, true>(
+          row, grad, cols, t, shift, k, u, nullptr, c.exact_entropy * shift.correction, c.exact_mean_logit);
+    }
     if (u == 0.0f && Foldable(k)) {
       return GradientLoop<T, G, kKind, kHardwareBf16, true>(row, grad, cols, t, shift, k, 0.0f);
     }
@@ -195,8 +217,13 @@ void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams&
     const float m = max == -std::numeric_limits<float>::infinity() ? 0.0f : max;
     const LaneShift shift = MakeLaneShift(d, m);
     // (0 for a block of -inf, NaN for a row whose lse is NaN or +inf, or -inf)
-    const double factor = upstream * std::exp(static_cast<double>(max) - c.exact_lse);
+    const double relative = std::exp(static_cast<double>(max) - c.exact_lse);
+    const double factor = upstream * relative;
     const double k = factor * shift.correction;
+    if (c.exact_entropy != 0.0) {
+      return GradientLoop<T, G, kKind, kHardwareBf16, false, false, true>(
+          row, grad, cols, t, shift, k, u, nullptr, c.exact_entropy * relative * shift.correction, c.exact_mean_logit);
+    }
     if (u == 0.0f && Foldable(k)) {
 #if HWY_TARGET == HWY_AVX3
       if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16> && !kHardwareBf16 &&

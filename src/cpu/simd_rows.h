@@ -16,11 +16,14 @@ inline constexpr int64_t kBlockColumns = 16384;
 
 enum class StorageType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
-// z = x * scale, then cap * tanh(z / cap) when cap > 0.
+// z = x * scale, then cap * tanh(x * scale * inverse_cap) when cap > 0, whose slope is
+// slope_scale (1 - tanh^2). A temperature T rides in them: without a cap, scale = s / T; with
+// one, cap = c / T and slope_scale = s / T (inverse_cap staying 1 / c).
 struct TransformParams {
   float scale = 1.0f;
   float cap = 0.0f;
   float inverse_cap = 0.0f;
+  float slope_scale = 1.0f;
   bool identity() const { return scale == 1.0f && cap == 0.0f; }
 };
 

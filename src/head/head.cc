@@ -30,13 +30,6 @@ bool on_device(const HeadInputs& inputs) {
          detail::device_supported(inputs.hidden.device, "hidden").ok();
 }
 
-Status check_comm(const Communicator& comm) {
-  if (comm.size() >= 1 && comm.rank() >= 0 && comm.rank() < comm.size()) return {};
-  return {Code::kInvalidArgument,
-          detail::expected_got("comm", "0 <= rank() < size()",
-                               "rank " + std::to_string(comm.rank()) + " of " + std::to_string(comm.size()))};
-}
-
 Status out_of_memory(const char* call) {
   return {Code::kSystemError, std::string(call) + ": could not allocate the tiles' buffers"};
 }
@@ -78,7 +71,7 @@ Status linear_cross_entropy_forward(Communicator& comm, const HeadInputs& inputs
                                     const VocabShard& shard, const LossOptions& options, const HeadOptions& head,
                                     const TensorView& loss, const TensorView& lse, const ForwardExtras& extras,
                                     Workspace* workspace) {
-  if (Status s = check_comm(comm); !s.ok()) return s;
+  if (Status s = detail::check_comm(comm); !s.ok()) return s;
   if (on_device(inputs)) {
     return detail::device_linear_cross_entropy_forward(comm, inputs, targets, shard, options, head, loss, lse, extras,
                                                        workspace);
@@ -145,8 +138,10 @@ Status linear_cross_entropy_backward(const HeadInputs& inputs, const TensorView&
   Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
   try {
     const detail::Fp32Operands ops(a, false, options.num_threads);
-    detail::sweep_gradients(a, ops, ctx, lse_in, detail::upstream_of(upstream, a.targets, a.weights, ctx.params), g,
-                            buffers->head_tiles);
+    detail::sweep_gradients(
+        a, ops, ctx,
+        detail::loss_tile_gradient(a, ctx, lse_in, detail::upstream_of(upstream, a.targets, a.weights, ctx.params)), g,
+        buffers->head_tiles);
   } catch (const std::bad_alloc&) {
     return out_of_memory("linear_cross_entropy_backward");  // before any output was written
   }
@@ -158,7 +153,7 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
                                              const HeadOptions& head, float grad_loss, const TensorView& loss,
                                              const TensorView& lse, const HeadGradients& gradients,
                                              const ForwardExtras& extras, Workspace* workspace, int64_t* collectives) {
-  if (Status s = check_comm(comm); !s.ok()) return s;
+  if (Status s = detail::check_comm(comm); !s.ok()) return s;
   if (on_device(inputs)) {
     return detail::device_linear_cross_entropy_forward_backward(comm, inputs, targets, shard, options, head, grad_loss,
                                                                 loss, lse, gradients, extras, workspace, collectives);
@@ -244,7 +239,8 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
           t,
           detail::token_loss(dst, detail::target_at(a.targets, t), w, ctx.params, width == kStatsWidthWithExtras).lse);
     }
-    detail::chunk_gradients(a, *ops, ctx, row, rows, logits, out.lse, upstream, g, row == 0, sums);
+    detail::chunk_gradients(a, *ops, ctx, row, rows, logits, detail::loss_tile_gradient(a, ctx, out.lse, upstream), g,
+                            row == 0, sums);
     row += rows;
   } while (row < n);
   detail::finish_chunked_gradients(a, ctx, g, sums);

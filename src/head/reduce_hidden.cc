@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../cpu/parallel.h"
+#include "../exchange.h"
 #include "../validate.h"
 #include "vpce/head.h"
 
@@ -31,12 +32,8 @@ static_assert(sizeof(ReduceHeader) == 256);
 }  // namespace
 
 Status all_reduce_hidden_gradient(Communicator& comm, const TensorView& grad_hidden) {
+  if (Status s = detail::check_comm(comm); !s.ok()) return s;
   const int ranks = comm.size(), rank = comm.rank();
-  if (ranks < 1 || rank < 0 || rank >= ranks) {
-    return {Code::kInvalidArgument,
-            detail::expected_got("comm", "0 <= rank() < size()",
-                                 "rank " + std::to_string(rank) + " of " + std::to_string(ranks))};
-  }
   detail::RowMatrix g;
   Status local = detail::check_device(grad_hidden, "grad_hidden", Device{});
   if (local.ok()) local = detail::check_dtype("grad_hidden", grad_hidden.dtype, {kFloat32}, "float32");

@@ -137,7 +137,6 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
   const int64_t token_blocks = blocks_of(rows, nb);
   const bool with_extras = stats.cols == kStatsWidthWithExtras;
   const bool with_sum_logits = ctx.params.with_sum_logits();
-  const TransformParams transform = logit_transform(ctx.params);
   const int threads = std::max(1, std::min<int>(thread_count(ctx.num_threads), static_cast<int>(token_blocks)));
   std::vector<BlockStats> folded(static_cast<std::size_t>(rows));
   std::vector<float> target_logit(static_cast<std::size_t>(rows), kNegInf);
@@ -162,6 +161,7 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
     for (int64_t r = 0; r < n; ++r) {
       const float* row = tile + r * ld;
       const int64_t token = r0 + r;
+      const TransformParams transform = logit_transform(ctx.params, row_begin + token);
       fold_block(folded[static_cast<std::size_t>(token)],
                  block_stats(row, StorageType::kFloat32, cols, transform, with_sum_logits, with_extras), v0);
       const int64_t target_col = target_at(args.targets, row_begin + token) - ctx.vocab_begin - v0;
@@ -332,8 +332,18 @@ void zero_rows(const GradientArgs& g, int64_t row0, int64_t rows, int num_thread
 
 }  // namespace
 
-void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, const TokenVector& lse,
-                     const Upstream& upstream, const HeadGradientArgs& grads, HostFloats& buffer) {
+TileGradient loss_tile_gradient(const HeadArgs& args, const SweepContext& ctx, const TokenVector& lse,
+                                const Upstream& upstream) {
+  return [&args, &ctx, lse, upstream](const RowMatrix& x, int64_t r0, int64_t vocab_begin) {
+    Upstream up = upstream;
+    up.per_token = token_slice(upstream.per_token, r0, x.rows);
+    gradient_rows_kernel(x, token_slice(args.targets, r0, x.rows), token_slice(args.weights, r0, x.rows),
+                         token_slice(lse, r0, x.rows), up, vocab_begin, ctx.params, 1, x);
+  };
+}
+
+void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx,
+                     const TileGradient& gradient, const HeadGradientArgs& grads, HostFloats& buffer) {
   const int64_t n = args.tokens(), h = args.hidden_size(), vr = args.vocab_rows();
   const int64_t nb = args.tiles.token_block, vb = args.tiles.vocab_block;
   const int threads = thread_count(ctx.num_threads);
@@ -358,7 +368,6 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
   std::vector<float> group_staging;
   std::vector<double> bias_parts(grads.bias.present() ? static_cast<std::size_t>((group / nb) * vb) : 0);
   std::vector<float> staging;
-  const TokenVector& targets = args.targets;
   for (int64_t v0 = 0; v0 < vr; v0 += vb) {
     const int64_t width = std::min(vb, vr - v0);
     const int64_t cols = valid_columns(ctx.vocab_begin + v0, width, ctx.params);
@@ -391,10 +400,7 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
         ops.logits_tile(r0, rows, v0, cols, hidden != nullptr ? hidden + (r0 - s0) * ldh : nullptr, ldh, w, ldw, tile,
                         vb);
         const RowMatrix x{reinterpret_cast<char*>(tile), kFloat32, rows, width, vb};
-        Upstream up = upstream;
-        up.per_token = token_slice(upstream.per_token, r0, rows);
-        gradient_rows_kernel(x, token_slice(targets, r0, rows), token_slice(args.weights, r0, rows),
-                             token_slice(lse, r0, rows), up, ctx.vocab_begin + v0, ctx.params, 1, x);
+        gradient(x, r0, ctx.vocab_begin + v0);
         const LogitGradients g = prepare_logit_gradients(args, ops, tile, vb, rows, cols);
         if (grads.hidden.present()) hidden_gradient(args, g, rows, v0, cols, w, ldw, beta_h, dh + r0 * lddh, lddh);
         // The block's column sums while its tile is in cache.
@@ -436,8 +442,8 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
 }
 
 void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, int64_t row_begin,
-                     int64_t rows, float* logits, const TokenVector& lse, const Upstream& upstream,
-                     const HeadGradientArgs& grads, bool first_chunk, ChunkedSums& sums) {
+                     int64_t rows, float* logits, const TileGradient& gradient, const HeadGradientArgs& grads,
+                     bool first_chunk, ChunkedSums& sums) {
   const int64_t h = args.hidden_size(), vr = args.vocab_rows();
   const int64_t nb = args.tiles.token_block;
   const int64_t token_blocks = blocks_of(rows, nb);
@@ -455,10 +461,7 @@ void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
     const int64_t token = row_begin + r0;
     float* x = logits + r0 * vr;
     const RowMatrix m{reinterpret_cast<char*>(x), kFloat32, n, vr, vr};
-    Upstream up = upstream;
-    up.per_token = token_slice(upstream.per_token, token, n);
-    gradient_rows_kernel(m, token_slice(args.targets, token, n), token_slice(args.weights, token, n),
-                         token_slice(lse, token, n), up, ctx.vocab_begin, ctx.params, 1, m);
+    gradient(m, token, ctx.vocab_begin);
     const LogitGradients g = prepare_logit_gradients(args, ops, x, vr, n, cols);
     if (!grads.hidden.present()) return;
     if (cols == 0) {

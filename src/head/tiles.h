@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "../cpu/kernels.h"
@@ -72,12 +73,20 @@ class Fp32Operands {
 void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, int64_t row_begin,
                  int64_t rows, float* keep, const RowMatrix& stats, HostFloats& tiles);
 
+// Turns a tile of logits x (token rows [r0, r0 + x.rows), the shard's columns from
+// vocab_begin) into their gradient in place: the operation's gradient rows (the loss's,
+// loss_tile_gradient; the RL outputs' in src/rl/).
+using TileGradient = std::function<void(const RowMatrix& x, int64_t r0, int64_t vocab_begin)>;
+// The loss's: gradient_rows_kernel with the tokens' lse and upstream gradients.
+TileGradient loss_tile_gradient(const HeadArgs& args, const SweepContext& ctx, const TokenVector& lse,
+                                const Upstream& upstream);
+
 // Recompute mode's backward over every token: for each vocabulary block j, the tiles
 // recomputed and turned into their logit gradients dx in a buffer of a few MiB taken from
 // `buffer` (a super-block of tokens at a time), grad_hidden += dx W_j per token block, and
 // grad_weight_j, grad_bias_j += dx^T h, column sums per super-block in token order.
-void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, const TokenVector& lse,
-                     const Upstream& upstream, const HeadGradientArgs& grads, HostFloats& buffer);
+void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx,
+                     const TileGradient& gradient, const HeadGradientArgs& grads, HostFloats& buffer);
 
 // Chunked mode: the gradients of token rows [row_begin, row_begin + rows) whose logits are
 // in `logits` ([rows, V_r], from sweep_stats), turned into their gradients in place.
@@ -91,8 +100,8 @@ struct ChunkedSums {
   bool weight_direct = false;  // sums added into grad_weight itself
 };
 void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, int64_t row_begin,
-                     int64_t rows, float* logits, const TokenVector& lse, const Upstream& upstream,
-                     const HeadGradientArgs& grads, bool first_chunk, ChunkedSums& sums);
+                     int64_t rows, float* logits, const TileGradient& gradient, const HeadGradientArgs& grads,
+                     bool first_chunk, ChunkedSums& sums);
 void finish_chunked_gradients(const HeadArgs& args, const SweepContext& ctx, const HeadGradientArgs& grads,
                               ChunkedSums& sums);
 

@@ -76,13 +76,7 @@ Status device_forward(Communicator& comm, const LossInputs& in, const detail::Lo
 Status forward(Communicator& comm, const TensorView& logits, const TensorView& targets, const VocabShard& shard,
                const LossOptions& options, const TensorView& loss, const TensorView& lse, const ForwardExtras& extras,
                Workspace* workspace) {
-  const int rank = comm.rank();
-  const int ranks = comm.size();
-  if (ranks < 1 || rank < 0 || rank >= ranks) {
-    return {Code::kInvalidArgument,
-            detail::expected_got("comm", "0 <= rank() < size()",
-                                 "rank " + std::to_string(rank) + " of " + std::to_string(ranks))};
-  }
+  if (Status s = detail::check_comm(comm); !s.ok()) return s;
 
   LossInputs in;
   detail::LossOutputs out;

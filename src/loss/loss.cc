@@ -279,38 +279,14 @@ Status backward(const TensorView& logits, const TensorView& targets, const Tenso
   if (Status s = detail::check_loss_output(grad_loss, "grad_loss", n, options.reduction, &upstream); !s.ok()) {
     return s;
   }
-  if (Status s = detail::check_dtype("grad_logits", grad_logits.dtype, {kFloat32, kBFloat16, kFloat16},
-                                     "float32, bfloat16 or float16");
+  RowMatrix grad;
+  if (Status s = detail::check_grad_logits(
+          grad_logits, in.logits,
+          {detail::region_of("the targets", in.targets), detail::region_of("lse", lse_in),
+           detail::region_of("grad_loss", upstream), detail::region_of("the weights", in.weights)},
+          &grad);
       !s.ok()) {
     return s;
-  }
-  RowMatrix grad;
-  if (Status s = detail::as_row_matrix(grad_logits, "grad_logits", &grad); !s.ok()) return s;
-  if (grad.rows != n || grad.cols != in.logits.cols) {
-    return {
-        Code::kInvalidArgument,
-        detail::expected_got("grad_logits.shape",
-                             std::to_string(n) + " rows of " + std::to_string(in.logits.cols) + " (the logits' shape)",
-                             std::to_string(grad.rows) + " rows of " + std::to_string(grad.cols))};
-  }
-  const bool in_place = grad.base == in.logits.base;
-  if (in_place && n > 0 && in.logits.cols > 0 &&
-      (grad.dtype != in.logits.dtype || (n > 1 && grad.row_stride != in.logits.row_stride))) {
-    return {Code::kInvalidArgument,
-            detail::expected_got("grad_logits",
-                                 "for an in-place gradient, the logits' dtype " + to_string(in.logits.dtype) +
-                                     " and row stride " + std::to_string(in.logits.row_stride),
-                                 to_string(grad.dtype) + " and row stride " + std::to_string(grad.row_stride))};
-  }
-  if (!in_place && detail::overlaps(grad.begin_byte(), grad.end_byte(), in.logits.begin_byte(), in.logits.end_byte())) {
-    return overlap_error("grad_logits", "the logits (or exactly the logits, for in place)");
-  }
-  const std::pair<const char*, const TokenVector*> token_inputs[] = {
-      {"the targets", &in.targets}, {"lse", &lse_in}, {"grad_loss", &upstream}, {"the weights", &in.weights}};
-  for (const auto& [label, vec] : token_inputs) {
-    if (detail::present(*vec) && overlaps(*vec, grad.begin_byte(), grad.end_byte())) {
-      return overlap_error("grad_logits", label);
-    }
   }
   if (logits.device.type != DeviceType::kCPU) {
     const std::pair<const TensorView*, const char*> views[] = {

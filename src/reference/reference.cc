@@ -142,4 +142,41 @@ Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v, co
   return cross_entropy(logits, n, v, targets, {}, grad_loss, options);
 }
 
+PolicyResult policy(const std::vector<double>& logits, int64_t n, int64_t v, const std::vector<int64_t>& tokens,
+                    const std::vector<double>& temperatures, const std::vector<double>& grad_log_prob,
+                    const std::vector<double>& grad_entropy, const Options& options) {
+  PolicyResult out;
+  out.log_prob.assign(static_cast<size_t>(n), 0.0);
+  out.entropy.assign(static_cast<size_t>(n), 0.0);
+  out.grad.assign(static_cast<size_t>(n * v), 0.0);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto row = static_cast<size_t>(i);
+    if (tokens[row] == options.ignore_index) continue;
+    const double temperature = temperatures.empty() ? 1.0 : temperatures[row];
+    std::vector<double> z = transformed(&logits[row * static_cast<size_t>(v)], v, options);
+    for (double& value : z) value /= temperature;
+    const double lse = log_sum_exp(z);
+    double entropy = 0.0;
+    std::vector<double> log_p(z.size());
+    for (size_t j = 0; j < z.size(); ++j) {
+      log_p[j] = z[j] - lse;
+      const double p = std::exp(log_p[j]);
+      if (p != 0.0 || std::isnan(p)) entropy -= p * log_p[j];
+    }
+    out.log_prob[row] = log_p[static_cast<size_t>(tokens[row])];
+    out.entropy[row] = entropy;
+    const double g_lp = grad_log_prob.empty() ? 0.0 : grad_log_prob[row];
+    const double g_h = grad_entropy.empty() ? 0.0 : grad_entropy[row];
+    for (size_t j = 0; j < z.size(); ++j) {
+      const double p = std::exp(log_p[j]);
+      const double onehot = static_cast<int64_t>(j) == tokens[row] ? 1.0 : 0.0;
+      const double d_entropy = p == 0.0 ? 0.0 : -p * (log_p[j] + entropy);
+      const double dz = g_lp * (onehot - p) + g_h * d_entropy;
+      const double x = logits[row * static_cast<size_t>(v) + j];
+      out.grad[row * static_cast<size_t>(v) + j] = dz * slope(transform(x, options), options) / temperature;
+    }
+  }
+  return out;
+}
+
 }  // namespace vpce::reference

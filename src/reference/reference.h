@@ -52,4 +52,19 @@ Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v, co
 Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v, const std::vector<int64_t>& targets,
                      double label_smoothing, const std::vector<double>& grad_loss);
 
+// The RL outputs (vpce/rl.h) of the same logits: with z = transform(x) / T_i over the valid
+// columns, p = softmax(z), the log-probability log p_y of each token's y and the entropy
+// H = -sum_v p_v log p_v, and the gradient of sum_i (g_lp,i log p_y + g_H,i H_i) with respect
+// to the raw logits (dH/dz_v = -p_v (log p_v + H), through dz/dx). Tokens equal to
+// options.ignore_index give 0 and a zero gradient. temperatures: [n], or empty for ones;
+// grad_log_prob, grad_entropy: [n], or empty for zeros.
+struct PolicyResult {
+  std::vector<double> log_prob;  // [n]
+  std::vector<double> entropy;   // [n]
+  std::vector<double> grad;      // [n, v]
+};
+PolicyResult policy(const std::vector<double>& logits, int64_t n, int64_t v, const std::vector<int64_t>& tokens,
+                    const std::vector<double>& temperatures, const std::vector<double>& grad_log_prob,
+                    const std::vector<double>& grad_entropy, const Options& options);
+
 }  // namespace vpce::reference

@@ -235,5 +235,6 @@ inline vpce::VocabShard shard_of(int64_t vocab_begin, int64_t vocab_end, int64_t
 void bind_loss(nb::module_& m);
 void bind_head(nb::module_& m);
 void bind_rows(nb::module_& m);
+void bind_rl(nb::module_& m);
 
 }  // namespace vpce::python

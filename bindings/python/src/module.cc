@@ -55,4 +55,5 @@ NB_MODULE(_vpce, m) {
   vpce::python::bind_loss(m);
   vpce::python::bind_head(m);
   vpce::python::bind_rows(m);
+  vpce::python::bind_rl(m);
 }

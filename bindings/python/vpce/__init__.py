@@ -39,6 +39,9 @@ from ._vpce import (
     linear_cross_entropy_forward_backward,
     linear_cross_entropy_local_stats,
     merge_stats,
+    RlOptions,
+    rl_backward,
+    rl_forward,
 )
 
 __all__ = [
@@ -60,4 +63,7 @@ __all__ = [
     "linear_cross_entropy_forward_backward",
     "linear_cross_entropy_local_stats",
     "merge_stats",
+    "RlOptions",
+    "rl_backward",
+    "rl_forward",
 ]

@@ -20,7 +20,7 @@ namespace HWY_NAMESPACE {
 
 // ---- the logit transform ----------------------------------------------------------------
 
-// The soft cap's z = cap tanh(a), a = scale x / cap, and, with `slope`, dz/dx = scale (1 -
+// The soft cap's z = cap tanh(a), a = scale x / cap, and, with `slope`, dz/dx = slope_scale (1 -
 // tanh^2 a), both from y = expm1(2|a|) as Highway's Tanh takes it: tanh |a| = y / (y + 2)
 // and 1 - tanh^2 a = 4 (y + 1) / (y + 2)^2, which does not cancel where tanh saturates
 // (1 - u^2 from the rounded u = tanh a did: 7.5e-4 of a row's gradient at |a| of 3 to 6.5);
@@ -42,7 +42,7 @@ HWY_INLINE VF SoftCap(DF d, VF x, const TransformParams& t, VF* slope) {
 #endif
   if constexpr (kWithSlope) {
     // 4 r ((y + 1) r): neither (y + 2)^2 nor r^2 leaves fp32's range where y is large.
-    *slope = hn::Mul(hn::Mul(hn::Set(d, 4.0f * t.scale), r), hn::Mul(hn::Add(y, hn::Set(d, 1.0f)), r));
+    *slope = hn::Mul(hn::Mul(hn::Set(d, 4.0f * t.slope_scale), r), hn::Mul(hn::Add(y, hn::Set(d, 1.0f)), r));
 #if HWY_TARGET == HWY_SCALAR || HWY_TARGET == HWY_EMU128
     *slope = hn::IfThenElse(hn::IsNaN(a), a, *slope);
 #endif

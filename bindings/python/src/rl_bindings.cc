@@ -1,0 +1,71 @@
+// bindings/python/src/rl_bindings.cc: the RL outputs (vpce/rl.h): log-probabilities and
+// entropy on logits, their options, the one-call forward and the backward.
+#include <nanobind/nanobind.h>
+
+#include <cstdint>
+#include <utility>
+
+#include "arguments.h"
+
+namespace vpce::python {
+
+void bind_rl(nb::module_& m) {
+  auto options = nb::class_<vpce::rl::Options>(m, "RlOptions", "The RL outputs' options; see include/vpce/rl.h");
+  options.def(nb::init<>());
+  using Rl = vpce::rl::Options;
+  def_fields(options, std::pair{"temperature", &Rl::temperature}, std::pair{"ignore_index", &Rl::ignore_index},
+             std::pair{"logit_scale", &Rl::logit_scale}, std::pair{"softcap", &Rl::softcap},
+             std::pair{"valid_vocab_size", &Rl::valid_vocab_size}, std::pair{"num_threads", &Rl::num_threads});
+
+  m.def(
+      "rl_forward",
+      [](nb::handle logits, nb::handle targets, int64_t vocab_begin, int64_t vocab_end, int64_t vocab_size,
+         const vpce::rl::Options& options, nb::handle log_prob, nb::handle entropy, nb::handle lse,
+         nb::handle mean_logit, nb::handle temperatures, int rank, int size, nb::object all_gather) {
+        require_all_gather(size, all_gather);
+        const Input x(logits, "logits");
+        const Input y(targets, "targets");
+        const OptionalOutput lp(log_prob, "log_prob");
+        const OptionalOutput h(entropy, "entropy");
+        const OptionalOutput e(lse, "lse");
+        const OptionalOutput mean(mean_logit, "mean_logit");
+        const OptionalInput t(temperatures, "temperatures");
+        collective(rank, size, std::move(all_gather), [&](vpce::Communicator& comm) {
+          return vpce::rl::forward(comm, x, y, shard_of(vocab_begin, vocab_end, vocab_size), options,
+                                   {lp.get(), h.get(), e.get(), mean.get()}, t.get());
+        });
+      },
+      nb::arg("logits").none(), nb::arg("targets").none(), nb::arg("vocab_begin"), nb::arg("vocab_end"),
+      nb::arg("vocab_size"), nb::arg("options"), nb::arg("log_prob").none() = nb::none(),
+      nb::arg("entropy").none() = nb::none(), nb::arg("lse").none() = nb::none(),
+      nb::arg("mean_logit").none() = nb::none(), nb::arg("temperatures").none() = nb::none(), nb::arg("rank") = 0,
+      nb::arg("size") = 1, nb::arg("all_gather") = nb::none(),
+      "RL outputs' forward: local statistics, one all_gather(send, recv) through the callable, merge, then "
+      "log_prob, entropy and, for the backward, lse and mean_logit (each optional).");
+
+  m.def(
+      "rl_backward",
+      [](nb::handle logits, nb::handle targets, nb::handle lse, nb::handle mean_logit, nb::handle grad_log_prob,
+         nb::handle grad_entropy, int64_t vocab_begin, int64_t vocab_end, int64_t vocab_size,
+         const vpce::rl::Options& options, nb::handle grad_logits, nb::handle temperatures) {
+        const Input x(logits, "logits");
+        const Input y(targets, "targets");
+        const Input e(lse, "lse");
+        const OptionalInput mean(mean_logit, "mean_logit");
+        const OptionalInput glp(grad_log_prob, "grad_log_prob");
+        const OptionalInput gh(grad_entropy, "grad_entropy");
+        const Output out(grad_logits, "grad_logits");
+        const OptionalInput t(temperatures, "temperatures");
+        released([&] {
+          return vpce::rl::backward(x, y, e, mean.get(), {glp.get(), gh.get()},
+                                    shard_of(vocab_begin, vocab_end, vocab_size), options, out, t.get());
+        });
+      },
+      nb::arg("logits").none(), nb::arg("targets").none(), nb::arg("lse").none(), nb::arg("mean_logit").none(),
+      nb::arg("grad_log_prob").none(), nb::arg("grad_entropy").none(), nb::arg("vocab_begin"), nb::arg("vocab_end"),
+      nb::arg("vocab_size"), nb::arg("options"), nb::arg("grad_logits").none(),
+      nb::arg("temperatures").none() = nb::none(),
+      "RL outputs' backward: no collective; grad_logits may be the logits themselves (in place).");
+}
+
+}  // namespace vpce::python

@@ -1,0 +1,258 @@
+"""The RL outputs for PyTorch (vpce/rl.h): each token's log-probability of its sampled token
+and the policy's entropy, both differentiable, on vocab-parallel logits: one all-gather per
+forward, none in the backward, the lse and E_p[z] (16 bytes a token) kept between them. An
+autograd.Function (PyTorch < 2.4, and the in-place gradient) and, on PyTorch >= 2.4, the
+custom ops vpce::rl_forward / vpce::rl_backward (torch.compile traces them whole)."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import _vpce
+from ._torch_arguments import (_LOGITS_DTYPES, _TARGET_DTYPES, _WIDENED_TARGET_DTYPES, _as_rows, _as_targets,
+                               _check_inplace, _check_logits, _check_op_tensors, _first_derivative_only, _real)
+from ._torch_collective import _calling, _Collective
+from ._torch_compile import _CUSTOM_OPS, _compiling
+from ._torch_function import _increment_version, _new_gradient
+from ._torch_groups import _group
+from ._torch_ops import _decode_options, _encode_options, _group_key, _keyed_group, _without_data
+
+_RL_OPTION_NAMES = ("ignore_index", "logit_scale", "softcap", "valid_vocab_size", "num_threads")
+
+
+def _rl_options(temperature, options):
+    """vpce.RlOptions from a scalar temperature (None: per-token ones are given) and the
+    keyword options; errors name the option."""
+    unknown = sorted(set(options) - set(_RL_OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"log_probs_and_entropy: unexpected options {unknown}; expected some of "
+                        f"{list(_RL_OPTION_NAMES)}")
+    result = _vpce.RlOptions()
+    if temperature is not None:
+        result.temperature = temperature
+    for name, value in options.items():
+        setattr(result, name, value)
+    return result
+
+
+def _as_temperatures(temperature, logits, target):
+    """(scalar, per-token tensor): a number gives (T, None); a tensor one per token (or one
+    per row of [b, s] targets broadcast, as verl's per-sequence temperatures) gives (None,
+    float32 contiguous [tokens])."""
+    if not isinstance(temperature, torch.Tensor):
+        return _real(temperature, "temperature"), None
+    if temperature.device != logits.device:
+        raise ValueError(f"temperature.device: expected the logits' device {logits.device}, got {temperature.device}")
+    if not temperature.is_floating_point():
+        raise TypeError(f"temperature.dtype: expected a floating-point tensor, got {temperature.dtype}")
+    t = temperature.to(torch.float32)
+    if t.dim() == 0:
+        t = t.expand(target.shape)
+    while t.dim() < target.dim():
+        t = t.unsqueeze(-1)
+    try:
+        t = t.expand(target.shape)
+    except RuntimeError:
+        raise ValueError(f"temperature.shape: expected one per token {tuple(target.shape)} or broadcastable to it, "
+                         f"got {tuple(temperature.shape)}") from None
+    return None, t.contiguous()
+
+
+def _policy(collective, rank, size, logits, target, temperature, options, inplace):
+    """Checks, then vpce's forward: (log_prob, entropy, x, y, lse, mean_logit, temperatures,
+    shard, options)."""
+    _check_logits(logits)
+    if isinstance(target, torch.Tensor) and tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"target.shape: expected the logits' leading shape {tuple(logits.shape[:-1])} (one sampled "
+                         f"token per row), got {tuple(target.shape)}")
+    y = _as_targets(target, logits)
+    scalar, t = _as_temperatures(temperature, logits, y)
+    opts = _rl_options(scalar, options)
+    if inplace:
+        _check_inplace(logits)
+    x = _as_rows(logits)
+    local = x.shape[-1]
+    shard = (rank * local, (rank + 1) * local, size * local)
+    log_prob = torch.empty(y.shape, dtype=torch.float32, device=x.device)
+    entropy = torch.empty(y.shape, dtype=torch.float32, device=x.device)
+    lse = torch.empty(y.shape, dtype=torch.float64, device=x.device)
+    mean = torch.empty(y.shape, dtype=torch.float64, device=x.device)
+    _vpce.rl_forward(x, y, *shard, opts, log_prob, entropy, lse, mean, t, rank=rank, size=size,
+                     all_gather=collective)
+    return log_prob, entropy, x, y, lse, mean, t, shard, scalar
+
+
+def _with_group(tp_group, logits, body):
+    """body(collective, rank, size) on the group, any error agreed across it."""
+    group, rank, size = _group(tp_group)
+    if (size > 1 and isinstance(logits, torch.Tensor) and logits.device.type == "cpu"
+            and dist.get_backend(group) == "nccl"):
+        raise ValueError("tp_group: expected a process group that can gather CPU tensors (gloo), got NCCL "
+                         "with CPU logits")
+    with _calling(group, size) as call:
+        collective = _Collective(call, rank, size) if call is not None else None
+        try:
+            return body(collective, rank, size)
+        except Exception as error:
+            agreed = error if collective is None else collective.agreed(error)
+            if agreed is error:
+                raise
+            raise agreed from error
+
+
+def _policy_gradient(x, y, lse, mean, grad_log_prob, grad_entropy, t, shard, scalar, options, inplace):
+    """The gradient of g_lp log_prob + g_H entropy for the logits (no collective): over x when
+    in place, else new. A None upstream is zero (the entropy's term is then skipped)."""
+    opts = _rl_options(scalar, options)
+    g_lp = None if grad_log_prob is None else grad_log_prob.to(torch.float32).contiguous()
+    g_h = None if grad_entropy is None else grad_entropy.to(torch.float32).contiguous()
+    grad = x if inplace else _new_gradient(x)
+    _vpce.rl_backward(x, y, lse, mean, g_lp, g_h, *shard, opts, grad, t)
+    return grad
+
+
+class _VpceLogProbs(torch.autograd.Function):
+    """log_probs_and_entropy as an autograd.Function: (log_prob, entropy)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, temperature, tp_group, inplace, options):
+        def body(collective, rank, size):
+            return _policy(collective, rank, size, logits, target, temperature, options, inplace)
+
+        log_prob, entropy, x, y, lse, mean, t, shard, scalar = _with_group(tp_group, logits, body)
+        ctx.save_for_backward(x, y, lse, mean, t)
+        # plain values, not bound objects
+        ctx.shard, ctx.scalar, ctx.options, ctx.inplace, ctx.input_dtype = shard, scalar, options, inplace, logits.dtype
+        ctx.set_materialize_grads(False)
+        return log_prob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_prob, grad_entropy):
+        _first_derivative_only("log_probs_and_entropy")
+        x, y, lse, mean, t = ctx.saved_tensors
+        grad = _policy_gradient(x, y, lse, mean, grad_log_prob, grad_entropy, t, ctx.shard, ctx.scalar, ctx.options,
+                                ctx.inplace)
+        if ctx.inplace:
+            _increment_version(x)
+        if grad.dtype != ctx.input_dtype:
+            grad = grad.to(ctx.input_dtype)
+        return grad, None, None, None, None, None
+
+
+def _op_shard(logits, group_key):
+    _, rank, size = _group(_keyed_group(group_key))
+    local = logits.shape[-1]
+    return rank * local, (rank + 1) * local, size * local
+
+
+def _op_temperature(temperatures, temperature):
+    return temperature if temperatures is None else temperatures
+
+
+def _check_op_forward(logits, target, real=True):
+    _check_op_tensors("vpce::rl_forward", "logits", logits,
+                      (("logits", logits, _LOGITS_DTYPES),
+                       ("target", target, _TARGET_DTYPES + _WIDENED_TARGET_DTYPES)), real)
+
+
+if _CUSTOM_OPS:
+    from torch import Tensor  # noqa: E402
+
+    @torch.library.custom_op("vpce::rl_forward", mutates_args=())
+    def _op_forward(logits: Tensor, target: Tensor, temperatures: Optional[Tensor], temperature: float,
+                    group_key: int, options: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """vpce's RL forward: (log_prob, entropy, lse, mean_logit); the one all-gather on the keyed group."""
+        _check_op_forward(logits, target)
+
+        def body(collective, rank, size):
+            return _policy(collective, rank, size, logits, target, _op_temperature(temperatures, temperature),
+                           _decode_options(options), False)
+
+        log_prob, entropy, _, _, lse, mean, _, _, _ = _with_group(_keyed_group(group_key), logits, body)
+        return log_prob, entropy, lse, mean
+
+    @_op_forward.register_fake
+    def _(logits, target, temperatures, temperature, group_key, options):
+        _check_op_forward(logits, target, real=False)
+        shape = logits.shape[:-1]
+        return (logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.float32),
+                logits.new_empty(shape, dtype=torch.float64), logits.new_empty(shape, dtype=torch.float64))
+
+    @torch.library.custom_op("vpce::rl_backward", mutates_args=())
+    def _op_backward(logits: Tensor, target: Tensor, lse: Tensor, mean_logit: Tensor,
+                     grad_log_prob: Optional[Tensor], grad_entropy: Optional[Tensor], temperatures: Optional[Tensor],
+                     temperature: float, group_key: int, options: str) -> Tensor:
+        """vpce's RL backward: the logits' gradient, a new contiguous tensor in their dtype; no collective."""
+        x = _as_rows(logits)
+        y = _as_targets(target, logits)
+        scalar, t = _as_temperatures(_op_temperature(temperatures, temperature), logits, y)
+        grad = _policy_gradient(x, y, lse, mean_logit, grad_log_prob, grad_entropy, t, _op_shard(logits, group_key),
+                                scalar, _decode_options(options), False)
+        if grad.dtype != logits.dtype:
+            grad = grad.to(logits.dtype)
+        if grad.shape != logits.shape or not grad.is_contiguous():
+            grad = grad.contiguous().view(logits.shape)
+        return grad
+
+    @_op_backward.register_fake
+    def _(logits, target, lse, mean_logit, grad_log_prob, grad_entropy, temperatures, temperature, group_key,
+          options):
+        return logits.new_empty(logits.shape)
+
+    def _setup_context(ctx, inputs, output):
+        logits, target, temperatures, temperature, group_key, options = inputs
+        ctx.save_for_backward(logits, target, output[2], output[3], temperatures)
+        ctx.arguments = (temperature, group_key, options)
+
+    def _op_autograd(ctx, grad_log_prob, grad_entropy, grad_lse, grad_mean):
+        del grad_lse, grad_mean  # kept for the backward: no gradient flows through them
+        _first_derivative_only("log_probs_and_entropy")
+        logits, target, lse, mean, temperatures = ctx.saved_tensors
+        grad = torch.ops.vpce.rl_backward(logits, target, lse, mean, grad_log_prob, grad_entropy, temperatures,
+                                          *ctx.arguments)
+        return grad, None, None, None, None, None
+
+    torch.library.register_autograd("vpce::rl_forward", _op_autograd, setup_context=_setup_context)
+
+
+def _fits_op(logits, target, temperature, options):
+    """Whether the custom op takes these arguments (else the autograd.Function, whose checks raise)."""
+    if not (isinstance(logits, torch.Tensor) and isinstance(target, torch.Tensor)):
+        return False
+    if logits.layout != torch.strided or target.layout != torch.strided:
+        return False
+    if logits.device.type not in ("cpu", "cuda", "meta") or target.device != logits.device:
+        return False
+    if logits.dtype not in _LOGITS_DTYPES or not 1 <= logits.dim() <= 8:
+        return False
+    if target.dtype not in _TARGET_DTYPES + _WIDENED_TARGET_DTYPES or tuple(target.shape) != tuple(logits.shape[:-1]):
+        return False
+    if isinstance(temperature, torch.Tensor):
+        if temperature.shape != target.shape or temperature.device != logits.device:
+            return False
+    elif not isinstance(temperature, (float, int)) or isinstance(temperature, bool):
+        return False
+    return all(isinstance(v, (int, float, str)) for v in options.values())
+
+
+def log_probs_and_entropy(logits, target, temperature=1.0, tp_group=None, inplace_backward=False, **options):
+    """(log_prob, entropy) of each token, float32 of the target's shape, differentiable.
+
+    logits: [..., V/R] (this rank's columns; fp32, bf16, fp16 or fp64), target: the sampled
+    token of each row (int), temperature: a number, or a tensor of one per token (or
+    broadcastable to the target, as one per sequence). With z = transform(logits) / T over the
+    whole vocabulary: log_prob = log softmax(z)[target], entropy = -sum p log p. One
+    all-gather on tp_group per call, none in the backward; a target equal to ignore_index
+    (default -100) gives 0 and no gradient. options: ignore_index, logit_scale, softcap,
+    valid_vocab_size, num_threads. inplace_backward=True writes the gradient over the logits.
+    """
+    compiling = _CUSTOM_OPS and (_compiling() or _without_data(logits))
+    if _CUSTOM_OPS and (compiling or not inplace_backward) and _fits_op(logits, target, temperature, options):
+        temperatures = temperature.to(torch.float32) if isinstance(temperature, torch.Tensor) else None
+        scalar = 1.0 if temperatures is not None else float(temperature)
+        log_prob, entropy, _, _ = torch.ops.vpce.rl_forward(logits, target, temperatures, scalar,
+                                                             _group_key(tp_group), _encode_options(options))
+        return log_prob, entropy
+    return _VpceLogProbs.apply(logits, target, temperature, tp_group, inplace_backward, options)
