@@ -14,6 +14,9 @@
 //
 //   d/dx_iv = dz_iv/dx_iv [ g_lp,i (1[v = y_i] - p_iv) - g_H,i p_iv (z_iv - E_p[z_i]) ]
 //
+// The same outputs of a fused output layer's logits x = h W_r^T + b_r (vpce/head.h) without
+// building them: linear_forward and linear_backward, the head's recompute mode.
+//
 // A token equal to ignore_index (a prompt or padding position) gets 0 for both outputs and a
 // zero gradient. Padding columns [Vv, V) take no probability. The forward keeps, per token,
 // the lse and E_p[z] for the backward (16 bytes in float64), nothing of size V.
@@ -28,6 +31,7 @@
 #include <cstdint>
 
 #include "vpce/communicator.h"
+#include "vpce/head.h"
 #include "vpce/options.h"  // IWYU pragma: export
 #include "vpce/status.h"
 #include "vpce/tensor.h"
@@ -81,5 +85,24 @@ struct Upstream {
 Status backward(const TensorView& logits, const TensorView& targets, const TensorView& lse,
                 const TensorView* mean_logit, const Upstream& upstream, const VocabShard& shard, const Options& options,
                 const TensorView& grad_logits, const TensorView* temperatures = nullptr);
+
+// ---- in the fused head ------------------------------------------------------------------
+
+// Forward of the logits x = h W_r^T + b_r that are never built (vpce/head.h: the operands,
+// the tiles, HeadOptions, the recompute mode): the outputs as forward() gives them for x,
+// with one all_gather (every rank also checks that the group agrees on H and round_logits).
+// (The head's chunked mode does not apply: it needs the upstream gradients at forward time.)
+Status linear_forward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets, const VocabShard& shard,
+                      const Options& options, const HeadOptions& head, const Outputs& outputs,
+                      const TensorView* temperatures = nullptr, Workspace* workspace = nullptr);
+
+// Backward: no collective. Recomputes the tiles and writes or adds the gradients asked for
+// (HeadGradients: grad_hidden is this rank's part, to be summed over the group as for the
+// loss; all_reduce_hidden_gradient does it), from the forward's lse and mean_logit and the
+// upstream gradients, as backward() for x.
+Status linear_backward(const HeadInputs& inputs, const TensorView& targets, const TensorView& lse,
+                       const TensorView* mean_logit, const Upstream& upstream, const VocabShard& shard,
+                       const Options& options, const HeadOptions& head, const HeadGradients& gradients,
+                       const TensorView* temperatures = nullptr, Workspace* workspace = nullptr);
 
 }  // namespace vpce::rl

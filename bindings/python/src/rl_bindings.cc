@@ -1,11 +1,12 @@
 // bindings/python/src/rl_bindings.cc: the RL outputs (vpce/rl.h): log-probabilities and
-// entropy on logits, their options, the one-call forward and the backward.
+// entropy, their options, the forward and the backward on logits and in the fused head.
 #include <nanobind/nanobind.h>
 
 #include <cstdint>
 #include <utility>
 
 #include "arguments.h"
+#include "head_operands.h"
 
 namespace vpce::python {
 
@@ -66,6 +67,63 @@ void bind_rl(nb::module_& m) {
       nb::arg("vocab_size"), nb::arg("options"), nb::arg("grad_logits").none(),
       nb::arg("temperatures").none() = nb::none(),
       "RL outputs' backward: no collective; grad_logits may be the logits themselves (in place).");
+
+  m.def(
+      "rl_linear_forward",
+      [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle targets, int64_t vocab_begin,
+         int64_t vocab_end, int64_t vocab_size, const vpce::rl::Options& options, const vpce::HeadOptions& head_options,
+         nb::handle log_prob, nb::handle entropy, nb::handle lse, nb::handle mean_logit, nb::handle temperatures,
+         int rank, int size, nb::object all_gather) {
+        require_all_gather(size, all_gather);
+        const Head operands(hidden, weight, bias);
+        const Input y(targets, "targets");
+        const OptionalOutput lp(log_prob, "log_prob");
+        const OptionalOutput h(entropy, "entropy");
+        const OptionalOutput e(lse, "lse");
+        const OptionalOutput mean(mean_logit, "mean_logit");
+        const OptionalInput t(temperatures, "temperatures");
+        collective(rank, size, std::move(all_gather), [&](vpce::Communicator& comm) {
+          return vpce::rl::linear_forward(comm, operands.inputs, y, shard_of(vocab_begin, vocab_end, vocab_size),
+                                          options, head_options, {lp.get(), h.get(), e.get(), mean.get()}, t.get(),
+                                          operands.workspace());
+        });
+      },
+      nb::arg("hidden").none(), nb::arg("weight").none(), nb::arg("bias").none(), nb::arg("targets").none(),
+      nb::arg("vocab_begin"), nb::arg("vocab_end"), nb::arg("vocab_size"), nb::arg("options"), nb::arg("head"),
+      nb::arg("log_prob").none() = nb::none(), nb::arg("entropy").none() = nb::none(),
+      nb::arg("lse").none() = nb::none(), nb::arg("mean_logit").none() = nb::none(),
+      nb::arg("temperatures").none() = nb::none(), nb::arg("rank") = 0, nb::arg("size") = 1,
+      nb::arg("all_gather") = nb::none(),
+      "RL outputs in the fused head (recompute mode): those of hidden @ weight.T + bias without the logits; one "
+      "all_gather(send, recv) through the callable. bias may be None.");
+
+  def_with_groups(
+      m, "rl_linear_backward",
+      [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle targets, nb::handle lse,
+         nb::handle mean_logit, nb::handle grad_log_prob, nb::handle grad_entropy, int64_t vocab_begin,
+         int64_t vocab_end, int64_t vocab_size, const vpce::rl::Options& options, const vpce::HeadOptions& head_options,
+         nb::handle grad_hidden, nb::handle grad_weight, nb::handle grad_bias, bool accumulate_hidden,
+         bool accumulate_weight, bool accumulate_bias, nb::handle temperatures) {
+        const Head operands(hidden, weight, bias);
+        const Input y(targets, "targets");
+        const Input e(lse, "lse");
+        const OptionalInput mean(mean_logit, "mean_logit");
+        const OptionalInput glp(grad_log_prob, "grad_log_prob");
+        const OptionalInput gh(grad_entropy, "grad_entropy");
+        const OptionalInput t(temperatures, "temperatures");
+        const Gradients out(grad_hidden, grad_weight, grad_bias, accumulate_hidden, accumulate_weight, accumulate_bias);
+        released([&] {
+          return vpce::rl::linear_backward(operands.inputs, y, e, mean.get(), {glp.get(), gh.get()},
+                                           shard_of(vocab_begin, vocab_end, vocab_size), options, head_options,
+                                           out.views, t.get(), operands.workspace());
+        });
+      },
+      "RL outputs in the fused head, backward: no collective; recomputes the tiles, writes or adds the gradients.",
+      std::make_tuple(nb::arg("hidden").none(), nb::arg("weight").none(), nb::arg("bias").none(),
+                      nb::arg("targets").none(), nb::arg("lse").none(), nb::arg("mean_logit").none(),
+                      nb::arg("grad_log_prob").none(), nb::arg("grad_entropy").none(), nb::arg("vocab_begin"),
+                      nb::arg("vocab_end"), nb::arg("vocab_size"), nb::arg("options"), nb::arg("head")),
+      gradient_args(), std::make_tuple(nb::arg("temperatures").none() = nb::none()));
 }
 
 }  // namespace vpce::python

@@ -1,10 +1,11 @@
-"""vpce.torch.log_probs_and_entropy and the RL drop-ins (vpce.verl, vpce.nemo_rl) against a
+"""vpce.torch.log_probs_and_entropy, linear_log_probs_and_entropy (the fused head) and the RL drop-ins (vpce.verl, vpce.nemo_rl) against a
 float64 reference built from PyTorch's own operations (log_softmax of the logits / T over the
 whole vocabulary, the entropy -sum p log p, autograd's gradient of g_lp log p_y + g_H H with
 non-uniform upstream gradients): fp32 within 1e-6 (outputs) and 1e-5 (gradients), bf16 within
 its rounding; per-token and scalar temperatures, ignored tokens, padded vocabularies, on one
 rank and on gloo groups of 2 and 3 processes, the collectives counted (one all-gather per
-forward, none in the backward), the same outputs on every rank; against verl 0.9.1's own
+forward, none in the backward on logits, the hidden gradient's all-reduce in the head), the
+same outputs on every rank; against verl 0.9.1's own
 functions on the same inputs (where megatron-core and verl are installed); the custom ops
 under torch.compile(fullgraph=True) (PyTorch >= 2.4)."""
 import importlib.util
@@ -130,6 +131,55 @@ def test_compiles_without_a_graph_break():
     assert torch.equal(got, logits.grad)
 
 
+def head_reference(hidden, weight, bias, target, temperature, g_lp, g_h):
+    """(log_prob, entropy, grad_hidden, grad_weight, grad_bias) in float64 through the logits."""
+    h = hidden.detach().double().requires_grad_(True)
+    w = weight.detach().double().requires_grad_(True)
+    b = bias.detach().double().requires_grad_(True)
+    logits = h @ w.T + b
+    lp, ent, grad = reference(logits.detach(), target, temperature, g_lp, g_h)
+    logits.backward(grad)
+    return lp, ent, h.grad, w.grad, b.grad
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_head_one_rank_matches_float64(per_token):
+    generator = torch.Generator().manual_seed(21)
+    hidden = torch.randn(3, 7, 32, generator=generator, requires_grad=True)
+    weight = (torch.randn(403, 32, generator=generator) / 32 ** 0.5 * 3).requires_grad_(True)
+    bias = torch.randn(403, generator=generator).requires_grad_(True)
+    target = torch.randint(0, 403, (3, 7), generator=generator)
+    target[1, 2] = -100
+    temperature = torch.tensor([0.5, 1.0, 1.7])[torch.arange(21) % 3].view(3, 7) if per_token else 1.3
+    g_lp, g_h = upstream((3, 7), 11), upstream((3, 7), 12)
+    log_prob, entropy = vt.linear_log_probs_and_entropy(hidden, weight, target, temperature, bias=bias,
+                                                        token_block=8, vocab_block=64)
+    (log_prob * g_lp + entropy * g_h).sum().backward()
+    want_lp, want_h, want_dh, want_dw, want_db = head_reference(hidden, weight, bias, target, temperature, g_lp, g_h)
+    assert (log_prob.double() - want_lp).abs().max() <= 1e-6 * want_lp.abs().max()
+    assert (entropy.double() - want_h).abs().max() <= 1e-6 * want_h.abs().max()
+    for got, want in ((hidden.grad, want_dh), (weight.grad, want_dw), (bias.grad, want_db)):
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@needs_custom_ops
+def test_head_compiles_without_a_graph_break():
+    generator = torch.Generator().manual_seed(22)
+    hidden = torch.randn(6, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(200, 16, generator=generator, requires_grad=True)
+    target = torch.randint(0, 200, (6,), generator=generator)
+
+    def step(h, w, y):
+        log_prob, entropy = vt.linear_log_probs_and_entropy(h, w, y, 0.9)
+        return (log_prob + 0.1 * entropy).sum()
+
+    torch.compile(step, fullgraph=True, backend="aot_eager")(hidden, weight, target).backward()
+    got = (hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    step(hidden, weight, target).backward()
+    assert torch.equal(got[0], hidden.grad) and torch.equal(got[1], weight.grad)
+
+
 def test_nemo_rl_drop_in_matches_float64():
     generator = torch.Generator().manual_seed(4)
     logits = torch.randn(2, 9, 400, generator=generator, requires_grad=True)
@@ -164,6 +214,29 @@ def rl_worker(rank, size, init_file):
     assert backward_calls.calls == [], backward_calls.calls
     want_lp, want_h, want_grad = reference(logits, target, temperature, g_lp, g_h, valid=valid)
     check(log_prob, entropy, mine.grad, (want_lp, want_h, want_grad[..., rank * local:(rank + 1) * local]))
+    # The fused head on the same group: hidden states shared, the weight's rows split.
+    generator = torch.Generator().manual_seed(13)
+    hidden = torch.randn(2, 13, 24, generator=generator)
+    weight = torch.randn(vocab, 24, generator=generator) / 24 ** 0.5 * 3
+    h = hidden.clone().requires_grad_(True)
+    w = weight[rank * local:(rank + 1) * local].clone().requires_grad_(True)
+    with CollectiveCounter() as head_forward:
+        head_lp, head_h = vt.linear_log_probs_and_entropy(h, w, target, temperature, tp_group=group,
+                                                          valid_vocab_size=valid, token_block=8, vocab_block=64)
+    with CollectiveCounter() as head_backward:
+        (head_lp * g_lp + head_h * g_h).sum().backward()
+    assert head_forward.calls == ["all_gather"], head_forward.calls
+    assert head_backward.calls == ["all_reduce"], head_backward.calls  # the hidden gradient's sum
+    hd = hidden.double().requires_grad_(True)
+    wd = weight.double().requires_grad_(True)
+    logits_d = hd @ wd.T
+    want_lp, want_h, want_grad = reference(logits_d.detach(), target, temperature, g_lp, g_h, valid=valid)
+    logits_d.backward(want_grad)
+    assert (head_lp.double() - want_lp).abs().max() <= 1e-6 * want_lp.abs().max()
+    assert (head_h.double() - want_h).abs().max() <= 1e-6 * want_h.abs().max()
+    assert (h.grad.double() - hd.grad).abs().max() <= 1e-5 * hd.grad.abs().max()
+    want_w = wd.grad[rank * local:(rank + 1) * local]
+    assert (w.grad.double() - want_w).abs().max() <= 1e-5 * want_w.abs().max()
     outputs = [torch.empty(2, 2, 13) for _ in range(size)]
     dist.all_gather(outputs, torch.stack([log_prob.detach(), entropy.detach()]), group=group)
     assert all(torch.equal(o, outputs[0]) for o in outputs)  # the same bits on every rank

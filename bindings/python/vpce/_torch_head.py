@@ -314,6 +314,29 @@ def _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, seque
     `options` the keyword options (dict). need_weight: weight.main_grad, which the backward
     adds into, is checked here, where a bad one fails every rank alike (in the backward one
     rank's error would leave the others in the hidden gradient's all-reduce)."""
+
+    def kernel(args, y, total, w, b, shard, collective, rank, size):
+        loss_shape, lse_shape = _output_shapes(target, args)
+        loss = torch.empty(loss_shape, dtype=torch.float32, device=total.device)
+        # float64: the backward's gradient keeps fp32's accuracy up to |lse| ~ 1e9
+        lse = torch.empty(lse_shape, dtype=torch.float64, device=total.device)
+        _vpce.linear_cross_entropy_forward(total, w, _present(b), y, *shard, args.loss, args.head, loss, lse,
+                                           rank=rank, size=size, all_gather=collective)
+        return loss, lse
+
+    (loss, lse), shard = _head_forward_with(kernel, hidden, weight, bias, target, label_smoothing, tp_group,
+                                            sequence_parallel, options, need_hidden, need_weight)
+    if hidden.dtype == torch.float64:
+        loss = loss.double()
+    return loss, lse, shard
+
+
+def _head_forward_with(kernel, hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel, options,
+                       need_hidden, need_weight):
+    """A recompute forward's scaffolding, for any operation of the head: the group, the
+    sequence-parallel gather, the checked operands, then kernel(args, targets, all hidden
+    states, weight, bias, shard, collective, rank, size) -> its outputs; every collective's
+    errors agreed across the group. Returns (outputs, shard)."""
     group, rank, size = _group(tp_group)
     with _calling(group, size) as call:
         gather, collective = _forward_collectives(call, rank, size, sequence_parallel, need_hidden)
@@ -321,26 +344,37 @@ def _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, seque
             args, y, total, w, b, shard = _forward_operands(
                 group, rank, size, gather, hidden, weight, bias, target, label_smoothing, options, sequence_parallel,
                 need_weight)
-            loss_shape, lse_shape = _output_shapes(target, args)
-            loss = torch.empty(loss_shape, dtype=torch.float32, device=total.device)
-            # float64: the backward's gradient keeps fp32's accuracy up to |lse| ~ 1e9
-            lse = torch.empty(lse_shape, dtype=torch.float64, device=total.device)
-            _vpce.linear_cross_entropy_forward(total, w, _present(b), y, *shard, args.loss, args.head, loss, lse,
-                                               rank=rank, size=size, all_gather=collective)
+            outputs = kernel(args, y, total, w, b, shard, collective, rank, size)
         except Exception as error:
             agreed = _agreed(error, (gather, collective))
             if agreed is error:
                 raise
             raise agreed from error
-    if hidden.dtype == torch.float64:
-        loss = loss.double()
-    return loss, lse, shard
+    return outputs, shard
 
 
 def _head_backward(hidden, weight, bias, target, lse, grad_loss, label_smoothing, tp_group, sequence_parallel,
                    options, needs):
     """The recompute backward: (grad_hidden, grad_weight, grad_bias), each None where
     needs[i] is false; the weight's None too when it went into weight.main_grad."""
+
+    def kernel(args, y, total, w, b, shard, grad_hidden, grad_weight, grad_bias, add_weight):
+        g = grad_loss.to(torch.float32).contiguous()
+        _vpce.linear_cross_entropy_backward(total, w, _present(b), y, lse, g, *shard, args.loss, args.head, grad_hidden,
+                                            grad_weight, None if _present(b) is None else grad_bias,
+                                            accumulate_weight=add_weight)
+
+    return _head_backward_with(kernel, hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel,
+                               options, needs)
+
+
+def _head_backward_with(kernel, hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel, options,
+                        needs):
+    """A recompute backward's scaffolding, for any operation of the head: the operands (the
+    group's hidden states gathered with sequence parallelism), the gradients' buffers, then
+    kernel(args, targets, hidden states, weight, bias, shard, grad_hidden, grad_weight,
+    grad_bias, add_weight), then the hidden gradient's reduction, main_grad and the dtypes:
+    (grad_hidden, grad_weight, grad_bias), each None where needs[i] is false."""
     group, rank, size = _group(tp_group)
     with _calling(group, size):  # one call at a time on the group in this process
         args = _Arguments(label_smoothing, options)
@@ -364,10 +398,7 @@ def _head_backward(hidden, weight, bias, target, lse, grad_loss, label_smoothing
             grad_weight = main_grad if add_weight else torch.empty(w.shape, dtype=torch.float32 if main_grad is not None
                                                                     else w.dtype, device=w.device)
         grad_bias = torch.empty(b.shape, dtype=b.dtype, device=b.device) if need_bias else None
-        g = grad_loss.to(torch.float32).contiguous()
-        _vpce.linear_cross_entropy_backward(total, w, _present(b), y, lse, g, *shard, args.loss, args.head, grad_hidden,
-                                            grad_weight, None if _present(b) is None else grad_bias,
-                                            accumulate_weight=add_weight)
+        kernel(args, y, total, w, b, shard, grad_hidden, grad_weight, grad_bias, add_weight)
         if grad_hidden is not None:
             grad_hidden = _reduce_hidden_gradient(grad_hidden, group, rank, size, sequence_parallel)
             grad_hidden = grad_hidden.to(hidden.dtype).view(hidden.shape)

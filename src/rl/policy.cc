@@ -1,0 +1,137 @@
+// rl/policy.cc: the RL outputs' shared checks and per-token work (policy.h).
+#include "policy.h"
+
+#include <bit>
+#include <cmath>
+#include <string>
+
+#include "../common/text.h"
+#include "../common/values_hash.h"
+#include "../cpu/kernels.h"
+#include "../cpu/parallel.h"
+
+namespace vpce::rl::detail {
+
+namespace engine = vpce::detail;
+
+LossOptions loss_options(const Options& options) {
+  LossOptions o;
+  o.ignore_index = options.ignore_index;
+  o.logit_scale = options.logit_scale;
+  o.softcap = options.softcap;
+  o.valid_vocab_size = options.valid_vocab_size;
+  o.num_threads = options.num_threads;
+  return o;
+}
+
+Status check_temperatures(const Options& options, const TensorView* temperatures, int64_t n, TokenVector* out,
+                          uint64_t* hash) {
+  *out = {};
+  const float scalar = options.temperature;
+  const bool per_token = temperatures != nullptr;
+  if (!std::isfinite(scalar) || scalar <= 0.0f || (per_token && scalar != 1.0f)) {
+    return {Code::kInvalidArgument,
+            engine::expected_got("options.temperature",
+                                 per_token ? "1 (per-token temperatures are given)" : "a finite value > 0",
+                                 engine::number_text(scalar))};
+  }
+  if (!per_token) return {};
+  if (Status s = engine::check_device(*temperatures, "temperatures", Device{}); !s.ok()) return s;
+  TokenVector t;
+  if (Status s = engine::as_float_tokens(*temperatures, "temperatures", n, &t); !s.ok()) return s;
+  for (int64_t i = 0; i < n; ++i) {
+    const float value = t.at<float>(i);
+    if (!std::isfinite(value) || value <= 0.0f) {
+      return {Code::kInvalidArgument,
+              engine::expected_got("temperatures", "finite values > 0",
+                                   engine::number_text(value) + " at token " + std::to_string(i))};
+    }
+  }
+  *hash = engine::extend_values_hash<uint32_t>(*hash, n,
+                                               [&](int64_t i) { return std::bit_cast<uint32_t>(t.at<float>(i)); });
+  *out = t;
+  return {};
+}
+
+engine::LossParams policy_params(const Options& options, const VocabShard& shard, const TokenVector& temperatures) {
+  engine::LossParams p = engine::loss_params(loss_options(options), shard);
+  p.temperature = options.temperature;
+  if (engine::present(temperatures)) {
+    p.temperatures = &temperatures.at<float>(0);
+    p.temperature_stride = temperatures.stride;
+  }
+  return p;
+}
+
+Status check_outputs(const Outputs& outputs, int64_t n, const std::vector<NamedRegion>& inputs, PolicyOutputs* out) {
+  const std::pair<const TensorView*, const char*> views[] = {{outputs.log_prob, "log_prob"},
+                                                             {outputs.entropy, "entropy"},
+                                                             {outputs.lse, "lse"},
+                                                             {outputs.mean_logit, "mean_logit"}};
+  TokenVector* vectors[] = {&out->log_prob, &out->entropy, &out->lse, &out->mean_logit};
+  for (int k = 0; k < 4; ++k) {
+    const auto& [view, name] = views[k];
+    if (view == nullptr) continue;
+    if (Status s = engine::check_device(*view, name, Device{}); !s.ok()) return s;
+    Status s =
+        k < 2 ? engine::as_float_tokens(*view, name, n, vectors[k]) : engine::as_lse_tokens(*view, name, n, vectors[k]);
+    if (!s.ok()) return s;
+  }
+  return engine::check_no_overlap(
+      {engine::region_of("log_prob", out->log_prob), engine::region_of("entropy", out->entropy),
+       engine::region_of("lse", out->lse), engine::region_of("mean_logit", out->mean_logit)},
+      inputs);
+}
+
+vpce::detail::OperationBlock policy_operation(const Options& options, bool per_token, const char* mode,
+                                              int64_t hidden_size, bool round_logits) {
+  return engine::operation_block("RL outputs", mode,
+                                 {engine::float_value("options.temperature", options.temperature),
+                                  {"whether temperatures are given per token", per_token ? 1 : 0},
+                                  {"the hidden size of the fused head", hidden_size},
+                                  {"head.round_logits", round_logits ? 1 : 0}});
+}
+
+void policy_kernel(const RowMatrix& stats, const TokenVector& targets, const engine::LossParams& params,
+                   int num_threads, const PolicyOutputs& out) {
+  engine::parallel_rows(stats.rows, num_threads, [&](int64_t i) {
+    const engine::TokenPolicy t = engine::token_policy(stats.row<float>(i), engine::target_at(targets, i), params);
+    if (engine::present(out.log_prob)) out.log_prob.at<float>(i) = static_cast<float>(t.log_prob);
+    if (engine::present(out.entropy)) out.entropy.at<float>(i) = static_cast<float>(t.entropy);
+    if (engine::present(out.lse)) engine::lse_tokens(out.lse).set(i, t.lse);
+    if (engine::present(out.mean_logit)) engine::lse_tokens(out.mean_logit).set(i, t.mean_logit);
+  });
+}
+
+engine::GradientConstants PolicyUpstream::constants(int64_t i, int64_t target, const engine::LossParams& params) const {
+  const double g_lp = engine::present(grad_log_prob) ? static_cast<double>(grad_log_prob.at<float>(i)) : 0.0;
+  const bool entropy = engine::present(grad_entropy);
+  const double g_h = entropy ? static_cast<double>(grad_entropy.at<float>(i)) : 0.0;
+  return engine::policy_gradient_constants(target, g_lp, g_h, engine::lse_tokens(lse).get(i),
+                                           entropy ? engine::lse_tokens(mean_logit).get(i) : 0.0, params);
+}
+
+Status check_upstream(const TensorView& lse, const TensorView* mean_logit, const Upstream& upstream, int64_t n,
+                      PolicyUpstream* out) {
+  if (Status s = engine::check_device(lse, "lse", Device{}); !s.ok()) return s;
+  if (Status s = engine::as_lse_tokens(lse, "lse", n, &out->lse); !s.ok()) return s;
+  const std::pair<const TensorView*, const char*> upstreams[] = {{upstream.grad_log_prob, "grad_log_prob"},
+                                                                 {upstream.grad_entropy, "grad_entropy"}};
+  TokenVector* vectors[] = {&out->grad_log_prob, &out->grad_entropy};
+  for (int k = 0; k < 2; ++k) {
+    const auto& [view, name] = upstreams[k];
+    if (view == nullptr) continue;
+    if (Status s = engine::check_device(*view, name, Device{}); !s.ok()) return s;
+    if (Status s = engine::as_float_tokens(*view, name, n, vectors[k]); !s.ok()) return s;
+  }
+  if (upstream.grad_entropy == nullptr) return {};
+  if (mean_logit == nullptr) {
+    return {
+        Code::kInvalidArgument,
+        engine::expected_got("mean_logit", "the forward's mean_logit (E_p[z], for the entropy's gradient)", "null")};
+  }
+  if (Status s = engine::check_device(*mean_logit, "mean_logit", Device{}); !s.ok()) return s;
+  return engine::as_lse_tokens(*mean_logit, "mean_logit", n, &out->mean_logit);
+}
+
+}  // namespace vpce::rl::detail

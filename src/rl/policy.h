@@ -1,0 +1,66 @@
+// rl/policy.h: what the RL outputs' entries share (rl.cc on logits, head.cc in the fused
+// head): the options as the engine's LossOptions and LossParams, the temperatures' checks,
+// the outputs' checks, the forward's operation block, the per-token outputs from merged
+// statistics, and each token's gradient constants.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "../common/token_math.h"
+#include "../protocol.h"
+#include "../validate.h"
+#include "vpce/rl.h"
+
+namespace vpce::rl::detail {
+
+using vpce::detail::NamedRegion;
+using vpce::detail::RowMatrix;
+using vpce::detail::TokenVector;
+
+// The options as the loss's (no smoothing, no z-loss, no reduction).
+LossOptions loss_options(const Options& options);
+
+// options.temperature (finite, > 0; 1 when per-token temperatures are given), then the
+// per-token temperatures (absent, or float32 on the CPU with one per token, finite and > 0)
+// folded into `hash` (the ranks must agree on them).
+Status check_temperatures(const Options& options, const TensorView* temperatures, int64_t n, TokenVector* out,
+                          uint64_t* hash);
+
+// The engine's constants: the loss's, with the temperature (the per-token ones when present).
+vpce::detail::LossParams policy_params(const Options& options, const VocabShard& shard,
+                                       const TokenVector& temperatures);
+
+// The outputs wanted, validated: float32 log_prob and entropy, float64/32 lse and mean_logit,
+// one per token each, on the CPU, overlapping neither each other nor `inputs`.
+struct PolicyOutputs {
+  TokenVector log_prob, entropy, lse, mean_logit;
+};
+Status check_outputs(const Outputs& outputs, int64_t n, const std::vector<NamedRegion>& inputs, PolicyOutputs* out);
+
+// The forward's operation block: `mode` ("forward" on logits), the scalar temperature and
+// whether each token has its own (their values are in the inputs' hash), and for the fused
+// head its hidden size and round_logits.
+vpce::detail::OperationBlock policy_operation(const Options& options, bool per_token, const char* mode,
+                                              int64_t hidden_size = 0, bool round_logits = false);
+
+// merged stats [N, 6] -> each wanted output, per token.
+void policy_kernel(const RowMatrix& stats, const TokenVector& targets, const vpce::detail::LossParams& params,
+                   int num_threads, const PolicyOutputs& out);
+
+// The backward's upstream gradients and kept values, validated: grad_log_prob and
+// grad_entropy float32 (absent: 0), lse, and mean_logit (required with grad_entropy).
+struct PolicyUpstream {
+  TokenVector grad_log_prob, grad_entropy, lse, mean_logit;
+  // Token i's gradient constants (token_math.h's policy_gradient_constants); `target` its y.
+  vpce::detail::GradientConstants constants(int64_t i, int64_t target, const vpce::detail::LossParams& params) const;
+};
+Status check_upstream(const TensorView& lse, const TensorView* mean_logit, const Upstream& upstream, int64_t n,
+                      PolicyUpstream* out);
+inline std::vector<NamedRegion> upstream_regions(const PolicyUpstream& u) {
+  return {vpce::detail::region_of("lse", u.lse), vpce::detail::region_of("mean_logit", u.mean_logit),
+          vpce::detail::region_of("grad_log_prob", u.grad_log_prob),
+          vpce::detail::region_of("grad_entropy", u.grad_entropy)};
+}
+
+}  // namespace vpce::rl::detail

@@ -1,0 +1,214 @@
+// tests/rl/rl_head_test.cc: the RL outputs in the fused head (vpce::rl::linear_forward and
+// linear_backward) against the fp64 oracle: the logits h W^T + b in fp64 from the stored
+// operands, then reference::policy, then dh = dx W, dW = dx^T h, db = column sums of dx; for
+// R 1-4 with uneven ranges, per-token temperatures, non-uniform upstream gradients on both
+// outputs, fp32 and bf16 operands, small tiles, gradients written over and added into,
+// ignored tokens (every 7th); one all-gather per forward; the same outputs on every rank.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "head_support.h"
+#include "vpce/rl.h"
+
+namespace vpce::test {
+namespace {
+
+struct Gathered {
+  std::vector<Status> status;
+  std::vector<std::vector<float>> log_prob, entropy;  // per rank
+  std::vector<double> grad_hidden, grad_weight, grad_bias;
+  std::vector<int> gathers;
+};
+
+std::vector<float> upstream_of(int64_t n, float scale, int salt) {
+  std::vector<float> g(static_cast<std::size_t>(n));
+  for (int64_t i = 0; i < n; ++i) g[i] = scale * (static_cast<float>((i * 5 + salt) % 9) / 6.0f - 0.4f);
+  return g;
+}
+
+class Counting final : public Communicator {
+ public:
+  explicit Counting(Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  const char* name() const override { return "counting"; }
+  Status all_gather(const void* send, void* recv, std::size_t bytes) override {
+    ++calls;
+    return inner_.all_gather(send, recv, bytes);
+  }
+  int calls = 0;
+
+ private:
+  Communicator& inner_;
+};
+
+Gathered run_policy_head(HeadProblem& p, const std::vector<int64_t>& sizes, const rl::Options& options,
+                         const HeadOptions& head, const std::vector<float>& temperatures, bool accumulate) {
+  const int ranks = static_cast<int>(sizes.size());
+  const int64_t n = p.tokens, h = p.hidden;
+  const std::vector<VocabShard> shards = shards_from_sizes(sizes);
+  Gathered out;
+  out.log_prob.assign(static_cast<std::size_t>(ranks), std::vector<float>(static_cast<std::size_t>(n)));
+  out.entropy = out.log_prob;
+  out.gathers.assign(static_cast<std::size_t>(ranks), 0);
+  std::vector<std::vector<float>> hidden_parts(static_cast<std::size_t>(ranks),
+                                               std::vector<float>(static_cast<std::size_t>(n * h), 0.25f));
+  std::vector<float> grad_weight(static_cast<std::size_t>(p.vocab * h), 0.25f), grad_bias(p.vocab, 0.25f);
+  const std::vector<float> g_lp = upstream_of(n, 1.0f, 1), g_h = upstream_of(n, 0.5f, 3);
+  std::unique_ptr<ThreadGroup> group;
+  EXPECT_TRUE(ThreadGroup::create(ranks, &group, std::chrono::seconds(60)).ok());
+  out.status = group->run([&](Communicator& inner) {
+    Counting comm(inner);
+    const int r = comm.rank();
+    const VocabShard& shard = shards[static_cast<std::size_t>(r)];
+    const TensorView weight = p.weight_view(shard.vocab_begin, shard.vocab_end);
+    const TensorView bias = p.bias_view(shard.vocab_begin, shard.vocab_end);
+    const HeadInputs inputs{p.hidden_view(), weight, p.with_bias ? &bias : nullptr};
+    const TensorView y = TensorView::contiguous(p.targets.data(), kInt64, {n});
+    const TensorView t = TensorView::contiguous(const_cast<float*>(temperatures.data()), kFloat32, {n});
+    const TensorView* tv = temperatures.empty() ? nullptr : &t;
+    std::vector<double> lse(static_cast<std::size_t>(n)), mean(static_cast<std::size_t>(n));
+    const TensorView lp = TensorView::contiguous(out.log_prob[r].data(), kFloat32, {n});
+    const TensorView en = TensorView::contiguous(out.entropy[r].data(), kFloat32, {n});
+    const TensorView lse_view = TensorView::contiguous(lse.data(), kFloat64, {n});
+    const TensorView mean_view = TensorView::contiguous(mean.data(), kFloat64, {n});
+    if (Status s = rl::linear_forward(comm, inputs, y, shard, options, head, {&lp, &en, &lse_view, &mean_view}, tv);
+        !s.ok()) {
+      return s;
+    }
+    out.gathers[r] = comm.calls;
+    const TensorView glp = TensorView::contiguous(const_cast<float*>(g_lp.data()), kFloat32, {n});
+    const TensorView gh = TensorView::contiguous(const_cast<float*>(g_h.data()), kFloat32, {n});
+    const int64_t rows = shard.vocab_end - shard.vocab_begin;
+    const TensorView dh = TensorView::matrix(hidden_parts[r].data(), kFloat32, n, h, h);
+    const TensorView dw = TensorView::matrix(grad_weight.data() + shard.vocab_begin * h, kFloat32, rows, h, h);
+    const TensorView db = TensorView::contiguous(grad_bias.data() + shard.vocab_begin, kFloat32, {rows});
+    HeadGradients grads{{&dh, accumulate}, {&dw, accumulate}, {p.with_bias ? &db : nullptr, accumulate}};
+    return rl::linear_backward(inputs, y, lse_view, &mean_view, {&glp, &gh}, shard, options, head, grads, tv);
+  });
+  const double prefill = accumulate ? 0.25 : 0.0;
+  out.grad_hidden.assign(static_cast<std::size_t>(n * h), 0.0);
+  for (const auto& part : hidden_parts) {
+    for (std::size_t k = 0; k < part.size(); ++k) out.grad_hidden[k] += static_cast<double>(part[k]) - prefill;
+  }
+  for (float w : grad_weight) out.grad_weight.push_back(static_cast<double>(w) - prefill);
+  for (float b : grad_bias) out.grad_bias.push_back(static_cast<double>(b) - prefill);
+  return out;
+}
+
+struct PolicyHeadOracle {
+  reference::PolicyResult outputs;
+  std::vector<double> grad_hidden, grad_weight, grad_bias;
+};
+
+PolicyHeadOracle policy_head_oracle(const HeadProblem& p, const rl::Options& options,
+                                    const std::vector<float>& temperatures) {
+  const int64_t n = p.tokens, h = p.hidden, v = p.vocab;
+  std::vector<double> logits(static_cast<std::size_t>(n * v));
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t c = 0; c < v; ++c) {
+      double sum = p.with_bias ? p.bias_at(c) : 0.0;
+      for (int64_t k = 0; k < h; ++k) sum += p.hidden_at(i, k) * p.weight_at(c, k);
+      logits[i * v + c] = sum;
+    }
+  }
+  reference::Options o;
+  o.ignore_index = options.ignore_index;
+  o.valid_vocab = options.valid_vocab_size;
+  const std::vector<float> g_lp = upstream_of(n, 1.0f, 1), g_h = upstream_of(n, 0.5f, 3);
+  PolicyHeadOracle out;
+  out.outputs = reference::policy(logits, n, v, p.targets, widen(temperatures), widen(g_lp), widen(g_h), o);
+  const std::vector<double>& dx = out.outputs.grad;
+  out.grad_hidden.assign(static_cast<std::size_t>(n * h), 0.0);
+  out.grad_weight.assign(static_cast<std::size_t>(v * h), 0.0);
+  out.grad_bias.assign(static_cast<std::size_t>(v), 0.0);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t c = 0; c < v; ++c) {
+      const double d = dx[i * v + c];
+      out.grad_bias[c] += d;
+      for (int64_t k = 0; k < h; ++k) {
+        out.grad_hidden[i * h + k] += d * p.weight_at(c, k);
+        out.grad_weight[c * h + k] += d * p.hidden_at(i, k);
+      }
+    }
+  }
+  return out;
+}
+
+void expect_policy_matches(const Gathered& got, const PolicyHeadOracle& want, double grad_tolerance,
+                           const std::string& label) {
+  for (std::size_t r = 0; r < got.status.size(); ++r) {
+    ASSERT_TRUE(got.status[r].ok()) << label << " rank " << r << ": " << got.status[r].message();
+    EXPECT_EQ(got.gathers[r], 1) << label;
+    EXPECT_EQ(got.log_prob[r], got.log_prob[0]) << label;
+    EXPECT_EQ(got.entropy[r], got.entropy[0]) << label;
+  }
+  // Relative to the largest value, as the head's loss is measured: the tiles' logits are fp32
+  // GEMM sums, each within fp32's rounding of its H products (a token's own value can be
+  // 1e-6 of itself off where the logits' roundings reach it at T = 0.5).
+  EXPECT_LE(relative_error(widen(got.log_prob[0]), want.outputs.log_prob), 1e-6) << label;
+  EXPECT_LE(relative_error(widen(got.entropy[0]), want.outputs.entropy), 1e-6) << label;
+  EXPECT_LE(relative_error(got.grad_hidden, want.grad_hidden), grad_tolerance) << label;
+  EXPECT_LE(relative_error(got.grad_weight, want.grad_weight), grad_tolerance) << label;
+  EXPECT_LE(relative_error(got.grad_bias, want.grad_bias), grad_tolerance) << label;
+}
+
+std::vector<float> mixed_temperatures(int64_t n) {
+  std::vector<float> t(static_cast<std::size_t>(n));
+  for (int64_t i = 0; i < n; ++i) t[i] = i % 3 == 0 ? 0.5f : i % 3 == 1 ? 1.0f : 1.7f;
+  return t;
+}
+
+TEST(RlHead, MatchesTheOracleForEveryRankCountWithUnevenRanges) {
+  const int64_t vocab = 301;
+  for (int ranks = 1; ranks <= 4; ++ranks) {
+    HeadProblem p = random_head_problem(29, 24, vocab, kFloat32, 50 + ranks);
+    std::vector<int64_t> sizes = even_splits(vocab, ranks);
+    if (ranks > 1) {
+      sizes[0] += 40;
+      sizes.back() -= 40;
+    }
+    HeadOptions head;
+    head.token_block = 8;  // several tiles each way
+    head.vocab_block = 32;
+    rl::Options options;
+    const std::vector<float> temperatures = mixed_temperatures(p.tokens);
+    const PolicyHeadOracle want = policy_head_oracle(p, options, temperatures);
+    expect_policy_matches(run_policy_head(p, sizes, options, head, temperatures, ranks % 2 == 0), want, 1e-5,
+                          "R " + std::to_string(ranks));
+  }
+}
+
+TEST(RlHead, Bf16OperandsAndAScalarTemperatureMatchTheOracle) {
+  HeadProblem p = random_head_problem(21, 32, 250, kBFloat16, 9);
+  rl::Options options;
+  options.temperature = 0.8f;
+  const PolicyHeadOracle want =
+      policy_head_oracle(p, options, std::vector<float>(static_cast<std::size_t>(p.tokens), 0.8f));
+  // The oracle's products of the stored bf16 values in fp64: fp32 tiles are within 1e-6; the
+  // gradients are written in fp32.
+  expect_policy_matches(run_policy_head(p, {130, 120}, options, HeadOptions{}, {}, false), want, 1e-5, "bf16");
+}
+
+TEST(RlHead, DeviceAndBadArgumentsAreRefusedByName) {
+  HeadProblem p = random_head_problem(4, 8, 20, kFloat32, 2);
+  Loopback comm;
+  const HeadInputs inputs{p.hidden_view(), p.weight_view(0, 20), nullptr};
+  const TensorView y = TensorView::contiguous(p.targets.data(), kInt64, {4});
+  std::vector<float> lp(4, 3.0f);
+  const TensorView lp_view = TensorView::contiguous(lp.data(), kFloat32, {4});
+  rl::Options options;
+  options.temperature = -1.0f;
+  Status s =
+      rl::linear_forward(comm, inputs, y, {0, 20, 20}, options, HeadOptions{}, {&lp_view, nullptr, nullptr, nullptr});
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_NE(s.message().find("options.temperature"), std::string::npos) << s.message();
+  EXPECT_EQ(lp[0], 3.0f);
+}
+
+}  // namespace
+}  // namespace vpce::test
