@@ -53,6 +53,11 @@ struct Options {
   int64_t valid_vocab_size = 0;
   // Threads of this rank's kernels (0: OpenMP's default); results do not depend on it.
   int num_threads = 0;
+  // Device tensors: the CUDA stream (a cudaStream_t) to run on, nullptr for the default stream
+  // (as the loss's, vpce/loss.h: the device forward needs a Workspace and a communicator that
+  // gathers device memory; the temperatures' and targets' values are checked on the device,
+  // not hashed). Ignored on the CPU.
+  void* stream = nullptr;
 };
 
 // The forward's per-token outputs, each with one element per token; null when not wanted.

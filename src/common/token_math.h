@@ -50,6 +50,33 @@ struct LossParams {
   VPCE_HD bool without_temperature() const { return temperatures == nullptr && temperature == 1.0f; }
 };
 
+// Row i's logit transform, z = transform(x) / T_i, as both backends apply it: without a cap,
+// z = x scale (scale = logit_scale / T); with one, z = cap tanh(x scale inverse_cap) (cap =
+// softcap / T, scale = logit_scale, inverse_cap = 1 / softcap), whose slope is
+// slope_scale (1 - tanh^2) (slope_scale = logit_scale / T). (On the host, a row of
+// per-token temperatures in device memory cannot be read: those rows only on the device.)
+struct RowTransform {
+  float scale = 1.0f;
+  float cap = 0.0f;
+  float inverse_cap = 0.0f;
+  float slope_scale = 1.0f;
+};
+VPCE_HD inline RowTransform row_transform(const LossParams& p, int64_t row) {
+  RowTransform t;
+  const double temperature = p.without_temperature() ? 1.0 : static_cast<double>(p.temperature_of(row));
+  const auto scaled = static_cast<float>(static_cast<double>(p.logit_scale) / temperature);
+  if (p.softcap > 0.0f) {
+    t.scale = p.logit_scale;
+    t.cap = static_cast<float>(static_cast<double>(p.softcap) / temperature);
+    t.inverse_cap = 1.0f / p.softcap;
+    t.slope_scale = scaled;
+  } else {
+    t.scale = scaled;
+    t.slope_scale = scaled;
+  }
+  return t;
+}
+
 // The columns of a shard [vocab_begin, vocab_begin + cols) that are real classes (not
 // padding beyond Vv), counted from the shard's first column.
 VPCE_HD inline int64_t valid_columns(int64_t vocab_begin, int64_t cols, const LossParams& p) {
@@ -239,16 +266,17 @@ VPCE_HD inline TokenLoss token_loss(const float* st, int64_t target, double weig
 // members (the argument's rounding is then 2^-24 |z_v - m|, no larger than in Megatron's
 // exp(z - max), where |z_v - lse32| exceeds it by up to log Vv).
 struct GradientConstants {
-  float upstream;         // g_i w_i (0 for an ignored token)
-  float lse;              // lse32
-  float coefficient;      // (1 + 2 zl lse) e^(lse32 - lse)
-  float uniform;          // s / Vv (s / K with the legacy smoothing)
-  double exact_upstream;  // g_i w_i
-  double exact_lse;       // the lse as the forward kept it
-  double z_loss_factor;   // 1 + 2 zl lse
-  double exact_uniform;   // s / Vv
-  float entropy = 0.0f;   // -g_H e^(lse32 - lse)
-  float mean_logit = 0.0f;
+  float upstream;                 // g_i w_i (0 for an ignored token)
+  float lse;                      // lse32
+  float coefficient;              // (1 + 2 zl lse) e^(lse32 - lse)
+  float uniform;                  // s / Vv (s / K with the legacy smoothing)
+  double exact_upstream;          // g_i w_i
+  double exact_lse;               // the lse as the forward kept it
+  double z_loss_factor;           // 1 + 2 zl lse
+  double exact_uniform;           // s / Vv
+  float entropy = 0.0f;           // -g_H e^(lse32 - lse)
+  float mean_logit = 0.0f;        // E_p[z] as two floats, mean_logit + mean_logit_low: the
+  float mean_logit_low = 0.0f;    // rounding of one would cost 2^-24 |z| of z - E_p[z]
   double exact_entropy = 0.0;     // -g_H
   double exact_mean_logit = 0.0;  // E_p[z], as the forward kept it
 
@@ -260,6 +288,15 @@ struct GradientConstants {
 // for z = -inf, where z - mean is -inf); z - mean is above -117 wherever e is not 0 in fp32.
 VPCE_HD inline double entropy_term(double e, double z, double mean) { return e == 0.0 ? 0.0 : e * (z - mean); }
 
+// z - E_p[z] in fp32 for the kernels: z - hi exact where z is near it, then - lo; held above
+// -2^64 so that a column of -inf (whose exponential is 0) gives 0 x -2^64 = 0, not NaN. (The
+// SIMD kernels take the same three operations on vectors.)
+inline constexpr float kLowestEntropyOffset = -0x1p64f;
+VPCE_HD inline float entropy_offset(float z, const GradientConstants& c) {
+  const float offset = (z - c.mean_logit) - c.mean_logit_low;
+  return offset > kLowestEntropyOffset ? offset : kLowestEntropyOffset;
+}
+
 // The constants from their fp64 values: upstream g_i w_i, the lse, 1 + 2 zl lse, s / Vv.
 VPCE_HD inline GradientConstants make_gradient_constants(double upstream, double lse, double z_loss_factor,
                                                          double uniform, double entropy = 0.0,
@@ -268,6 +305,7 @@ VPCE_HD inline GradientConstants make_gradient_constants(double upstream, double
   const double residual = static_cast<double>(lse32) - lse;
   // (An lse of +-inf or NaN leaves a NaN residual: no factor.)
   const double factor = residual == 0.0 || !(residual - residual == 0.0) ? 1.0 : exp(residual);
+  const auto mean_high = static_cast<float>(mean_logit);
   return GradientConstants{static_cast<float>(upstream),
                            lse32,
                            static_cast<float>(z_loss_factor * factor),
@@ -277,7 +315,8 @@ VPCE_HD inline GradientConstants make_gradient_constants(double upstream, double
                            z_loss_factor,
                            uniform,
                            static_cast<float>(entropy * factor),
-                           static_cast<float>(mean_logit),
+                           mean_high,
+                           static_cast<float>(mean_logit - static_cast<double>(mean_high)),
                            entropy,
                            mean_logit};
 }

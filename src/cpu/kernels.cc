@@ -64,18 +64,8 @@ int64_t target_at(const TokenVector& targets, int64_t i) {
 }
 
 TransformParams logit_transform(const LossParams& p, int64_t row) {
-  TransformParams t;
-  const double temperature = p.without_temperature() ? 1.0 : static_cast<double>(p.temperature_of(row));
-  const auto scaled = static_cast<float>(static_cast<double>(p.logit_scale) / temperature);
-  if (p.softcap > 0.0f) {
-    t.scale = p.logit_scale;
-    t.cap = static_cast<float>(static_cast<double>(p.softcap) / temperature);
-    t.inverse_cap = 1.0f / p.softcap;
-    t.slope_scale = scaled;
-  } else {
-    t.scale = scaled;
-  }
-  return t;
+  const RowTransform r = row_transform(p, row);
+  return TransformParams{r.scale, r.cap, r.inverse_cap, r.slope_scale};
 }
 
 TokenVector token_slice(const TokenVector& v, int64_t begin, int64_t count) {

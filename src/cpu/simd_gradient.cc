@@ -60,14 +60,12 @@ float BlockMax(const T* row, int64_t cols, const TransformParams& t) {
 // kBinade (AVX3, bf16 in and out, kFolded, no AVX512-BF16): the gradient rounded to bf16
 // inside the exp with `binade_shift`, the caller's valid BinadeShift of m and its factor.
 // kEntropy (not kFolded): the RL outputs' entropy term too, g = e^(z - m) (k + ke (z - mean))
-// - u (token_math.h's GradientConstants), mean = E_p[z] as two floats (z - hi exact where z is
-// near it, then - lo: the rounding of E_p[z] to one float would cost 2^-24 |z| of z - mean,
-// 2.5e-4 of the term at logits of 1e4), z - mean held above -2^64 so that a column of -inf
-// (e^(z - m) = 0) gives 0, not 0 x -inf; wherever e^(z - m) k is not 0, z - mean is above -117.
+// - u, z - mean as token_math.h's entropy_offset takes it from the constants `c` (E_p[z] as two
+// floats, held above -2^64: 0 for a column of -inf).
 template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded, bool kBinade = false, bool kEntropy = false>
 void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t, const LaneShift& shift, double k,
                   float u, [[maybe_unused]] const BinadeShift* binade_shift = nullptr, [[maybe_unused]] double ke = 0.0,
-                  [[maybe_unused]] double mean = 0.0) {
+                  [[maybe_unused]] const GradientConstants* c = nullptr) {
   static_assert(!kBinade || (kFolded && !kHardwareBf16 && kKind == kIdentity && std::is_same_v<T, BFloat16> &&
                              std::is_same_v<G, BFloat16> && HWY_TARGET == HWY_AVX3));
   static_assert(!kEntropy || (!kFolded && !kBinade));
@@ -84,10 +82,9 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
   const VF scaled_coefficient = hn::Set(d, static_cast<float>(k));
   const VF scaled_uniform = hn::Set(d, u);
   const VF entropy_coefficient = hn::Set(d, static_cast<float>(ke));
-  const auto mean_hi = static_cast<float>(mean);
-  const VF mean_logit_hi = hn::Set(d, mean_hi);
-  const VF mean_logit_lo = hn::Set(d, static_cast<float>(mean - static_cast<double>(mean_hi)));
-  const VF lowest_offset = hn::Set(d, -0x1p64f);
+  const VF mean_logit_hi = hn::Set(d, kEntropy ? c->mean_logit : 0.0f);
+  const VF mean_logit_lo = hn::Set(d, kEntropy ? c->mean_logit_low : 0.0f);
+  const VF lowest_offset = hn::Set(d, kLowestEntropyOffset);
   // Every gradient takes the full exp, also one rounded to bf16 or fp16 afterwards: a
   // cheaper exp's error, though within one unit of the dtype, leans one way and takes a
   // rounding the wrong way a hundred times as often (docs/design.md).
@@ -204,8 +201,8 @@ void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams&
     const LaneShift shift = MakeLaneShift(d, c.exact_lse);
     const double k = upstream * shift.correction;
     if (c.exact_entropy != 0.0) {
-      return GradientLoop<T, G, kKind, kHardwareBf16, false, false, true>(
-          row, grad, cols, t, shift, k, u, nullptr, c.exact_entropy * shift.correction, c.exact_mean_logit);
+      return GradientLoop<T, G, kKind, kHardwareBf16, false, false, true>(row, grad, cols, t, shift, k, u, nullptr,
+                                                                          c.exact_entropy * shift.correction, &c);
     }
     if (u == 0.0f && Foldable(k)) {
       return GradientLoop<T, G, kKind, kHardwareBf16, true>(row, grad, cols, t, shift, k, 0.0f);
@@ -222,7 +219,7 @@ void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams&
     const double k = factor * shift.correction;
     if (c.exact_entropy != 0.0) {
       return GradientLoop<T, G, kKind, kHardwareBf16, false, false, true>(
-          row, grad, cols, t, shift, k, u, nullptr, c.exact_entropy * relative * shift.correction, c.exact_mean_logit);
+          row, grad, cols, t, shift, k, u, nullptr, c.exact_entropy * relative * shift.correction, &c);
     }
     if (u == 0.0f && Foldable(k)) {
 #if HWY_TARGET == HWY_AVX3

@@ -17,8 +17,7 @@ inline constexpr int64_t kBlockColumns = 16384;
 enum class StorageType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 // z = x * scale, then cap * tanh(x * scale * inverse_cap) when cap > 0, whose slope is
-// slope_scale (1 - tanh^2). A temperature T rides in them: without a cap, scale = s / T; with
-// one, cap = c / T and slope_scale = s / T (inverse_cap staying 1 / c).
+// slope_scale (1 - tanh^2): token_math.h's RowTransform (the temperature rides in them).
 struct TransformParams {
   float scale = 1.0f;
   float cap = 0.0f;

@@ -11,6 +11,7 @@
 #include "../cpu/kernels.h"
 #include "../protocol.h"
 #include "../validate.h"
+#include "dispatch.h"
 
 namespace vpce::detail::cuda {
 
@@ -41,6 +42,12 @@ Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int
                       const TokenVector& targets, const TokenVector& weights, const LossParams& params,
                       const LossOutputs& out, double* terms, const DeviceError* error, cudaStream_t stream);
 
+// The RL outputs' merge: ranks' stats [N, 6] -> merged -> each wanted output of `out`
+// (token_math.h's token_policy), NaN if *error is set.
+Status merge_and_policy(const float* gathered, int64_t rank_stride, int ranks, int64_t rows, int64_t width,
+                        float* merged, const TokenVector& targets, const LossParams& params,
+                        const PolicyForwardOutputs& out, const DeviceError* error, cudaStream_t stream);
+
 // The reduced loss (sum, or mean over the counted weight of the `rows` tokens) of the
 // per-token terms that merge_and_loss wrote, as merge_and_loss reduces them: for the fused
 // head's chunks (head/cuda/), whose terms are reduced once over every chunk's tokens.
@@ -54,9 +61,9 @@ Status shared_upstream(const float* grad_loss, float value, const TokenVector& t
                        int64_t rows, const LossParams& params, double* out, cudaStream_t stream);
 
 // logits [N, Vr] -> grad [N, Vr] (may be the logits); `shared_upstream` holds one double
-// for a reduced loss.
+// for a reduced loss. With `policy`, the RL outputs' gradient (grad_loss unused).
 Status gradient(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights, const TokenVector& lse,
                 const TokenVector& grad_loss, int64_t vocab_begin, const LossParams& params, const RowMatrix& grad,
-                double* shared_upstream, cudaStream_t stream);
+                double* shared_upstream, cudaStream_t stream, const PolicyBackwardInputs* policy = nullptr);
 
 }  // namespace vpce::detail::cuda

@@ -42,15 +42,17 @@ __device__ __forceinline__ __half from_float<__half>(float x) {
   return __float2half_rn(x);
 }
 
+// A row's logit transform (token_math.h's RowTransform: the temperature rides in it).
 struct Transform {
   float scale;
   float cap;
   float inverse_cap;
+  float slope_scale;
   __device__ __forceinline__ float apply(float x) const {
     const float z = x * scale;
     return cap > 0.0f ? cap * tanhf(z * inverse_cap) : z;
   }
-  // dz/dx at the logit x: soft-capped, scale (1 - tanh^2 a) with a = scale x / cap, as
+  // dz/dx at the logit x: soft-capped, slope_scale (1 - tanh^2 a) with a = scale x / cap, as
   // 4 e / (1 + e)^2, e = exp(-2 |a|) (1 - u^2 from the rounded u = tanh a cancels where tanh
   // saturates; the CPU's SoftCap takes the same value from expm1, as 4 (y + 1) / (y + 2)^2).
   __device__ __forceinline__ float slope(float x) const {
@@ -58,17 +60,23 @@ struct Transform {
     const float a = (x * scale) * inverse_cap;
     const float e = expf(-2.0f * fabsf(a));
     const float one_plus = 1.0f + e;
-    return (4.0f * scale) * (e / (one_plus * one_plus));
+    return (4.0f * slope_scale) * (e / (one_plus * one_plus));
   }
 };
 
-inline Transform transform_of(const LossParams& p) {
-  return {p.logit_scale, p.softcap, p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f};
+// Row `row`'s transform. On the host only without per-token temperatures (they are device
+// memory): the kernels take it per row.
+__host__ __device__ inline Transform transform_of(const LossParams& p, int64_t row = 0) {
+  const RowTransform r = row_transform(p, row);
+  return {r.scale, r.cap, r.inverse_cap, r.slope_scale};
 }
 
-// Rows that take the plain paths: no transform, no label smoothing (with the extras checked
-// by the caller).
-inline bool is_plain(const LossParams& p) { return p.logit_scale == 1.0f && p.softcap <= 0.0f && !p.with_sum_logits(); }
+// Rows that take the plain paths: no transform or temperature, no label smoothing, no
+// entropy term (with the extras checked by the caller).
+inline bool is_plain(const LossParams& p) {
+  return p.logit_scale == 1.0f && p.softcap <= 0.0f && !p.with_sum_logits() && p.without_temperature() &&
+         !p.entropy_gradient;
+}
 
 // One thread's online statistics, then the block's, relative to their own max. (No member
 // initialisers: an array of them lives in shared memory; empty_part() makes an empty one.)
@@ -111,15 +119,20 @@ __device__ __forceinline__ void combine(Part& a, const Part& b) {
   a.max = max;
 }
 
-// One element of the gradient on the general path (any transform), the loss's rows and the
-// head's tiles alike: x the logit (the head's with its bias), is_target whether its column
-// is the target's, target_term (1 - s) (token_math.h's target_weight):
-//   upstream (e^(z - lse) coefficient - uniform - [target] target_term) dz/dx.
+// One element of the gradient on the general path (any transform), the loss's rows, the RL
+// outputs' and the head's tiles alike: x the logit (the head's with its bias), is_target
+// whether its column is the target's, target_term (1 - s) (token_math.h's target_weight):
+//   [upstream (p coefficient - uniform - [target] target_term) + entropy p (z - E_p[z])] dz/dx
+// with p = e^(z - lse32) (the entropy's term, token_math.h's, only where it is not 0).
 __device__ __forceinline__ float gradient_element(const GradientConstants& c, const Transform& t, float x,
                                                   bool is_target, float target_term) {
-  float e = expf(t.apply(x) - c.lse) * c.coefficient - c.uniform;
+  const float z = t.apply(x);
+  const float p = expf(z - c.lse);
+  float e = p * c.coefficient - c.uniform;
   if (is_target) e -= target_term;
-  return e * c.upstream * t.slope(x);
+  float g = e * c.upstream;
+  if (c.entropy != 0.0f) g += c.entropy * p * entropy_offset(z, c);
+  return g * t.slope(x);
 }
 
 // The online-softmax fold of one transformed logit z, at global column v, into a thread's
@@ -405,9 +418,11 @@ __device__ inline double counted_weight(const TokenInputs& tokens, int64_t rows,
   return block_sum(mine);
 }
 
-// What the gradient of token i needs beyond its logits, for the loss's and the head's
-// gradient kernels alike: the tokens, the lse, the upstream gradient (per token, or the one
-// a reduced loss shares), this rank's first column, the loss's parameters and transform.
+// What the gradient of token i needs beyond its logits, for the loss's, the RL outputs' and
+// the head's gradient kernels alike: the tokens, the lse, the upstream gradient (per token, or
+// the one a reduced loss shares), this rank's first column, the parameters (each row's
+// transform from them: transform_of(params, i)); for the RL outputs (policy), grad_loss is
+// grad_log_prob, with grad_entropy and E_p[z] (either upstream null: 0).
 struct GradientParams {
   TokenInputs tokens;
   LseTokens lse;
@@ -416,9 +431,18 @@ struct GradientParams {
   const double* shared_upstream;  // null: per token
   int64_t vocab_begin;
   LossParams params;
-  Transform t;
+  bool policy = false;
+  const float* grad_entropy = nullptr;
+  int64_t grad_entropy_stride = 0;
+  LseTokens mean_logit{};
   // Token i's gradient constants, y its target.
   __device__ __forceinline__ GradientConstants constants(int64_t i, int64_t y) const {
+    if (policy) {
+      const double g_lp = grad_loss != nullptr ? static_cast<double>(grad_loss[i * grad_loss_stride]) : 0.0;
+      const double g_h = grad_entropy != nullptr ? static_cast<double>(grad_entropy[i * grad_entropy_stride]) : 0.0;
+      return policy_gradient_constants(y, g_lp, g_h, lse.get(i), grad_entropy != nullptr ? mean_logit.get(i) : 0.0,
+                                       params);
+    }
     const double upstream =
         shared_upstream != nullptr ? *shared_upstream : static_cast<double>(grad_loss[i * grad_loss_stride]);
     return gradient_constants(y, upstream, tokens.weight(i), lse.get(i), params);
@@ -435,8 +459,7 @@ inline GradientParams gradient_params(const TokenVector& targets, const TokenVec
           grad_loss.stride,
           shared_upstream,
           vocab_begin,
-          params,
-          transform_of(params)};
+          params};
 }
 
 // ---- host side of the launches ----

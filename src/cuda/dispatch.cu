@@ -176,6 +176,12 @@ Status device_forward(Communicator& comm, const DeviceForwardArgs& a, std::share
   w.payload = a.payload;
   w.used = true;
   if (!a.local.ok()) return a.local;
+  if (a.policy.wanted) {
+    return cuda::merge_and_policy(reinterpret_cast<const float*>(w.recv + sizeof(RankHeader)),
+                                  static_cast<int64_t>(a.payload / sizeof(float)), ranks, a.tokens, a.width,
+                                  reinterpret_cast<float*>(w.merged), a.in.targets, a.params, a.policy, w.error(),
+                                  stream);
+  }
   return cuda::merge_and_loss(
       reinterpret_cast<const float*>(w.recv + sizeof(RankHeader)), static_cast<int64_t>(a.payload / sizeof(float)),
       ranks, a.tokens, a.width, reinterpret_cast<float*>(w.merged), a.in.targets, a.in.weights, a.params, a.out,
@@ -229,6 +235,10 @@ Status device_backward(const DeviceBackwardArgs& a) {
   auto stream = static_cast<cudaStream_t>(a.options.stream);
   CurrentDevice current(a.device);
   if (Status s = current.status(); !s.ok()) return s;
+  if (a.policy.wanted) {
+    return cuda::gradient(a.in.logits, a.in.targets, a.in.weights, a.lse, a.grad_loss, a.vocab_begin, a.params, a.grad,
+                          nullptr, stream, &a.policy);
+  }
   double* shared = nullptr;
   if (a.params.reduction != Reduction::kNone) {
     if (const cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&shared), sizeof(double), stream);

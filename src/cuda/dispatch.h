@@ -15,6 +15,18 @@
 
 namespace vpce::detail {
 
+// The RL outputs (src/rl/) of a device forward, in place of the loss's (wanted: the forward is
+// theirs), each a device vector of one per token or absent; and the upstream gradients and
+// E_p[z] of their backward.
+struct PolicyForwardOutputs {
+  bool wanted = false;
+  TokenVector log_prob, entropy, lse, mean_logit;
+};
+struct PolicyBackwardInputs {
+  bool wanted = false;
+  TokenVector grad_log_prob, grad_entropy, mean_logit;
+};
+
 struct DeviceForwardArgs {
   LossInputs in;        // validated on the host (no values read)
   LossOutputs out;      // device memory
@@ -27,6 +39,7 @@ struct DeviceForwardArgs {
   LossParams params;
   LossOptions options;  // options.stream
   int device;           // the CUDA device of every tensor
+  PolicyForwardOutputs policy = {};
 };
 
 // `state` holds the device workspace (created on first use).
@@ -62,6 +75,7 @@ struct DeviceBackwardArgs {
   LossParams params;
   LossOptions options;
   int device;
+  PolicyBackwardInputs policy = {};  // (grad_loss unused when wanted)
 };
 Status device_backward(const DeviceBackwardArgs& args);
 

@@ -45,10 +45,10 @@ __device__ __forceinline__ void for_each_element(const T* row, int64_t cols, F&&
 template <class T, bool kPlain>
 __global__ void __launch_bounds__(kThreads)
     local_stats_kernel(const T* logits, int64_t ld, int64_t cols, int64_t valid, TokenInputs tokens,
-                       int64_t vocab_begin, LossParams params, Transform t, float* stats, int64_t width,
-                       RankHeader* header) {
+                       int64_t vocab_begin, LossParams params, float* stats, int64_t width, RankHeader* header) {
   const int64_t i = blockIdx.x;
   const T* row = logits + i * ld;
+  const Transform t = transform_of(params, i);
   const bool sum_logits = params.with_sum_logits();
   const bool extras = width == 6;
   Part p = empty_part();
@@ -63,6 +63,12 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x != 0) return;
   const int64_t y = tokens.target(i);
   tokens.flag_bad(i, y, params, header);
+  if (params.temperatures != nullptr && header != nullptr) {  // the RL outputs' per-token temperatures
+    const float temperature = params.temperature_of(i);
+    if (!(isfinite(temperature) && temperature > 0.0f)) {
+      atomicCAS(&header->status, 0, static_cast<int32_t>(Code::kInvalidArgument));
+    }
+  }
   const int64_t column = y - vocab_begin;
   float* out = stats + i * width;
   out[0] = p.max;
@@ -124,6 +130,20 @@ __global__ void loss_kernel(const float* merged, int64_t rows, int64_t width, To
   } else {
     terms[i] = t.weighted_loss;
   }
+}
+
+// merged [rows, 6] -> the RL outputs (each optional). NaN when the device found an error.
+__global__ void policy_kernel(const float* merged, int64_t rows, int64_t width, TokenInputs tokens, LossParams params,
+                              float* log_prob, int64_t log_prob_stride, float* entropy, int64_t entropy_stride,
+                              LseTokens lse, LseTokens mean_logit, const DeviceError* error) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= rows) return;
+  TokenPolicy t = token_policy(merged + i * width, tokens.target(i), params);
+  if (error->code != 0) t = TokenPolicy{NAN, NAN, NAN, NAN};
+  if (log_prob != nullptr) log_prob[i * log_prob_stride] = static_cast<float>(t.log_prob);
+  if (entropy != nullptr) entropy[i * entropy_stride] = static_cast<float>(t.entropy);
+  if (lse.base != nullptr) lse.set(i, t.lse);
+  if (mean_logit.base != nullptr) mean_logit.set(i, t.mean_logit);
 }
 
 // One block: the reduced loss from the per-token terms, in a fixed order.
@@ -210,11 +230,11 @@ __global__ void __launch_bounds__(kThreads) gradient_kernel(const TIn* logits, i
   const int64_t i = blockIdx.x;
   const int64_t y = p.tokens.target(i);
   const GradientConstants c = p.constants(i, y);
-  const Transform t = p.t;
+  const Transform t = transform_of(p.params, i);
   const float target_term = target_weight(p.params);
   const int64_t target_column = y - p.vocab_begin;
   TOut* out = grad + i * grad_ld;
-  if (c.upstream == 0.0f) {  // a token that does not count
+  if (c.zero_row()) {  // a token that does not count
     for (int64_t v = threadIdx.x; v < cols; v += kThreads) out[v] = from_float<TOut>(0.0f);
     return;
   }
@@ -297,7 +317,7 @@ Status local_stats(const RowMatrix& logits, const TokenVector& targets, const To
     auto* kernel = plain ? local_stats_kernel<T, true> : local_stats_kernel<T, false>;
     kernel<<<static_cast<unsigned>(logits.rows), kThreads, 0, stream>>>(
         reinterpret_cast<const T*>(logits.base), logits.row_stride, logits.cols, valid, token_inputs(targets, weights),
-        vocab_begin, params, transform_of(params), reinterpret_cast<float*>(stats.base), stats.row_stride, header);
+        vocab_begin, params, reinterpret_cast<float*>(stats.base), stats.row_stride, header);
   });
   return launched("local statistics");
 }
@@ -327,6 +347,21 @@ Status merge_and_loss(const float* gathered, int64_t rank_stride, int ranks, int
   return launched("reduction");
 }
 
+Status merge_and_policy(const float* gathered, int64_t rank_stride, int ranks, int64_t rows, int64_t width,
+                        float* merged, const TokenVector& targets, const LossParams& params,
+                        const PolicyForwardOutputs& out, const DeviceError* error, cudaStream_t stream) {
+  if (rows == 0) return {};
+  constexpr int kTokens = 256;
+  merge_kernel<<<grid_for(rows, kTokens), kTokens, 0, stream>>>(gathered, rank_stride, ranks, rows, width, params,
+                                                                merged);
+  if (Status s = launched("merge"); !s.ok()) return s;
+  policy_kernel<<<grid_for(rows, kTokens), kTokens, 0, stream>>>(
+      merged, rows, width, token_inputs(targets, TokenVector{}), params, reinterpret_cast<float*>(out.log_prob.base),
+      out.log_prob.stride, reinterpret_cast<float*>(out.entropy.base), out.entropy.stride, lse_tokens(out.lse),
+      lse_tokens(out.mean_logit), error);
+  return launched("RL outputs");
+}
+
 Status reduce_loss(const double* terms, int64_t rows, const TokenVector& targets, const TokenVector& weights,
                    const LossParams& params, float* loss, const DeviceError* error, cudaStream_t stream) {
   reduce_loss_kernel<<<1, kThreads, 0, stream>>>(terms, rows, token_inputs(targets, weights), params, loss, error);
@@ -342,7 +377,7 @@ Status shared_upstream(const float* grad_loss, float value, const TokenVector& t
 
 Status gradient(const RowMatrix& logits, const TokenVector& targets, const TokenVector& weights, const TokenVector& lse,
                 const TokenVector& grad_loss, int64_t vocab_begin, const LossParams& params, const RowMatrix& grad,
-                double* shared_upstream, cudaStream_t stream) {
+                double* shared_upstream, cudaStream_t stream, const PolicyBackwardInputs* policy) {
   if (logits.rows == 0) return {};
   double* shared = nullptr;
   if (params.reduction != Reduction::kNone) {
@@ -354,7 +389,14 @@ Status gradient(const RowMatrix& logits, const TokenVector& targets, const Token
     shared = shared_upstream;
   }
   const int64_t valid = valid_columns(vocab_begin, logits.cols, params);
-  const GradientParams p = gradient_params(targets, weights, lse, grad_loss, shared, vocab_begin, params);
+  GradientParams p = gradient_params(targets, weights, lse, policy != nullptr ? policy->grad_log_prob : grad_loss,
+                                     shared, vocab_begin, params);
+  if (policy != nullptr) {
+    p.policy = true;
+    p.grad_entropy = reinterpret_cast<const float*>(policy->grad_entropy.base);
+    p.grad_entropy_stride = policy->grad_entropy.stride;
+    p.mean_logit = lse_tokens(policy->mean_logit);
+  }
   with_type(logits.dtype, [&](auto* in_type) {
     using TIn = std::remove_pointer_t<decltype(in_type)>;
     with_type(grad.dtype, [&](auto* out_type) {

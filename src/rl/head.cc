@@ -41,7 +41,7 @@ Status check_inputs(const HeadInputs& inputs, const TensorView& targets, const T
       !s.ok()) {
     return s;
   }
-  return detail::check_temperatures(options, temperatures, a->tokens(), t, &a->inputs_hash);
+  return detail::check_temperatures(options, temperatures, a->tokens(), Device{}, t, &a->inputs_hash);
 }
 
 std::vector<engine::NamedRegion> input_regions(const HeadArgs& a, const TokenVector& temperatures) {
@@ -61,7 +61,7 @@ Status linear_forward(Communicator& comm, const HeadInputs& inputs, const Tensor
   TokenVector t;
   detail::PolicyOutputs out;
   Status local = check_inputs(inputs, targets, temperatures, shard, options, head, &a, &t);
-  if (local.ok()) local = detail::check_outputs(outputs, a.tokens(), input_regions(a, t), &out);
+  if (local.ok()) local = detail::check_outputs(outputs, a.tokens(), Device{}, input_regions(a, t), &out);
   const int64_t n = local.ok() ? a.tokens() : engine::announced_tokens(targets);
   const engine::SweepContext ctx{shard.vocab_begin, detail::policy_params(options, shard, t), options.num_threads};
   std::optional<engine::Fp32Operands> ops;
@@ -109,7 +109,7 @@ Status linear_backward(const HeadInputs& inputs, const TensorView& targets, cons
   TokenVector t;
   if (Status s = check_inputs(inputs, targets, temperatures, shard, options, head, &a, &t); !s.ok()) return s;
   detail::PolicyUpstream up;
-  if (Status s = detail::check_upstream(lse, mean_logit, upstream, a.tokens(), &up); !s.ok()) return s;
+  if (Status s = detail::check_upstream(lse, mean_logit, upstream, a.tokens(), Device{}, &up); !s.ok()) return s;
   std::vector<engine::NamedRegion> regions = input_regions(a, t);
   for (const engine::NamedRegion& r : detail::upstream_regions(up)) regions.push_back(r);
   engine::HeadGradientArgs g;

@@ -21,11 +21,12 @@ LossOptions loss_options(const Options& options) {
   o.softcap = options.softcap;
   o.valid_vocab_size = options.valid_vocab_size;
   o.num_threads = options.num_threads;
+  o.stream = options.stream;
   return o;
 }
 
-Status check_temperatures(const Options& options, const TensorView* temperatures, int64_t n, TokenVector* out,
-                          uint64_t* hash) {
+Status check_temperatures(const Options& options, const TensorView* temperatures, int64_t n, Device device,
+                          TokenVector* out, uint64_t* hash) {
   *out = {};
   const float scalar = options.temperature;
   const bool per_token = temperatures != nullptr;
@@ -36,9 +37,13 @@ Status check_temperatures(const Options& options, const TensorView* temperatures
                                  engine::number_text(scalar))};
   }
   if (!per_token) return {};
-  if (Status s = engine::check_device(*temperatures, "temperatures", Device{}); !s.ok()) return s;
+  if (Status s = engine::check_device(*temperatures, "temperatures", device); !s.ok()) return s;
   TokenVector t;
   if (Status s = engine::as_float_tokens(*temperatures, "temperatures", n, &t); !s.ok()) return s;
+  if (device.type != DeviceType::kCPU) {
+    *out = t;
+    return {};
+  }
   for (int64_t i = 0; i < n; ++i) {
     const float value = t.at<float>(i);
     if (!std::isfinite(value) || value <= 0.0f) {
@@ -63,7 +68,8 @@ engine::LossParams policy_params(const Options& options, const VocabShard& shard
   return p;
 }
 
-Status check_outputs(const Outputs& outputs, int64_t n, const std::vector<NamedRegion>& inputs, PolicyOutputs* out) {
+Status check_outputs(const Outputs& outputs, int64_t n, Device device, const std::vector<NamedRegion>& inputs,
+                     PolicyOutputs* out) {
   const std::pair<const TensorView*, const char*> views[] = {{outputs.log_prob, "log_prob"},
                                                              {outputs.entropy, "entropy"},
                                                              {outputs.lse, "lse"},
@@ -72,7 +78,7 @@ Status check_outputs(const Outputs& outputs, int64_t n, const std::vector<NamedR
   for (int k = 0; k < 4; ++k) {
     const auto& [view, name] = views[k];
     if (view == nullptr) continue;
-    if (Status s = engine::check_device(*view, name, Device{}); !s.ok()) return s;
+    if (Status s = engine::check_device(*view, name, device); !s.ok()) return s;
     Status s =
         k < 2 ? engine::as_float_tokens(*view, name, n, vectors[k]) : engine::as_lse_tokens(*view, name, n, vectors[k]);
     if (!s.ok()) return s;
@@ -112,8 +118,8 @@ engine::GradientConstants PolicyUpstream::constants(int64_t i, int64_t target, c
 }
 
 Status check_upstream(const TensorView& lse, const TensorView* mean_logit, const Upstream& upstream, int64_t n,
-                      PolicyUpstream* out) {
-  if (Status s = engine::check_device(lse, "lse", Device{}); !s.ok()) return s;
+                      Device device, PolicyUpstream* out) {
+  if (Status s = engine::check_device(lse, "lse", device); !s.ok()) return s;
   if (Status s = engine::as_lse_tokens(lse, "lse", n, &out->lse); !s.ok()) return s;
   const std::pair<const TensorView*, const char*> upstreams[] = {{upstream.grad_log_prob, "grad_log_prob"},
                                                                  {upstream.grad_entropy, "grad_entropy"}};
@@ -121,7 +127,7 @@ Status check_upstream(const TensorView& lse, const TensorView* mean_logit, const
   for (int k = 0; k < 2; ++k) {
     const auto& [view, name] = upstreams[k];
     if (view == nullptr) continue;
-    if (Status s = engine::check_device(*view, name, Device{}); !s.ok()) return s;
+    if (Status s = engine::check_device(*view, name, device); !s.ok()) return s;
     if (Status s = engine::as_float_tokens(*view, name, n, vectors[k]); !s.ok()) return s;
   }
   if (upstream.grad_entropy == nullptr) return {};
@@ -130,7 +136,7 @@ Status check_upstream(const TensorView& lse, const TensorView* mean_logit, const
         Code::kInvalidArgument,
         engine::expected_got("mean_logit", "the forward's mean_logit (E_p[z], for the entropy's gradient)", "null")};
   }
-  if (Status s = engine::check_device(*mean_logit, "mean_logit", Device{}); !s.ok()) return s;
+  if (Status s = engine::check_device(*mean_logit, "mean_logit", device); !s.ok()) return s;
   return engine::as_lse_tokens(*mean_logit, "mean_logit", n, &out->mean_logit);
 }
 

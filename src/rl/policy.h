@@ -22,21 +22,23 @@ using vpce::detail::TokenVector;
 LossOptions loss_options(const Options& options);
 
 // options.temperature (finite, > 0; 1 when per-token temperatures are given), then the
-// per-token temperatures (absent, or float32 on the CPU with one per token, finite and > 0)
-// folded into `hash` (the ranks must agree on them).
-Status check_temperatures(const Options& options, const TensorView* temperatures, int64_t n, TokenVector* out,
-                          uint64_t* hash);
+// per-token temperatures (absent, or float32 on `device` with one per token): on the CPU
+// finite and > 0, folded into `hash` (the ranks must agree on them); on a device, their values
+// are checked there (not read here).
+Status check_temperatures(const Options& options, const TensorView* temperatures, int64_t n, Device device,
+                          TokenVector* out, uint64_t* hash);
 
 // The engine's constants: the loss's, with the temperature (the per-token ones when present).
 vpce::detail::LossParams policy_params(const Options& options, const VocabShard& shard,
                                        const TokenVector& temperatures);
 
 // The outputs wanted, validated: float32 log_prob and entropy, float64/32 lse and mean_logit,
-// one per token each, on the CPU, overlapping neither each other nor `inputs`.
+// one per token each, on `device`, overlapping neither each other nor `inputs`.
 struct PolicyOutputs {
   TokenVector log_prob, entropy, lse, mean_logit;
 };
-Status check_outputs(const Outputs& outputs, int64_t n, const std::vector<NamedRegion>& inputs, PolicyOutputs* out);
+Status check_outputs(const Outputs& outputs, int64_t n, Device device, const std::vector<NamedRegion>& inputs,
+                     PolicyOutputs* out);
 
 // The forward's operation block: `mode` ("forward" on logits), the scalar temperature and
 // whether each token has its own (their values are in the inputs' hash), and for the fused
@@ -56,7 +58,7 @@ struct PolicyUpstream {
   vpce::detail::GradientConstants constants(int64_t i, int64_t target, const vpce::detail::LossParams& params) const;
 };
 Status check_upstream(const TensorView& lse, const TensorView* mean_logit, const Upstream& upstream, int64_t n,
-                      PolicyUpstream* out);
+                      Device device, PolicyUpstream* out);
 inline std::vector<NamedRegion> upstream_regions(const PolicyUpstream& u) {
   return {vpce::detail::region_of("lse", u.lse), vpce::detail::region_of("mean_logit", u.mean_logit),
           vpce::detail::region_of("grad_log_prob", u.grad_log_prob),

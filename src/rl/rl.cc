@@ -1,8 +1,16 @@
 // rl/rl.cc: the RL outputs (vpce/rl.h) on logits. The forward is the engine's: each rank's
 // statistics with the extras (max, sum of exp, target logit, the weighted offsets for the
 // entropy) through the one all-gather, then each token's outputs (policy.h); the backward is
-// the engine's gradient rows with each token's policy_gradient_constants (token_math.h).
+// the engine's gradient rows with each token's policy_gradient_constants (token_math.h). On
+// the CPU, or on a CUDA device through cuda/dispatch.h (the loss's protocol and kernels with
+// the RL outputs' last stage and gradient constants).
+#include <cstdio>
+#include <initializer_list>
+#include <utility>
+#include <vector>
+
 #include "../cpu/kernels.h"
+#include "../cuda/dispatch.h"
 #include "../exchange.h"
 #include "../workspace.h"
 #include "policy.h"
@@ -16,25 +24,79 @@ using engine::LossInputs;
 using engine::RowMatrix;
 using engine::TokenVector;
 
-// The logits and targets as the loss's, the temperatures. Device tensors are not supported by
-// the RL outputs yet.
+// The logits and targets as the loss's, the temperatures (on the CPU their values too).
 Status check_inputs(const TensorView& logits, const TensorView& targets, const TensorView* temperatures,
                     const VocabShard& shard, const Options& options, LossInputs* in, TokenVector* t) {
-  if (logits.device.type != DeviceType::kCPU) {
-    return {Code::kUnsupported,
-            engine::expected_got("logits.device", "cpu (the RL outputs run on the CPU in this release)",
-                                 to_string(logits.device))};
-  }
   if (Status s = engine::check_loss_inputs(logits, targets, nullptr, shard, detail::loss_options(options), in);
       !s.ok()) {
     return s;
   }
-  return detail::check_temperatures(options, temperatures, in->logits.rows, t, &in->inputs_hash);
+  return detail::check_temperatures(options, temperatures, in->logits.rows, logits.device, t, &in->inputs_hash);
 }
 
 std::vector<engine::NamedRegion> input_regions(const LossInputs& in, const TokenVector& temperatures) {
   return {engine::region_of("the logits", in.logits), engine::region_of("the targets", in.targets),
           engine::region_of("the temperatures", temperatures)};
+}
+
+bool on_device(const TensorView& logits) {
+  return logits.device.type == DeviceType::kCUDA && engine::device_supported(logits.device, "logits").ok();
+}
+
+// Each given view is memory of its CUDA device.
+Status check_device_pointers(std::initializer_list<std::pair<const TensorView*, const char*>> views) {
+  for (const auto& [view, name] : views) {
+    if (view == nullptr) continue;
+    if (Status s = engine::check_device_pointer(*view, name); !s.ok()) return s;
+  }
+  return {};
+}
+
+// The forward on device tensors: the loss's header and protocol, its buffers, kernels and
+// gather on the device (cuda/dispatch.cu), the RL outputs' last stage.
+Status device_forward(Communicator& comm, const LossInputs& in, const detail::PolicyOutputs& out, int64_t n,
+                      const VocabShard& shard, const TensorView& logits, const TensorView& targets,
+                      const Options& options, const Outputs& outputs, const TensorView* temperatures,
+                      const engine::LossParams& params, Workspace* workspace, Status local) {
+  if (local.ok() && workspace == nullptr) {
+    local = {Code::kInvalidArgument,
+             "workspace: expected a Workspace for device tensors (it holds the device buffers and the asynchronous "
+             "error), got null"};
+  }
+  if (local.ok()) {
+    local = check_device_pointers({{&logits, "logits"},
+                                   {&targets, "targets"},
+                                   {temperatures, "temperatures"},
+                                   {outputs.log_prob, "log_prob"},
+                                   {outputs.entropy, "entropy"},
+                                   {outputs.lse, "lse"},
+                                   {outputs.mean_logit, "mean_logit"}});
+  }
+  Workspace own;  // only when the caller gave none: that is this rank's error, but it still joins
+  Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
+  const LossOptions loss = detail::loss_options(options);
+  engine::RankHeader header =
+      engine::make_header(comm.rank(), comm.size(), n, kStatsWidthWithExtras, shard, logits.dtype, loss, false, 0,
+                          detail::policy_operation(options, temperatures != nullptr, "forward"), local);
+  if (header.status == 0) {  // the message the device reports if it finds a bad value
+    std::snprintf(header.message, sizeof(header.message),
+                  "targets or temperatures: expected targets in [0, %lld) or %lld and finite temperatures > 0, got "
+                  "another value (found on the device)",
+                  static_cast<long long>(params.valid_vocab), static_cast<long long>(options.ignore_index));
+  }
+  engine::DeviceForwardArgs args{in,
+                                 engine::LossOutputs{},
+                                 header,
+                                 local,
+                                 engine::payload_bytes(n, kStatsWidthWithExtras),
+                                 n,
+                                 kStatsWidthWithExtras,
+                                 shard.vocab_begin,
+                                 params,
+                                 loss,
+                                 logits.device.id,
+                                 {true, out.log_prob, out.entropy, out.lse, out.mean_logit}};
+  return engine::device_forward(comm, args, &buffers->device);
 }
 
 }  // namespace
@@ -46,9 +108,13 @@ Status forward(Communicator& comm, const TensorView& logits, const TensorView& t
   TokenVector t;
   detail::PolicyOutputs out;
   Status local = check_inputs(logits, targets, temperatures, shard, options, &in, &t);
-  if (local.code() == Code::kUnsupported) return local;  // (every rank of a device group)
-  if (local.ok()) local = detail::check_outputs(outputs, in.logits.rows, input_regions(in, t), &out);
+  if (local.ok()) local = detail::check_outputs(outputs, in.logits.rows, logits.device, input_regions(in, t), &out);
   const int64_t n = local.ok() ? in.logits.rows : engine::announced_tokens(targets);
+  const engine::LossParams params = detail::policy_params(options, shard, t);
+  if (on_device(logits)) {
+    return device_forward(comm, in, out, n, shard, logits, targets, options, outputs, temperatures, params, workspace,
+                          local);
+  }
 
   Workspace own;
   Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
@@ -60,7 +126,6 @@ Status forward(Communicator& comm, const TensorView& logits, const TensorView& t
   call.options = detail::loss_options(options);
   call.inputs_hash = in.inputs_hash;
   call.operation = detail::policy_operation(options, temperatures != nullptr, "forward");
-  const engine::LossParams params = detail::policy_params(options, shard, t);
   RowMatrix merged;
   Status group = engine::exchange_stats(
       comm, *buffers, call, local,
@@ -81,8 +146,10 @@ Status backward(const TensorView& logits, const TensorView& targets, const Tenso
   TokenVector t;
   if (Status s = check_inputs(logits, targets, temperatures, shard, options, &in, &t); !s.ok()) return s;
   detail::PolicyUpstream up;
-  if (Status s = detail::check_upstream(lse, mean_logit, upstream, in.logits.rows, &up); !s.ok()) return s;
-  if (Status s = engine::check_device(grad_logits, "grad_logits", Device{}); !s.ok()) return s;
+  if (Status s = detail::check_upstream(lse, mean_logit, upstream, in.logits.rows, logits.device, &up); !s.ok()) {
+    return s;
+  }
+  if (Status s = engine::check_device(grad_logits, "grad_logits", logits.device); !s.ok()) return s;
   std::vector<engine::NamedRegion> regions = detail::upstream_regions(up);
   regions.push_back(engine::region_of("the targets", in.targets));
   regions.push_back(engine::region_of("the temperatures", t));
@@ -90,6 +157,23 @@ Status backward(const TensorView& logits, const TensorView& targets, const Tenso
   if (Status s = engine::check_grad_logits(grad_logits, in.logits, regions, &grad); !s.ok()) return s;
   engine::LossParams params = detail::policy_params(options, shard, t);
   params.entropy_gradient = engine::present(up.grad_entropy);
+  if (logits.device.type != DeviceType::kCPU) {
+    if (Status s = check_device_pointers({{&logits, "logits"},
+                                          {&targets, "targets"},
+                                          {&lse, "lse"},
+                                          {mean_logit, "mean_logit"},
+                                          {upstream.grad_log_prob, "grad_log_prob"},
+                                          {upstream.grad_entropy, "grad_entropy"},
+                                          {&grad_logits, "grad_logits"},
+                                          {temperatures, "temperatures"}});
+        !s.ok()) {
+      return s;
+    }
+    engine::DeviceBackwardArgs args{
+        in, up.lse, TokenVector{}, grad, shard.vocab_begin, params, detail::loss_options(options), logits.device.id};
+    args.policy = {true, up.grad_log_prob, up.grad_entropy, up.mean_logit};
+    return engine::device_backward(args);
+  }
   engine::gradient_rows(
       in.logits, in.targets, [&](int64_t i) { return up.constants(i, engine::target_at(in.targets, i), params); },
       shard.vocab_begin, params, options.num_threads, grad);

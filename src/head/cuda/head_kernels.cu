@@ -121,12 +121,12 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t r = blockIdx.x;
   const int64_t y = p.tokens.target(r);
   const GradientConstants k = p.constants(r, y);
-  const Transform t = p.t;
+  const Transform t = transform_of(p.params, r);
   const float target_term = target_weight(p.params);
   const int64_t target_column = y - p.vocab_begin - col0;
   float* row = z + r * ld;
   int64_t done = 0;  // columns the plain path took
-  if (plain && k.upstream != 0.0f) {
+  if (plain && !k.zero_row()) {
     // 4 columns a thread at a time where the row (and hi and lo) are aligned for them.
     const PlainGradient pg = PlainGradient::of(k, target_term);
     auto aligned = [&](const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (int64_t c = done + threadIdx.x; c < cols; c += kThreads) {
     float g = 0.0f;
-    if (k.upstream != 0.0f && c < valid) {  // else a token that does not count, or padding
+    if (!k.zero_row() && c < valid) {  // else a token that does not count, or padding
       g = gradient_element(k, t, logits.at(row[c], c), c == target_column, target_term);
     }
     if (hi != nullptr) {
