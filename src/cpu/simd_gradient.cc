@@ -155,7 +155,8 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
     // bounded so with the entropy's term).
     if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16> && !kEntropy) {
       const double largest =
-          (std::fabs(k) + static_cast<double>(std::fabs(u))) * std::fabs(static_cast<double>(t.scale));
+          (std::fabs(k) + static_cast<double>(std::fabs(u))) *
+          std::max(std::fabs(static_cast<double>(t.scale)), std::fabs(static_cast<double>(t.slope_scale)));
       if (largest < 0x1p110) {
         for (; v + 2 * lanes <= cols; v += 2 * lanes) {
           hwy::Prefetch(row + v + kAhead);

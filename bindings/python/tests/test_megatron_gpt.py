@@ -8,7 +8,8 @@ within fp32 rounding, every rank's loss identical, the training curves together.
 without labels still returns Megatron's logits. Label smoothing both ways (Megatron's legacy
 one against Megatron's own function, vpce's exact one against vpce's loss on Megatron's
 logits) and a bf16 model (Float16Module; the logits rounded as Megatron's bf16 layer does)
-one step each, and a model with a multi-token prediction layer.
+one step each, a model with a multi-token prediction layer, and the RL outputs
+(log-probabilities and entropy) through the fused head against those of Megatron's logits.
 
 The CPU patches GPTModel needs, and only those (docs/python.md lists them): Megatron's CUDA
 RNG tracker replaced by one whose fork() does nothing (dropout is 0 here), and
@@ -341,6 +342,50 @@ def test_multi_token_prediction_through_the_fused_head():
 
 def test_label_smoothing_both_ways_through_the_fused_head():
     spawn(smoothing_worker, 2)
+
+
+def rl_worker(rank, size, init_file):
+    """vpce.megatron.log_probs_and_entropy through the fused head against vpce's RL outputs on
+    Megatron's own logits (the same model's forward without labels), per-sequence temperatures,
+    a padded vocabulary, non-uniform upstream gradients: the outputs within 1e-6 and every
+    parameter's gradient within 2e-5 of the logits path's."""
+    from test_megatron_core import megatron_init  # noqa: PLC0415
+
+    import vpce.megatron  # noqa: PLC0415
+
+    group = megatron_init(rank, size, init_file)
+    cpu_patches()
+    tokens, position_ids, attention_mask, labels, loss_mask = batch(0)
+    labels = labels.masked_fill(loss_mask == 0, -100)  # prompt and padding positions
+    temperature = torch.tensor([0.7, 1.3])
+    g_lp = torch.rand(BATCH, SEQUENCE, generator=torch.Generator().manual_seed(5)) - 0.3
+    g_h = torch.rand(BATCH, SEQUENCE, generator=torch.Generator().manual_seed(6)) * 0.1
+    results = []
+    for fused in (False, True):
+        model = build(size, tied=False, bias=True, fusion=False)
+        if fused:
+            vpce.megatron.fuse_output_layer(model, valid_vocab_size=USED)
+            log_prob, entropy = vpce.megatron.log_probs_and_entropy(model, tokens, position_ids, attention_mask,
+                                                                    labels=labels, temperature=temperature)
+        else:
+            logits = model(tokens, position_ids, attention_mask)  # [b, s, V/R]: Megatron's output layer
+            log_prob, entropy = vt.log_probs_and_entropy(logits, labels, temperature.unsqueeze(1).expand(labels.shape),
+                                                         tp_group=group, valid_vocab_size=USED)
+        assert log_prob.shape == (BATCH, SEQUENCE) and entropy.shape == (BATCH, SEQUENCE)
+        (log_prob * g_lp + entropy * g_h).sum().backward()
+        results.append((log_prob.detach(), entropy.detach(),
+                        {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}))
+    (lp_a, h_a, grads_a), (lp_b, h_b, grads_b) = results
+    assert relative_error(lp_b, lp_a) <= 1e-6 and relative_error(h_b, h_a) <= 1e-6
+    assert torch.all(lp_b[loss_mask == 0] == 0) and torch.all(h_b[loss_mask == 0] == 0)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert relative_error(grads_b[name], grads_a[name]) <= 2e-5, name
+    dist.destroy_process_group()
+
+
+def test_rl_outputs_through_the_fused_head():
+    spawn(rl_worker, 2)
 
 
 def test_fuse_output_layer_refuses_what_it_does_not_support():

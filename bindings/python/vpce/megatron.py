@@ -37,6 +37,13 @@ that layer does (round(round(h W^T) + b)), and `bf16_logit_gradients=True` round
 gradients to bf16 as its backward does: together they reproduce a bf16 Megatron run (the
 step's loss within one fp32 ulp in tests/test_megatron_gpt.py).
 
+RL outputs: `vpce.megatron.log_probs_and_entropy(model, *forward_args, labels=tokens,
+temperature=t, **forward_kwargs)` runs the fused model's forward and returns the
+log-probabilities of `labels` and the policy's entropy, each [b, s] float32 and differentiable,
+from the hidden states through vpce's head (vpce.torch.linear_log_probs_and_entropy) without
+ever building the logits: what a Megatron-based RL trainer (verl, NeMo-RL) computes from the
+logits. `temperature` a number or a tensor of one per token [b, s] or per sequence [b].
+
 What it refuses, naming it (rather than computing something else): an output layer that
 gathers its output (`gather_output` or `runtime_gather_output=True`), deferred embedding
 weight-gradients (`defer_embedding_wgrad_compute`), `disable_grad_reduce` or
@@ -51,11 +58,25 @@ import torch
 
 from . import torch as vt
 
-__all__ = ["fuse_output_layer", "unfuse_output_layer", "is_fused"]
+__all__ = ["fuse_output_layer", "unfuse_output_layer", "is_fused", "log_probs_and_entropy"]
 
 _MODES = ("recompute", "chunked")
 # Set while a fused model's forward runs with labels: (the fused model, its loss_mask).
 _ACTIVE = contextvars.ContextVar("vpce_megatron_active", default=None)
+# Set while log_probs_and_entropy runs a fused model's forward: (the model, its _PolicyRequest).
+_POLICY = contextvars.ContextVar("vpce_megatron_policy", default=None)
+# The options of fuse_output_layer that the RL outputs take too.
+_POLICY_OPTIONS = ("logit_scale", "softcap", "valid_vocab_size", "num_threads", "token_block", "vocab_block",
+                   "bf16_logit_gradients", "round_logits", "ignore_index")
+
+
+class _PolicyRequest:
+    """What log_probs_and_entropy asks of the fused forward: the temperature; the entropy comes
+    back in it (the forward returns the log-probabilities, as it returns the loss)."""
+
+    def __init__(self, temperature):
+        self.temperature = temperature
+        self.entropy = None
 
 
 class _Deferred:
@@ -158,7 +179,7 @@ def _wrap(gpt, layer, mode, options):
         inference = bound.get("inference_context") is not None or bound.get("inference_params") is not None
         if bound.get("labels") is None or (inference and not gpt.training):
             return model_forward(*args, **kwargs)
-        if mode == "chunked" and bound.get("loss_mask") is None:
+        if mode == "chunked" and bound.get("loss_mask") is None and _POLICY.get() is None:
             raise ValueError("vpce.megatron: the chunked mode needs the forward's loss_mask (it sums the kept tokens' "
                              "losses in the forward)")
         token = _ACTIVE.set((gpt, bound.get("loss_mask")))
@@ -184,6 +205,9 @@ def _wrap(gpt, layer, mode, options):
     def compute_language_model_loss(labels, logits):
         if not isinstance(logits, _Deferred):
             return model_loss(labels, logits)
+        policy = _POLICY.get()
+        if policy is not None and policy[0] is gpt:
+            return _fused_policy(gpt, labels, logits, options, policy[1])
         return _fused_loss(gpt, labels, logits, mode, options, _ACTIVE.get()[1])
 
     vars(gpt)["forward"] = forward
@@ -226,3 +250,48 @@ def _fused_loss(gpt, labels, deferred, mode, options, loss_mask):
     kept_flat = loss_mask.reshape(-1) != 0
     holder = (kept_flat & (kept_flat.cumsum(0) == 1)).to(total.dtype)
     return total * holder.view(labels.shape)
+
+
+def _fused_policy(gpt, labels, deferred, options, request):
+    """The RL outputs of labels [b, s] on the deferred operands: the log-probabilities [b, s]
+    returned, the entropy [b, s] into request.entropy."""
+    layer = deferred.layer
+    target = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
+    temperature = request.temperature
+    if isinstance(temperature, torch.Tensor):
+        if temperature.dim() == 1:  # one per sequence
+            temperature = temperature.unsqueeze(1).expand(labels.shape)
+        temperature = temperature.transpose(0, 1).contiguous()
+    kept = {k: v for k, v in options.items() if k in _POLICY_OPTIONS}
+    log_prob, entropy = vt.linear_log_probs_and_entropy(
+        deferred.hidden, deferred.weight, target, temperature, tp_group=_tp_group(gpt, layer),
+        bias=None if layer.skip_bias_add else layer.bias, sequence_parallel=bool(layer.sequence_parallel),
+        gradient_accumulation_fusion=bool(layer.gradient_accumulation_fusion), **kept)
+    request.entropy = entropy.transpose(0, 1).contiguous()
+    return log_prob.transpose(0, 1).contiguous()
+
+
+def log_probs_and_entropy(model, *args, labels, temperature=1.0, **kwargs):
+    """(log_prob, entropy), each [b, s] float32 and differentiable: the log-probability of
+    each of `labels` [b, s] and the entropy of the policy, at `temperature` (a number, or a
+    tensor of one per token [b, s] or per sequence [b]), from the forward of `model` (fused by
+    fuse_output_layer) given `args` and `kwargs` (input_ids, position_ids, attention_mask, ...):
+    the hidden states go through vpce's head without the logits being built. A label equal to
+    the fused options' ignore_index (default -100) gives 0 for both. The options given to
+    fuse_output_layer that apply (round_logits, bf16_logit_gradients, the tiles, logit_scale,
+    softcap, valid_vocab_size, ignore_index) apply. Not with multi-token prediction."""
+    gpt = _unwrap(model)
+    if not is_fused(gpt):
+        raise ValueError("vpce.megatron.log_probs_and_entropy: expected a model given to fuse_output_layer first")
+    if getattr(gpt.config, "mtp_num_layers", None):
+        raise ValueError("vpce.megatron.log_probs_and_entropy: not supported: multi-token prediction (its heads "
+                         "would take the loss's path)")
+    if labels is None:
+        raise ValueError("labels: expected the sampled tokens [b, s], got None")
+    request = _PolicyRequest(temperature)
+    token = _POLICY.set((gpt, request))
+    try:
+        log_prob = model(*args, labels=labels, **kwargs)
+    finally:
+        _POLICY.reset(token)
+    return log_prob, request.entropy
