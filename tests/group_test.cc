@@ -18,23 +18,6 @@
 namespace vpce::test {
 namespace {
 
-// Counts the collectives that pass through it.
-class CountingCommunicator final : public Communicator {
- public:
-  explicit CountingCommunicator(Communicator& inner) : inner_(inner) {}
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  const char* name() const override { return "counting"; }
-  Status all_gather(const void* send, void* recv, std::size_t bytes) override {
-    ++calls;
-    return inner_.all_gather(send, recv, bytes);
-  }
-  int calls = 0;
-
- private:
-  Communicator& inner_;
-};
-
 struct RankArgs {
   std::vector<float> logits;
   std::vector<int64_t> targets;

@@ -93,6 +93,23 @@ class Loopback final : public Communicator {
   const char* name() const override { return "loopback"; }
 };
 
+// Counts the collectives that pass through it to `inner`.
+class CountingCommunicator final : public Communicator {
+ public:
+  explicit CountingCommunicator(Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  const char* name() const override { return "counting"; }
+  Status all_gather(const void* send, void* recv, std::size_t bytes) override {
+    ++calls;
+    return inner_.all_gather(send, recv, bytes);
+  }
+  int calls = 0;
+
+ private:
+  Communicator& inner_;
+};
+
 // The oracle's options for vpce's.
 reference::Options reference_options(const LossOptions& options);
 

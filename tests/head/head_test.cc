@@ -630,23 +630,6 @@ TEST(HeadGemm, Bf16DotProductsAreUsedWhereTheCpuHasThemUnlessTurnedOff) {
   detail::set_bf16_instructions_allowed(true);
 }
 
-// Counts the collectives a call makes through it.
-class CountingCommunicator : public Communicator {
- public:
-  explicit CountingCommunicator(Communicator& inner) : inner_(inner) {}
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  Status all_gather(const void* send, void* recv, std::size_t bytes) override {
-    ++gathers;
-    return inner_.all_gather(send, recv, bytes);
-  }
-  const char* name() const override { return "counting"; }
-  int gathers = 0;
-
- private:
-  Communicator& inner_;
-};
-
 TEST(Head, OneAllGatherPerForwardAndOnePerChunk) {
   HeadProblem p = random_head_problem(40, 8, 60, kFloat32, 61);
   const std::vector<VocabShard> shards = shards_from_sizes({25, 35});
@@ -669,13 +652,13 @@ TEST(Head, OneAllGatherPerForwardAndOnePerChunk) {
     Status s = linear_cross_entropy_forward(counting, in, tv, shard, options, head,
                                             TensorView::contiguous(loss.data(), kFloat32, {1}),
                                             TensorView::contiguous(lse.data(), kFloat32, {p.tokens}));
-    forward_gathers[static_cast<std::size_t>(comm.rank())] = counting.gathers;
+    forward_gathers[static_cast<std::size_t>(comm.rank())] = counting.calls;
     if (!s.ok()) return s;
     CountingCommunicator chunked(comm);
     s = linear_cross_entropy_forward_backward(
         chunked, in, tv, shard, options, head, 1.0f, TensorView::contiguous(loss.data(), kFloat32, {1}),
         TensorView::contiguous(lse.data(), kFloat32, {p.tokens}), {{&ghv, false}});
-    chunked_gathers[static_cast<std::size_t>(comm.rank())] = chunked.gathers;
+    chunked_gathers[static_cast<std::size_t>(comm.rank())] = chunked.calls;
     return s;
   });
   for (const Status& s : st) ASSERT_TRUE(s.ok()) << s.message();

@@ -30,22 +30,6 @@ std::vector<float> upstream_of(int64_t n, float scale, int salt) {
   return g;
 }
 
-class Counting final : public Communicator {
- public:
-  explicit Counting(Communicator& inner) : inner_(inner) {}
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  const char* name() const override { return "counting"; }
-  Status all_gather(const void* send, void* recv, std::size_t bytes) override {
-    ++calls;
-    return inner_.all_gather(send, recv, bytes);
-  }
-  int calls = 0;
-
- private:
-  Communicator& inner_;
-};
-
 Gathered run_policy_head(HeadProblem& p, const std::vector<int64_t>& sizes, const rl::Options& options,
                          const HeadOptions& head, const std::vector<float>& temperatures, bool accumulate) {
   const int ranks = static_cast<int>(sizes.size());
@@ -62,7 +46,7 @@ Gathered run_policy_head(HeadProblem& p, const std::vector<int64_t>& sizes, cons
   std::unique_ptr<ThreadGroup> group;
   EXPECT_TRUE(ThreadGroup::create(ranks, &group, std::chrono::seconds(60)).ok());
   out.status = group->run([&](Communicator& inner) {
-    Counting comm(inner);
+    CountingCommunicator comm(inner);
     const int r = comm.rank();
     const VocabShard& shard = shards[static_cast<std::size_t>(r)];
     const TensorView weight = p.weight_view(shard.vocab_begin, shard.vocab_end);

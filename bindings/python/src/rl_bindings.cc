@@ -9,6 +9,29 @@
 #include "head_operands.h"
 
 namespace vpce::python {
+namespace {
+
+// The forward's optional outputs, as the rl::Outputs that points into them.
+struct PolicyOutputs {
+  PolicyOutputs(nb::handle log_prob, nb::handle entropy, nb::handle lse, nb::handle mean_logit)
+      : lp(log_prob, "log_prob"), h(entropy, "entropy"), e(lse, "lse"), mean(mean_logit, "mean_logit") {
+    views = {lp.get(), h.get(), e.get(), mean.get()};
+  }
+  OptionalOutput lp, h, e, mean;
+  vpce::rl::Outputs views;
+};
+
+// The backward's optional upstream gradients, as the rl::Upstream that points into them.
+struct PolicyUpstream {
+  PolicyUpstream(nb::handle grad_log_prob, nb::handle grad_entropy)
+      : lp(grad_log_prob, "grad_log_prob"), h(grad_entropy, "grad_entropy") {
+    views = {lp.get(), h.get()};
+  }
+  OptionalInput lp, h;
+  vpce::rl::Upstream views;
+};
+
+}  // namespace
 
 void bind_rl(nb::module_& m) {
   auto options = nb::class_<vpce::rl::Options>(m, "RlOptions", "The RL outputs' options; see include/vpce/rl.h");
@@ -26,14 +49,11 @@ void bind_rl(nb::module_& m) {
         require_all_gather(size, all_gather);
         const Input x(logits, "logits");
         const Input y(targets, "targets");
-        const OptionalOutput lp(log_prob, "log_prob");
-        const OptionalOutput h(entropy, "entropy");
-        const OptionalOutput e(lse, "lse");
-        const OptionalOutput mean(mean_logit, "mean_logit");
+        const PolicyOutputs out(log_prob, entropy, lse, mean_logit);
         const OptionalInput t(temperatures, "temperatures");
         collective(rank, size, std::move(all_gather), [&](vpce::Communicator& comm) {
-          return vpce::rl::forward(comm, x, y, shard_of(vocab_begin, vocab_end, vocab_size), options,
-                                   {lp.get(), h.get(), e.get(), mean.get()}, t.get());
+          return vpce::rl::forward(comm, x, y, shard_of(vocab_begin, vocab_end, vocab_size), options, out.views,
+                                   t.get());
         });
       },
       nb::arg("logits").none(), nb::arg("targets").none(), nb::arg("vocab_begin"), nb::arg("vocab_end"),
@@ -53,13 +73,12 @@ void bind_rl(nb::module_& m) {
         const Input y(targets, "targets");
         const Input e(lse, "lse");
         const OptionalInput mean(mean_logit, "mean_logit");
-        const OptionalInput glp(grad_log_prob, "grad_log_prob");
-        const OptionalInput gh(grad_entropy, "grad_entropy");
+        const PolicyUpstream up(grad_log_prob, grad_entropy);
         const Output out(grad_logits, "grad_logits");
         const OptionalInput t(temperatures, "temperatures");
         released([&] {
-          return vpce::rl::backward(x, y, e, mean.get(), {glp.get(), gh.get()},
-                                    shard_of(vocab_begin, vocab_end, vocab_size), options, out, t.get());
+          return vpce::rl::backward(x, y, e, mean.get(), up.views, shard_of(vocab_begin, vocab_end, vocab_size),
+                                    options, out, t.get());
         });
       },
       nb::arg("logits").none(), nb::arg("targets").none(), nb::arg("lse").none(), nb::arg("mean_logit").none(),
@@ -77,15 +96,11 @@ void bind_rl(nb::module_& m) {
         require_all_gather(size, all_gather);
         const Head operands(hidden, weight, bias);
         const Input y(targets, "targets");
-        const OptionalOutput lp(log_prob, "log_prob");
-        const OptionalOutput h(entropy, "entropy");
-        const OptionalOutput e(lse, "lse");
-        const OptionalOutput mean(mean_logit, "mean_logit");
+        const PolicyOutputs out(log_prob, entropy, lse, mean_logit);
         const OptionalInput t(temperatures, "temperatures");
         collective(rank, size, std::move(all_gather), [&](vpce::Communicator& comm) {
           return vpce::rl::linear_forward(comm, operands.inputs, y, shard_of(vocab_begin, vocab_end, vocab_size),
-                                          options, head_options, {lp.get(), h.get(), e.get(), mean.get()}, t.get(),
-                                          operands.workspace());
+                                          options, head_options, out.views, t.get(), operands.workspace());
         });
       },
       nb::arg("hidden").none(), nb::arg("weight").none(), nb::arg("bias").none(), nb::arg("targets").none(),
@@ -108,12 +123,11 @@ void bind_rl(nb::module_& m) {
         const Input y(targets, "targets");
         const Input e(lse, "lse");
         const OptionalInput mean(mean_logit, "mean_logit");
-        const OptionalInput glp(grad_log_prob, "grad_log_prob");
-        const OptionalInput gh(grad_entropy, "grad_entropy");
+        const PolicyUpstream up(grad_log_prob, grad_entropy);
         const OptionalInput t(temperatures, "temperatures");
         const Gradients out(grad_hidden, grad_weight, grad_bias, accumulate_hidden, accumulate_weight, accumulate_bias);
         released([&] {
-          return vpce::rl::linear_backward(operands.inputs, y, e, mean.get(), {glp.get(), gh.get()},
+          return vpce::rl::linear_backward(operands.inputs, y, e, mean.get(), up.views,
                                            shard_of(vocab_begin, vocab_end, vocab_size), options, head_options,
                                            out.views, t.get(), operands.workspace());
         });

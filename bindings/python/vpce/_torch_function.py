@@ -31,6 +31,18 @@ def _increment_version(tensor):
 def _function_forward(ctx, logits, target, label_smoothing, tp_group, inplace_backward, legacy_smoothing, options):
     """The autograd.Function forward (both classes): the group, then _forward with its one
     collective, any error agreed across the group."""
+
+    def body(collective, rank, size):
+        return _forward(ctx, collective, rank, size, logits, target, label_smoothing, inplace_backward,
+                        legacy_smoothing, options)
+
+    return _with_group(tp_group, logits, body)
+
+
+def _with_group(tp_group, logits, body):
+    """body(collective, rank, size) on the group (collective None for one rank): the one
+    gather of a forward on logits (the loss's, the RL outputs'), any error agreed across the
+    group."""
     group, rank, size = _group(tp_group)
     if (size > 1 and isinstance(logits, torch.Tensor) and logits.device.type == "cpu"
             and dist.get_backend(group) == "nccl"):
@@ -39,8 +51,7 @@ def _function_forward(ctx, logits, target, label_smoothing, tp_group, inplace_ba
     with _calling(group, size) as call:
         collective = _Collective(call, rank, size) if call is not None else None
         try:
-            return _forward(ctx, collective, rank, size, logits, target, label_smoothing, inplace_backward,
-                            legacy_smoothing, options)
+            return body(collective, rank, size)
         except Exception as error:
             agreed = error if collective is None else collective.agreed(error)
             if agreed is error:

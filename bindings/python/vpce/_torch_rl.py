@@ -8,16 +8,14 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from . import _vpce
 from ._torch_arguments import (_LOGITS_DTYPES, _TARGET_DTYPES, _WIDENED_TARGET_DTYPES, _as_rows, _as_targets,
                                _check_inplace, _check_logits, _check_op_tensors, _first_derivative_only, _real)
-from ._torch_collective import _calling, _Collective
 from ._torch_compile import _CUSTOM_OPS, _compiling
-from ._torch_function import _increment_version, _new_gradient
+from ._torch_function import _increment_version, _new_gradient, _with_group
 from ._torch_groups import _group
-from ._torch_ops import _decode_options, _encode_options, _group_key, _keyed_group, _without_data
+from ._torch_ops import _decode_options, _encode_options, _fits_op, _group_key, _keyed_group, _without_data
 
 _RL_OPTION_NAMES = ("ignore_index", "logit_scale", "softcap", "valid_vocab_size", "num_threads")
 
@@ -82,24 +80,6 @@ def _policy(collective, rank, size, logits, target, temperature, options, inplac
     _vpce.rl_forward(x, y, *shard, opts, log_prob, entropy, lse, mean, t, rank=rank, size=size,
                      all_gather=collective)
     return log_prob, entropy, x, y, lse, mean, t, shard, scalar
-
-
-def _with_group(tp_group, logits, body):
-    """body(collective, rank, size) on the group, any error agreed across it."""
-    group, rank, size = _group(tp_group)
-    if (size > 1 and isinstance(logits, torch.Tensor) and logits.device.type == "cpu"
-            and dist.get_backend(group) == "nccl"):
-        raise ValueError("tp_group: expected a process group that can gather CPU tensors (gloo), got NCCL "
-                         "with CPU logits")
-    with _calling(group, size) as call:
-        collective = _Collective(call, rank, size) if call is not None else None
-        try:
-            return body(collective, rank, size)
-        except Exception as error:
-            agreed = error if collective is None else collective.agreed(error)
-            if agreed is error:
-                raise
-            raise agreed from error
 
 
 def _policy_gradient(x, y, lse, mean, grad_log_prob, grad_entropy, t, shard, scalar, options, inplace):
@@ -217,24 +197,15 @@ if _CUSTOM_OPS:
     torch.library.register_autograd("vpce::rl_forward", _op_autograd, setup_context=_setup_context)
 
 
-def _fits_op(logits, target, temperature, options):
-    """Whether the custom op takes these arguments (else the autograd.Function, whose checks raise)."""
-    if not (isinstance(logits, torch.Tensor) and isinstance(target, torch.Tensor)):
-        return False
-    if logits.layout != torch.strided or target.layout != torch.strided:
-        return False
-    if logits.device.type not in ("cpu", "cuda", "meta") or target.device != logits.device:
-        return False
-    if logits.dtype not in _LOGITS_DTYPES or not 1 <= logits.dim() <= 8:
-        return False
-    if target.dtype not in _TARGET_DTYPES + _WIDENED_TARGET_DTYPES or tuple(target.shape) != tuple(logits.shape[:-1]):
+def _fits_rl_op(logits, target, temperature, options):
+    """Whether the custom op takes these arguments (the loss's op's rule, a target of the
+    logits' leading shape, a number or one temperature per token); else the autograd.Function,
+    whose checks raise."""
+    if not _fits_op(logits, target, 0.0, options) or tuple(target.shape) != tuple(logits.shape[:-1]):
         return False
     if isinstance(temperature, torch.Tensor):
-        if temperature.shape != target.shape or temperature.device != logits.device:
-            return False
-    elif not isinstance(temperature, (float, int)) or isinstance(temperature, bool):
-        return False
-    return all(isinstance(v, (int, float, str)) for v in options.values())
+        return temperature.shape == target.shape and temperature.device == logits.device
+    return isinstance(temperature, (float, int)) and not isinstance(temperature, bool)
 
 
 def log_probs_and_entropy(logits, target, temperature=1.0, tp_group=None, inplace_backward=False, **options):
@@ -249,7 +220,7 @@ def log_probs_and_entropy(logits, target, temperature=1.0, tp_group=None, inplac
     valid_vocab_size, num_threads. inplace_backward=True writes the gradient over the logits.
     """
     compiling = _CUSTOM_OPS and (_compiling() or _without_data(logits))
-    if _CUSTOM_OPS and (compiling or not inplace_backward) and _fits_op(logits, target, temperature, options):
+    if _CUSTOM_OPS and (compiling or not inplace_backward) and _fits_rl_op(logits, target, temperature, options):
         temperatures = temperature.to(torch.float32) if isinstance(temperature, torch.Tensor) else None
         scalar = 1.0 if temperatures is not None else float(temperature)
         log_prob, entropy, _, _ = torch.ops.vpce.rl_forward(logits, target, temperatures, scalar,
