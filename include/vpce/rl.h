@@ -66,6 +66,9 @@ struct Outputs {
   const TensorView* entropy = nullptr;     // float32, in nats
   const TensorView* lse = nullptr;         // float64 (or float32): for the backward
   const TensorView* mean_logit = nullptr;  // float64 (or float32): E_p[z], for the entropy's backward
+  // float32: sum_v p_v^2 (verl's sum_pi_squared, for its optimal-baseline estimators); no
+  // gradient flows through it. Asking for it adds 8 bytes a token to the gather.
+  const TensorView* sum_p_squared = nullptr;
 };
 
 // Forward. logits: [..., Vr] fp32/bf16/fp16 (the last dimension contiguous, the leading ones

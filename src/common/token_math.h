@@ -160,14 +160,20 @@ struct RankColumns {
   VPCE_HD int64_t operator()(int r) const { return columns[r]; }
 };
 
+// The statistics' widths beyond options.h's: the RL outputs' with the sum of squared
+// exponentials (for sum_v p_v^2), sum_v e^(2 (z_v - max)) at [6], [7] unused.
+inline constexpr int64_t kStatsWidthWithSquares = 8;
+
 // Merges `ranks` statistics rows (rank r's at first + r * rank_stride floats) into out[W],
 // in rank order, in fp64: max, sum of exp relative to it, target logit, mean of the logits
 // relative to it (the ranks' means weighed by the columns(r) they cover, each rebased to
-// the merged max), and with the extras the smallest argmax column and the weighted offsets
-// for the entropy.
+// the merged max), with the extras (W >= 6) the smallest argmax column and the weighted
+// offsets for the entropy, and with W = 8 the sum of squared exponentials.
 template <class Columns>
-VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ranks, bool with_extras,
+VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ranks, int64_t width,
                                 const Columns& columns, float* out) {
+  const bool with_extras = width >= kStatsWidthWithExtras;
+  const bool with_squares = width == kStatsWidthWithSquares;
   const float neg_inf = -INFINITY;
   float max = neg_inf;
   float target_logit = neg_inf;
@@ -180,6 +186,7 @@ VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ran
   double sum_logits = 0.0;  // sum z - ref(max), over `counted` columns
   int64_t counted = 0;
   double weighted_offsets = 0.0;
+  double squares = 0.0;  // sum exp(2 (z - M))
   int32_t argmax = -1;
   for (int r = 0; r < ranks; ++r) {
     const float* s = first + r * rank_stride;
@@ -196,6 +203,7 @@ VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ran
     if (with_extras) {
       // sum exp(z - M)(z - M) = e^shift (sum exp(z - m)(z - m) + shift sum exp(z - m))
       weighted_offsets += scale * (static_cast<double>(s[5]) + shift * static_cast<double>(s[1]));
+      if (with_squares) squares += scale * scale * static_cast<double>(s[6]);
       const int32_t index = float_bits_as_int(s[4]);
       if (s[0] == max && index >= 0 && (argmax < 0 || index < argmax)) argmax = index;
     }
@@ -207,6 +215,10 @@ VPCE_HD inline void merge_token(const float* first, int64_t rank_stride, int ran
   if (with_extras) {
     out[4] = int_as_float_bits(argmax);
     out[5] = static_cast<float>(weighted_offsets);
+  }
+  if (with_squares) {
+    out[6] = static_cast<float>(squares);
+    out[7] = 0.0f;
   }
 }
 
@@ -357,10 +369,12 @@ struct TokenPolicy {
   double log_prob = 0.0;  // z_y - lse = -((M - z_y) + log S), at most 0; 0 for an ignored token
   double entropy = 0.0;   // log S - U / S (the shifted form: no cancellation), at least 0; 0 ignored
   double lse = 0.0;
-  double mean_logit = 0.0;  // E_p[z]
+  double mean_logit = 0.0;     // E_p[z]
+  double sum_p_squared = 0.0;  // sum_v p_v^2 = S2 / S^2 (W = 8: S2 at [6]); 0 for an ignored token
 };
 
-VPCE_HD inline TokenPolicy token_policy(const float* st, int64_t token, const LossParams& p) {
+VPCE_HD inline TokenPolicy token_policy(const float* st, int64_t token, const LossParams& p,
+                                        bool with_squares = false) {
   TokenPolicy out;
   const auto max = static_cast<double>(st[0]);
   const auto sum_exp = static_cast<double>(st[1]);
@@ -375,6 +389,7 @@ VPCE_HD inline TokenPolicy token_policy(const float* st, int64_t token, const Lo
   out.log_prob = log_prob > 0.0 ? 0.0 : log_prob;
   const double entropy = log_sum - mean_offset;
   out.entropy = entropy < 0.0 ? 0.0 : entropy;
+  if (with_squares) out.sum_p_squared = static_cast<double>(st[6]) / (sum_exp * sum_exp);
   return out;
 }
 

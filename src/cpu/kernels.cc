@@ -76,14 +76,18 @@ TokenVector token_slice(const TokenVector& v, int64_t begin, int64_t count) {
 }
 
 void write_token_stats(const BlockStats& row, float target_logit, int64_t vocab_begin, const LossParams& params,
-                       bool with_extras, float* out) {
+                       int64_t width, float* out) {
   out[0] = row.max;
   out[1] = static_cast<float>(row.sum_exp);
   out[2] = target_logit;
   out[3] = params.with_sum_logits() ? logit_half_mean(row.sum_logits, row.columns) : 0.0f;
-  if (with_extras) {
+  if (width >= kStatsWidthWithExtras) {
     out[4] = int_as_float_bits(row.argmax < 0 ? int32_t{-1} : static_cast<int32_t>(row.argmax + vocab_begin));
     out[5] = static_cast<float>(row.weighted);
+  }
+  if (width == kStatsWidthWithSquares) {
+    out[6] = static_cast<float>(row.squares);
+    out[7] = 0.0f;
   }
 }
 
@@ -91,7 +95,7 @@ void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets, int
                         const LossParams& params, int num_threads, const RowMatrix& stats) {
   const int64_t valid = valid_columns(vocab_begin, logits.cols, params);
   const int64_t blocks = block_count(valid);
-  const bool with_extras = stats.cols == kStatsWidthWithExtras;
+  const bool with_extras = stats.cols >= kStatsWidthWithExtras;
   const StorageType type = storage_of(logits.dtype);
   const int element = logits.dtype.bytes();
   auto block = [&](int64_t i, int64_t b) {
@@ -106,7 +110,7 @@ void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets, int
     const bool owns_target = target_col >= 0 && target_col < valid;
     const float target_logit =
         owns_target ? transform_one(load_float(logits, i, target_col), logit_transform(params, i)) : kNegInf;
-    write_token_stats(row, target_logit, vocab_begin, params, with_extras, stats.row<float>(i));
+    write_token_stats(row, target_logit, vocab_begin, params, stats.cols, stats.row<float>(i));
   };
   if (split_blocks(logits.rows, blocks, thread_count(num_threads))) {
     BlockStats parts[kMaxSplitItems];
@@ -128,16 +132,15 @@ void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets, int
 
 void merge_stats_kernel(const float* gathered_base, int64_t rank_stride, int ranks, int64_t row_stride,
                         const int64_t* columns, int num_threads, const RowMatrix& stats) {
-  const bool with_extras = stats.cols == kStatsWidthWithExtras;
   const RankColumns rank_columns{columns};
   parallel_rows(stats.rows, num_threads, [&](int64_t i) {
-    merge_token(gathered_base + i * row_stride, rank_stride, ranks, with_extras, rank_columns, stats.row<float>(i));
+    merge_token(gathered_base + i * row_stride, rank_stride, ranks, stats.cols, rank_columns, stats.row<float>(i));
   });
 }
 
 void loss_kernel(const RowMatrix& stats, const TokenVector& targets, const TokenVector& weights,
                  const LossParams& params, int num_threads, const LossOutputs& out) {
-  const bool with_extras = stats.cols == kStatsWidthWithExtras;
+  const bool with_extras = stats.cols >= kStatsWidthWithExtras;
   // Token i's weighted loss; writes the per-token outputs other than the loss.
   auto token = [&](int64_t i) {
     const TokenLoss t = token_loss(stats.row<float>(i), target_at(targets, i),

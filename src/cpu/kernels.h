@@ -29,10 +29,10 @@ TokenVector token_slice(const TokenVector& v, int64_t begin, int64_t count);
 // argmax counted from the shard's first column) and its transformed target logit (-inf
 // when the shard does not hold the target).
 void write_token_stats(const BlockStats& row, float target_logit, int64_t vocab_begin, const LossParams& params,
-                       bool with_extras, float* out);
+                       int64_t width, float* out);
 
-// logits [N, Vr] (fp32/bf16/fp16), targets [N] -> stats [N, W] float32 (W = 4, or 6 with
-// the extras), over the global columns [vocab_begin, vocab_begin + Vr).
+// logits [N, Vr] (fp32/bf16/fp16), targets [N] -> stats [N, W] float32 (W = 4, 6 with the
+// extras, 8 with the squares too), over the global columns [vocab_begin, vocab_begin + Vr).
 void local_stats_kernel(const RowMatrix& logits, const TokenVector& targets, int64_t vocab_begin,
                         const LossParams& params, int num_threads, const RowMatrix& stats);
 

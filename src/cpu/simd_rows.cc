@@ -278,6 +278,7 @@ void fold_block(BlockStats& a, const BlockStats& b, int64_t offset) {
   const double scale_a = std::exp(shift_a), scale_b = std::exp(shift_b);
   // sum exp(z - M)(z - M) = e^shift (sum exp(z - m)(z - m) + shift sum exp(z - m))
   a.weighted = scale_a * (a.weighted + shift_a * a.sum_exp) + scale_b * (b.weighted + shift_b * b.sum_exp);
+  a.squares = scale_a * scale_a * a.squares + scale_b * scale_b * b.squares;
   a.sum_exp = a.sum_exp * scale_a + b.sum_exp * scale_b;
   if (b.max > a.max && b.argmax >= 0) a.argmax = b.argmax + offset;  // ties keep the earlier column
   a.max = max;

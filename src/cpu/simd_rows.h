@@ -33,13 +33,14 @@ struct BlockStats {
   double sum_exp = 0.0;     // sum exp(z - max)
   double sum_logits = 0.0;  // sum (z - logit_reference(max)) (when asked; token_math.h)
   double weighted = 0.0;    // sum exp(z - max) (z - max) (when asked)
+  double squares = 0.0;     // sum exp(2 (z - max)) (with `weighted`)
   int64_t columns = 0;      // the columns these statistics cover
 };
 
 // Folds block b (whose columns start `offset` after block a's) into a, in column order.
 void fold_block(BlockStats& a, const BlockStats& b, int64_t offset);
 
-// row: [cols] of `type` -> the block's statistics.
+// row: [cols] of `type` -> the block's statistics (with_weighted: also the squares).
 BlockStats block_stats(const void* row, StorageType type, int64_t cols, const TransformParams& t, bool with_sum_logits,
                        bool with_weighted);
 

@@ -219,6 +219,7 @@ void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_l
     const double nan = std::numeric_limits<double>::quiet_NaN();
     s.sum_exp = any_nan ? nan : 0.0;  // no mass, or a NaN that must reach the loss
     s.weighted = any_nan ? nan : 0.0;
+    s.squares = any_nan ? nan : 0.0;
     s.sum_logits = !with_sum_logits || cols == 0 ? 0.0 : any_nan ? nan : -std::numeric_limits<double>::infinity();
     *out = s;
     return;
@@ -235,7 +236,7 @@ void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_l
   const int64_t chunk = 64 * lanes;
   for (int64_t begin = 0; begin < padded; begin += chunk) {
     const int64_t end = std::min(padded, begin + chunk);
-    VF sum_exp = hn::Zero(d), sum_z = hn::Zero(d), weighted = hn::Zero(d);
+    VF sum_exp = hn::Zero(d), sum_z = hn::Zero(d), weighted = hn::Zero(d), squares = hn::Zero(d);
     for (int64_t v = begin; v < end; v += lanes) {
       // While this block is in cache, bring in the next one (the rest of the row, or the
       // next row): its first pass then overlaps this pass's exponentials.
@@ -250,16 +251,21 @@ void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_l
       }
       if (with_weighted) {
         weighted = hn::Add(weighted, hn::IfThenElseZero(hn::Gt(e, hn::Zero(d)), hn::Mul(e, offset)));
+        squares = hn::MulAdd(e, e, squares);
       }
     }
     s.sum_exp += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, sum_exp)));
     if (with_sum_logits) {
       s.sum_logits += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, sum_z))) / static_cast<double>(kLogitSumScale);
     }
-    if (with_weighted) s.weighted += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, weighted)));
+    if (with_weighted) {
+      s.weighted += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, weighted)));
+      s.squares += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, squares)));
+    }
   }
   s.sum_exp *= shift.correction;
   s.weighted *= shift.correction;
+  s.squares *= shift.correction * shift.correction;
   *out = s;
 }
 

@@ -85,10 +85,11 @@ struct Part {
   double sum_exp;
   double sum_logits;
   double weighted;  // sum exp(z - max)(z - max)
+  double squares;   // sum exp(2 (z - max)) (with the extras)
   int32_t argmax;   // smallest column holding max
 };
 
-__device__ __forceinline__ Part empty_part() { return Part{-INFINITY, 0.0, 0.0, 0.0, -1}; }
+__device__ __forceinline__ Part empty_part() { return Part{-INFINITY, 0.0, 0.0, 0.0, 0.0, -1}; }
 
 // No mass: every element -inf. (A NaN element leaves max at -inf but sum_exp NaN: that
 // part is not empty, and its NaN must reach the loss.)
@@ -111,6 +112,7 @@ __device__ __forceinline__ void combine(Part& a, const Part& b) {
   const double scale_a = exp(shift_a);
   const double scale_b = exp(shift_b);
   a.weighted = scale_a * (a.weighted + shift_a * a.sum_exp) + scale_b * (b.weighted + shift_b * b.sum_exp);
+  a.squares = scale_a * scale_a * a.squares + scale_b * scale_b * b.squares;
   a.sum_exp = a.sum_exp * scale_a + b.sum_exp * scale_b;
   a.sum_logits += b.sum_logits;
   int32_t argmax = a.max == max ? a.argmax : -1;
@@ -150,6 +152,7 @@ __device__ __forceinline__ void fold_element(Part& p, float z, int32_t v, bool s
       const double shift = static_cast<double>(p.max) - z;
       const double scale = exp(shift);
       p.weighted = scale * (p.weighted + shift * p.sum_exp);
+      p.squares = p.squares * scale * scale + 1.0;
       p.sum_exp = p.sum_exp * scale + 1.0;
     }
     p.max = z;
@@ -158,7 +161,10 @@ __device__ __forceinline__ void fold_element(Part& p, float z, int32_t v, bool s
     const float offset = z - p.max;
     const float e = expf(offset);
     p.sum_exp += e;
-    if (extras) p.weighted += static_cast<double>(e) * offset;
+    if (extras) {
+      p.weighted += static_cast<double>(e) * offset;
+      p.squares += static_cast<double>(e) * e;
+    }
     if (z == p.max && v < p.argmax) p.argmax = v;
   }
 }
@@ -169,6 +175,7 @@ __device__ inline Part shuffle_down(const Part& p, int offset) {
   q.sum_exp = __shfl_down_sync(0xffffffffu, p.sum_exp, offset);
   q.sum_logits = __shfl_down_sync(0xffffffffu, p.sum_logits, offset);
   q.weighted = __shfl_down_sync(0xffffffffu, p.weighted, offset);
+  q.squares = __shfl_down_sync(0xffffffffu, p.squares, offset);
   q.argmax = __shfl_down_sync(0xffffffffu, p.argmax, offset);
   return q;
 }

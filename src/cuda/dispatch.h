@@ -20,7 +20,7 @@ namespace vpce::detail {
 // E_p[z] of their backward.
 struct PolicyForwardOutputs {
   bool wanted = false;
-  TokenVector log_prob, entropy, lse, mean_logit;
+  TokenVector log_prob, entropy, lse, mean_logit, sum_p_squared;
 };
 struct PolicyBackwardInputs {
   bool wanted = false;

@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kThreads)
   const T* row = logits + i * ld;
   const Transform t = transform_of(params, i);
   const bool sum_logits = params.with_sum_logits();
-  const bool extras = width == 6;
+  const bool extras = width >= kStatsWidthWithExtras;
   Part p = empty_part();
   if constexpr (kPlain) {
     p = fold_row_plain(row, valid);
@@ -81,6 +81,10 @@ __global__ void __launch_bounds__(kThreads)
     out[4] = int_as_float_bits(p.argmax < 0 ? -1 : static_cast<int32_t>(p.argmax + vocab_begin));
     out[5] = static_cast<float>(p.weighted);
   }
+  if (width == kStatsWidthWithSquares) {
+    out[6] = static_cast<float>(p.squares);
+    out[7] = 0.0f;
+  }
 }
 
 // Rank r's valid columns, from its header (just before its stats in the gathered payloads),
@@ -104,7 +108,7 @@ __global__ void merge_kernel(const float* gathered, int64_t rank_stride, int ran
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= rows) return;
   const HeaderColumns columns{gathered, rank_stride, params};
-  merge_token(gathered + i * width, rank_stride, ranks, width == 6, columns, merged + i * width);
+  merge_token(gathered + i * width, rank_stride, ranks, width, columns, merged + i * width);
 }
 
 // merged [rows, width] -> loss (per token, or per-token terms into `terms` for a
@@ -114,8 +118,8 @@ __global__ void loss_kernel(const float* merged, int64_t rows, int64_t width, To
                             int64_t argmax_stride, float* entropy, int64_t entropy_stride, const DeviceError* error) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= rows) return;
-  TokenLoss t =
-      token_loss(merged + i * width, tokens.target(i), static_cast<double>(tokens.weight(i)), params, width == 6);
+  TokenLoss t = token_loss(merged + i * width, tokens.target(i), static_cast<double>(tokens.weight(i)), params,
+                           width >= kStatsWidthWithExtras);
   if (error->code != 0) {
     t.weighted_loss = NAN;
     t.lse = NAN;
@@ -135,13 +139,15 @@ __global__ void loss_kernel(const float* merged, int64_t rows, int64_t width, To
 // merged [rows, 6] -> the RL outputs (each optional). NaN when the device found an error.
 __global__ void policy_kernel(const float* merged, int64_t rows, int64_t width, TokenInputs tokens, LossParams params,
                               float* log_prob, int64_t log_prob_stride, float* entropy, int64_t entropy_stride,
-                              LseTokens lse, LseTokens mean_logit, const DeviceError* error) {
+                              float* squares, int64_t squares_stride, LseTokens lse, LseTokens mean_logit,
+                              const DeviceError* error) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= rows) return;
-  TokenPolicy t = token_policy(merged + i * width, tokens.target(i), params);
-  if (error->code != 0) t = TokenPolicy{NAN, NAN, NAN, NAN};
+  TokenPolicy t = token_policy(merged + i * width, tokens.target(i), params, width == kStatsWidthWithSquares);
+  if (error->code != 0) t = TokenPolicy{NAN, NAN, NAN, NAN, NAN};
   if (log_prob != nullptr) log_prob[i * log_prob_stride] = static_cast<float>(t.log_prob);
   if (entropy != nullptr) entropy[i * entropy_stride] = static_cast<float>(t.entropy);
+  if (squares != nullptr) squares[i * squares_stride] = static_cast<float>(t.sum_p_squared);
   if (lse.base != nullptr) lse.set(i, t.lse);
   if (mean_logit.base != nullptr) mean_logit.set(i, t.mean_logit);
 }
@@ -357,7 +363,8 @@ Status merge_and_policy(const float* gathered, int64_t rank_stride, int ranks, i
   if (Status s = launched("merge"); !s.ok()) return s;
   policy_kernel<<<grid_for(rows, kTokens), kTokens, 0, stream>>>(
       merged, rows, width, token_inputs(targets, TokenVector{}), params, reinterpret_cast<float*>(out.log_prob.base),
-      out.log_prob.stride, reinterpret_cast<float*>(out.entropy.base), out.entropy.stride, lse_tokens(out.lse),
+      out.log_prob.stride, reinterpret_cast<float*>(out.entropy.base), out.entropy.stride,
+      reinterpret_cast<float*>(out.sum_p_squared.base), out.sum_p_squared.stride, lse_tokens(out.lse),
       lse_tokens(out.mean_logit), error);
   return launched("RL outputs");
 }

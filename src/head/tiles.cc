@@ -135,7 +135,7 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
   const int64_t vr = args.vocab_rows();
   const int64_t nb = args.tiles.token_block, vb = args.tiles.vocab_block;
   const int64_t token_blocks = blocks_of(rows, nb);
-  const bool with_extras = stats.cols == kStatsWidthWithExtras;
+  const bool with_extras = stats.cols >= kStatsWidthWithExtras;
   const bool with_sum_logits = ctx.params.with_sum_logits();
   const int threads = std::max(1, std::min<int>(thread_count(ctx.num_threads), static_cast<int>(token_blocks)));
   std::vector<BlockStats> folded(static_cast<std::size_t>(rows));
@@ -206,7 +206,7 @@ void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepConte
   }
   parallel_rows(rows, ctx.num_threads, [&](int64_t r) {
     write_token_stats(folded[static_cast<std::size_t>(r)], target_logit[static_cast<std::size_t>(r)], ctx.vocab_begin,
-                      ctx.params, with_extras, stats.row<float>(r));
+                      ctx.params, stats.cols, stats.row<float>(r));
   });
 }
 

@@ -148,6 +148,7 @@ PolicyResult policy(const std::vector<double>& logits, int64_t n, int64_t v, con
   PolicyResult out;
   out.log_prob.assign(static_cast<size_t>(n), 0.0);
   out.entropy.assign(static_cast<size_t>(n), 0.0);
+  out.sum_p_squared.assign(static_cast<size_t>(n), 0.0);
   out.grad.assign(static_cast<size_t>(n * v), 0.0);
   for (int64_t i = 0; i < n; ++i) {
     const auto row = static_cast<size_t>(i);
@@ -162,6 +163,7 @@ PolicyResult policy(const std::vector<double>& logits, int64_t n, int64_t v, con
       log_p[j] = z[j] - lse;
       const double p = std::exp(log_p[j]);
       if (p != 0.0 || std::isnan(p)) entropy -= p * log_p[j];
+      out.sum_p_squared[row] += p * p;
     }
     out.log_prob[row] = log_p[static_cast<size_t>(tokens[row])];
     out.entropy[row] = entropy;

@@ -59,9 +59,10 @@ Result cross_entropy(const std::vector<double>& logits, int64_t n, int64_t v, co
 // options.ignore_index give 0 and a zero gradient. temperatures: [n], or empty for ones;
 // grad_log_prob, grad_entropy: [n], or empty for zeros.
 struct PolicyResult {
-  std::vector<double> log_prob;  // [n]
-  std::vector<double> entropy;   // [n]
-  std::vector<double> grad;      // [n, v]
+  std::vector<double> log_prob;       // [n]
+  std::vector<double> entropy;        // [n]
+  std::vector<double> sum_p_squared;  // [n]: sum_v p_v^2 (0 for an ignored token)
+  std::vector<double> grad;           // [n, v]
 };
 PolicyResult policy(const std::vector<double>& logits, int64_t n, int64_t v, const std::vector<int64_t>& tokens,
                     const std::vector<double>& temperatures, const std::vector<double>& grad_log_prob,

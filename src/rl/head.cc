@@ -76,7 +76,7 @@ Status linear_forward(Communicator& comm, const HeadInputs& inputs, const Tensor
   Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
   engine::ExchangeCall call;
   call.tokens = n;
-  call.width = kStatsWidthWithExtras;
+  call.width = detail::stats_width(outputs);
   call.shard = shard;
   call.dtype = inputs.hidden.dtype;
   call.options = detail::loss_options(options);

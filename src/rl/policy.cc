@@ -72,20 +72,22 @@ Status check_outputs(const Outputs& outputs, int64_t n, Device device, const std
                      PolicyOutputs* out) {
   const std::pair<const TensorView*, const char*> views[] = {{outputs.log_prob, "log_prob"},
                                                              {outputs.entropy, "entropy"},
+                                                             {outputs.sum_p_squared, "sum_p_squared"},
                                                              {outputs.lse, "lse"},
                                                              {outputs.mean_logit, "mean_logit"}};
-  TokenVector* vectors[] = {&out->log_prob, &out->entropy, &out->lse, &out->mean_logit};
-  for (int k = 0; k < 4; ++k) {
+  TokenVector* vectors[] = {&out->log_prob, &out->entropy, &out->sum_p_squared, &out->lse, &out->mean_logit};
+  for (int k = 0; k < 5; ++k) {
     const auto& [view, name] = views[k];
     if (view == nullptr) continue;
     if (Status s = engine::check_device(*view, name, device); !s.ok()) return s;
     Status s =
-        k < 2 ? engine::as_float_tokens(*view, name, n, vectors[k]) : engine::as_lse_tokens(*view, name, n, vectors[k]);
+        k < 3 ? engine::as_float_tokens(*view, name, n, vectors[k]) : engine::as_lse_tokens(*view, name, n, vectors[k]);
     if (!s.ok()) return s;
   }
   return engine::check_no_overlap(
       {engine::region_of("log_prob", out->log_prob), engine::region_of("entropy", out->entropy),
-       engine::region_of("lse", out->lse), engine::region_of("mean_logit", out->mean_logit)},
+       engine::region_of("sum_p_squared", out->sum_p_squared), engine::region_of("lse", out->lse),
+       engine::region_of("mean_logit", out->mean_logit)},
       inputs);
 }
 
@@ -101,9 +103,11 @@ vpce::detail::OperationBlock policy_operation(const Options& options, bool per_t
 void policy_kernel(const RowMatrix& stats, const TokenVector& targets, const engine::LossParams& params,
                    int num_threads, const PolicyOutputs& out) {
   engine::parallel_rows(stats.rows, num_threads, [&](int64_t i) {
-    const engine::TokenPolicy t = engine::token_policy(stats.row<float>(i), engine::target_at(targets, i), params);
+    const engine::TokenPolicy t = engine::token_policy(stats.row<float>(i), engine::target_at(targets, i), params,
+                                                       stats.cols == engine::kStatsWidthWithSquares);
     if (engine::present(out.log_prob)) out.log_prob.at<float>(i) = static_cast<float>(t.log_prob);
     if (engine::present(out.entropy)) out.entropy.at<float>(i) = static_cast<float>(t.entropy);
+    if (engine::present(out.sum_p_squared)) out.sum_p_squared.at<float>(i) = static_cast<float>(t.sum_p_squared);
     if (engine::present(out.lse)) engine::lse_tokens(out.lse).set(i, t.lse);
     if (engine::present(out.mean_logit)) engine::lse_tokens(out.mean_logit).set(i, t.mean_logit);
   });

@@ -32,11 +32,18 @@ Status check_temperatures(const Options& options, const TensorView* temperatures
 vpce::detail::LossParams policy_params(const Options& options, const VocabShard& shard,
                                        const TokenVector& temperatures);
 
-// The outputs wanted, validated: float32 log_prob and entropy, float64/32 lse and mean_logit,
+// The outputs wanted, validated: float32 log_prob, entropy and sum_p_squared, float64/32 lse and mean_logit,
 // one per token each, on `device`, overlapping neither each other nor `inputs`.
 struct PolicyOutputs {
-  TokenVector log_prob, entropy, lse, mean_logit;
+  TokenVector log_prob, entropy, lse, mean_logit, sum_p_squared;
 };
+
+// The statistics' width the outputs ask for (from the arguments alone, so that a rank whose
+// outputs are bad still gathers what the others do): the extras, and the squares for
+// sum_p_squared.
+inline int64_t stats_width(const Outputs& outputs) {
+  return outputs.sum_p_squared != nullptr ? vpce::detail::kStatsWidthWithSquares : kStatsWidthWithExtras;
+}
 Status check_outputs(const Outputs& outputs, int64_t n, Device device, const std::vector<NamedRegion>& inputs,
                      PolicyOutputs* out);
 
@@ -46,7 +53,7 @@ Status check_outputs(const Outputs& outputs, int64_t n, Device device, const std
 vpce::detail::OperationBlock policy_operation(const Options& options, bool per_token, const char* mode,
                                               int64_t hidden_size = 0, bool round_logits = false);
 
-// merged stats [N, 6] -> each wanted output, per token.
+// merged stats [N, 6] (or [N, 8] with the squares) -> each wanted output, per token.
 void policy_kernel(const RowMatrix& stats, const TokenVector& targets, const vpce::detail::LossParams& params,
                    int num_threads, const PolicyOutputs& out);
 

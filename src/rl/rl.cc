@@ -70,13 +70,15 @@ Status device_forward(Communicator& comm, const LossInputs& in, const detail::Po
                                    {outputs.log_prob, "log_prob"},
                                    {outputs.entropy, "entropy"},
                                    {outputs.lse, "lse"},
-                                   {outputs.mean_logit, "mean_logit"}});
+                                   {outputs.mean_logit, "mean_logit"},
+                                   {outputs.sum_p_squared, "sum_p_squared"}});
   }
   Workspace own;  // only when the caller gave none: that is this rank's error, but it still joins
   Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
   const LossOptions loss = detail::loss_options(options);
+  const int64_t width = detail::stats_width(outputs);
   engine::RankHeader header =
-      engine::make_header(comm.rank(), comm.size(), n, kStatsWidthWithExtras, shard, logits.dtype, loss, false, 0,
+      engine::make_header(comm.rank(), comm.size(), n, width, shard, logits.dtype, loss, false, 0,
                           detail::policy_operation(options, temperatures != nullptr, "forward"), local);
   if (header.status == 0) {  // the message the device reports if it finds a bad value
     std::snprintf(header.message, sizeof(header.message),
@@ -88,14 +90,14 @@ Status device_forward(Communicator& comm, const LossInputs& in, const detail::Po
                                  engine::LossOutputs{},
                                  header,
                                  local,
-                                 engine::payload_bytes(n, kStatsWidthWithExtras),
+                                 engine::payload_bytes(n, width),
                                  n,
-                                 kStatsWidthWithExtras,
+                                 width,
                                  shard.vocab_begin,
                                  params,
                                  loss,
                                  logits.device.id,
-                                 {true, out.log_prob, out.entropy, out.lse, out.mean_logit}};
+                                 {true, out.log_prob, out.entropy, out.lse, out.mean_logit, out.sum_p_squared}};
   return engine::device_forward(comm, args, &buffers->device);
 }
 
@@ -120,7 +122,7 @@ Status forward(Communicator& comm, const TensorView& logits, const TensorView& t
   Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
   engine::ExchangeCall call;
   call.tokens = n;
-  call.width = kStatsWidthWithExtras;
+  call.width = detail::stats_width(outputs);
   call.shard = shard;
   call.dtype = logits.dtype;
   call.options = detail::loss_options(options);

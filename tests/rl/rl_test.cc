@@ -28,10 +28,11 @@ struct PolicyConfig {
   DataType grad_dtype = kFloat32;
   bool grad_log_prob = true;
   bool grad_entropy = true;
+  bool sum_p_squared = true;  // ask for it (the gather's width 8) or not (6)
 };
 
 struct PolicyRankOutputs {
-  std::vector<float> log_prob, entropy;
+  std::vector<float> log_prob, entropy, sum_p_squared;
   std::vector<double> lse, mean_logit;
   int forward_gathers = 0, backward_gathers = 0;
 };
@@ -69,6 +70,7 @@ PolicyRun run_policy(Problem& problem, const std::vector<VocabShard>& shards, co
     PolicyRankOutputs& mine = result.per_rank[static_cast<std::size_t>(r)];
     mine.log_prob.assign(static_cast<std::size_t>(n), std::nanf(""));
     mine.entropy.assign(static_cast<std::size_t>(n), std::nanf(""));
+    mine.sum_p_squared.assign(static_cast<std::size_t>(n), std::nanf(""));
     mine.lse.assign(static_cast<std::size_t>(n), std::nan(""));
     mine.mean_logit.assign(static_cast<std::size_t>(n), std::nan(""));
     rl::Options options = config.options;
@@ -81,7 +83,9 @@ PolicyRun run_policy(Problem& problem, const std::vector<VocabShard>& shards, co
     const TensorView entropy = TensorView::contiguous(mine.entropy.data(), kFloat32, {n});
     const TensorView lse = TensorView::contiguous(mine.lse.data(), kFloat64, {n});
     const TensorView mean = TensorView::contiguous(mine.mean_logit.data(), kFloat64, {n});
-    if (Status s = rl::forward(comm, x, y, shard, options, {&log_prob, &entropy, &lse, &mean}, temperatures); !s.ok()) {
+    const TensorView squares = TensorView::contiguous(mine.sum_p_squared.data(), kFloat32, {n});
+    const rl::Outputs outputs{&log_prob, &entropy, &lse, &mean, config.sum_p_squared ? &squares : nullptr};
+    if (Status s = rl::forward(comm, x, y, shard, options, outputs, temperatures); !s.ok()) {
       return s;
     }
     mine.forward_gathers = comm.calls;
@@ -131,6 +135,10 @@ void expect_matches(const PolicyRun& run, const reference::PolicyResult& want, d
     const double lp = want.log_prob[i], h = want.entropy[i];
     EXPECT_NEAR(first.log_prob[i], lp, 1e-6 * std::max(1.0, std::fabs(lp))) << label << " token " << i;
     EXPECT_NEAR(first.entropy[i], h, 1e-6 * std::max(1.0, std::fabs(h))) << label << " token " << i;
+    if (!std::isnan(first.sum_p_squared[i])) {  // (asked for)
+      const double sq = want.sum_p_squared[i];
+      EXPECT_NEAR(first.sum_p_squared[i], sq, 1e-6 * sq) << label << " token " << i;
+    }
     EXPECT_LE(first.log_prob[i], 0.0f) << label;
     EXPECT_GE(first.entropy[i], 0.0f) << label;
     for (std::size_t r = 1; r < run.per_rank.size(); ++r) {
@@ -197,6 +205,7 @@ TEST(RlOutputs, MatchTheOracleForEveryDtypeAndUpstream) {
       config.grad_dtype = mode == 1 ? kBFloat16 : mode == 2 ? kFloat16 : kFloat32;
       config.grad_log_prob = mode != 4;
       config.grad_entropy = mode != 5;
+      config.sum_p_squared = mode % 2 == 0;
       const reference::PolicyResult want = policy_oracle(p, config);
       const DataType out = config.in_place ? in : config.grad_dtype;
       // The gradient's own rounding: 2^-9 of the largest element for bf16, 2^-12 for fp16.

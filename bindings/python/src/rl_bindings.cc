@@ -13,11 +13,16 @@ namespace {
 
 // The forward's optional outputs, as the rl::Outputs that points into them.
 struct PolicyOutputs {
-  PolicyOutputs(nb::handle log_prob, nb::handle entropy, nb::handle lse, nb::handle mean_logit)
-      : lp(log_prob, "log_prob"), h(entropy, "entropy"), e(lse, "lse"), mean(mean_logit, "mean_logit") {
-    views = {lp.get(), h.get(), e.get(), mean.get()};
+  PolicyOutputs(nb::handle log_prob, nb::handle entropy, nb::handle lse, nb::handle mean_logit,
+                nb::handle sum_p_squared)
+      : lp(log_prob, "log_prob"),
+        h(entropy, "entropy"),
+        e(lse, "lse"),
+        mean(mean_logit, "mean_logit"),
+        squares(sum_p_squared, "sum_p_squared") {
+    views = {lp.get(), h.get(), e.get(), mean.get(), squares.get()};
   }
-  OptionalOutput lp, h, e, mean;
+  OptionalOutput lp, h, e, mean, squares;
   vpce::rl::Outputs views;
 };
 
@@ -45,11 +50,12 @@ void bind_rl(nb::module_& m) {
       "rl_forward",
       [](nb::handle logits, nb::handle targets, int64_t vocab_begin, int64_t vocab_end, int64_t vocab_size,
          const vpce::rl::Options& options, nb::handle log_prob, nb::handle entropy, nb::handle lse,
-         nb::handle mean_logit, nb::handle temperatures, int rank, int size, nb::object all_gather) {
+         nb::handle mean_logit, nb::handle temperatures, int rank, int size, nb::object all_gather,
+         nb::handle sum_p_squared) {
         require_all_gather(size, all_gather);
         const Input x(logits, "logits");
         const Input y(targets, "targets");
-        const PolicyOutputs out(log_prob, entropy, lse, mean_logit);
+        const PolicyOutputs out(log_prob, entropy, lse, mean_logit, sum_p_squared);
         const OptionalInput t(temperatures, "temperatures");
         collective(rank, size, std::move(all_gather), [&](vpce::Communicator& comm) {
           return vpce::rl::forward(comm, x, y, shard_of(vocab_begin, vocab_end, vocab_size), options, out.views,
@@ -60,9 +66,9 @@ void bind_rl(nb::module_& m) {
       nb::arg("vocab_size"), nb::arg("options"), nb::arg("log_prob").none() = nb::none(),
       nb::arg("entropy").none() = nb::none(), nb::arg("lse").none() = nb::none(),
       nb::arg("mean_logit").none() = nb::none(), nb::arg("temperatures").none() = nb::none(), nb::arg("rank") = 0,
-      nb::arg("size") = 1, nb::arg("all_gather") = nb::none(),
+      nb::arg("size") = 1, nb::arg("all_gather") = nb::none(), nb::arg("sum_p_squared").none() = nb::none(),
       "RL outputs' forward: local statistics, one all_gather(send, recv) through the callable, merge, then "
-      "log_prob, entropy and, for the backward, lse and mean_logit (each optional).");
+      "log_prob, entropy, sum_p_squared and, for the backward, lse and mean_logit (each optional).");
 
   m.def(
       "rl_backward",
@@ -92,11 +98,11 @@ void bind_rl(nb::module_& m) {
       [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle targets, int64_t vocab_begin,
          int64_t vocab_end, int64_t vocab_size, const vpce::rl::Options& options, const vpce::HeadOptions& head_options,
          nb::handle log_prob, nb::handle entropy, nb::handle lse, nb::handle mean_logit, nb::handle temperatures,
-         int rank, int size, nb::object all_gather) {
+         int rank, int size, nb::object all_gather, nb::handle sum_p_squared) {
         require_all_gather(size, all_gather);
         const Head operands(hidden, weight, bias);
         const Input y(targets, "targets");
-        const PolicyOutputs out(log_prob, entropy, lse, mean_logit);
+        const PolicyOutputs out(log_prob, entropy, lse, mean_logit, sum_p_squared);
         const OptionalInput t(temperatures, "temperatures");
         collective(rank, size, std::move(all_gather), [&](vpce::Communicator& comm) {
           return vpce::rl::linear_forward(comm, operands.inputs, y, shard_of(vocab_begin, vocab_end, vocab_size),
@@ -108,7 +114,7 @@ void bind_rl(nb::module_& m) {
       nb::arg("log_prob").none() = nb::none(), nb::arg("entropy").none() = nb::none(),
       nb::arg("lse").none() = nb::none(), nb::arg("mean_logit").none() = nb::none(),
       nb::arg("temperatures").none() = nb::none(), nb::arg("rank") = 0, nb::arg("size") = 1,
-      nb::arg("all_gather") = nb::none(),
+      nb::arg("all_gather") = nb::none(), nb::arg("sum_p_squared").none() = nb::none(),
       "RL outputs in the fused head (recompute mode): those of hidden @ weight.T + bias without the logits; one "
       "all_gather(send, recv) through the callable. bias may be None.");
 

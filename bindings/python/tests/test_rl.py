@@ -180,6 +180,17 @@ def test_head_compiles_without_a_graph_break():
     assert torch.equal(got[0], hidden.grad) and torch.equal(got[1], weight.grad)
 
 
+def test_sum_pi_squared_matches_float64():
+    generator = torch.Generator().manual_seed(8)
+    logits = torch.randn(5, 7, 300, generator=generator) * 2
+    temperature = torch.tensor([0.5, 1.0, 1.7, 1.0, 0.8]).unsqueeze(1).expand(5, 7)
+    got = vt.sum_pi_squared(logits, temperature=temperature)
+    assert got.shape == (5, 7) and got.dtype == torch.float32 and not got.requires_grad
+    p = torch.softmax(logits.double() / temperature.double().unsqueeze(-1), -1)
+    want = (p * p).sum(-1)
+    assert (got.double() - want).abs().max() <= 1e-6 * want.abs().max()
+
+
 def test_nemo_rl_drop_in_matches_float64():
     generator = torch.Generator().manual_seed(4)
     logits = torch.randn(2, 9, 400, generator=generator, requires_grad=True)
@@ -270,6 +281,8 @@ def verl_worker(rank, size, init_file):
     mine = logits[:, rank * local:(rank + 1) * local]
     g = upstream((64,), 7)
     results = []
+    squares = [module.vocab_parallel_sum_pi_squared(mine.clone()) for module in (verl, vverl)]
+    assert (squares[0] - squares[1]).abs().max() <= 1e-5 * squares[0].abs().max()
     for module, name in ((verl, "verl"), (vverl, "vpce")):
         x = mine.clone().requires_grad_(True)
         log_prob = module.vocab_parallel_log_probs_from_logits(x, target)

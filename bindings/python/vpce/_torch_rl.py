@@ -227,3 +227,33 @@ def log_probs_and_entropy(logits, target, temperature=1.0, tp_group=None, inplac
                                                              _group_key(tp_group), _encode_options(options))
         return log_prob, entropy
     return _VpceLogProbs.apply(logits, target, temperature, tp_group, inplace_backward, options)
+
+
+def _eager(function):
+    """Runs outside torch.compile's graphs (a graph break) where PyTorch can say so."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(function) if disable is not None else function
+
+
+@_eager
+def sum_pi_squared(logits, temperature=1.0, tp_group=None, **options):
+    """sum_v p_v^2 of softmax(transform(logits) / T) per row, float32 of the logits' leading
+    shape, over the whole vocabulary (verl's vocab_parallel_sum_pi_squared, for its
+    optimal-baseline estimators): one all-gather on tp_group, no gradient (a detached
+    tensor; eager, a graph break under torch.compile). temperature and options as
+    log_probs_and_entropy's."""
+    with torch.no_grad():
+        tokens = torch.zeros(logits.shape[:-1], dtype=torch.int64, device=logits.device)
+
+        def body(collective, rank, size):
+            _check_logits(logits)
+            scalar, t = _as_temperatures(temperature, logits, tokens)
+            opts = _rl_options(scalar, options)
+            x = _as_rows(logits)
+            local = x.shape[-1]
+            squares = torch.empty(tokens.shape, dtype=torch.float32, device=x.device)
+            _vpce.rl_forward(x, tokens, rank * local, (rank + 1) * local, size * local, opts, None, None, None, None,
+                             t, rank=rank, size=size, all_gather=collective, sum_p_squared=squares)
+            return squares
+
+        return _with_group(tp_group, logits, body)

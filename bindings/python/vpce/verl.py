@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from ._torch_rl import log_probs_and_entropy
+from ._torch_rl import log_probs_and_entropy, sum_pi_squared
 
-__all__ = ["vocab_parallel_entropy", "vocab_parallel_log_probs_from_logits"]
+__all__ = ["vocab_parallel_entropy", "vocab_parallel_log_probs_from_logits", "vocab_parallel_sum_pi_squared"]
 
 
 def vocab_parallel_log_probs_from_logits(logits, labels):
@@ -30,3 +30,10 @@ def vocab_parallel_entropy(vocab_parallel_logits):
     tokens = torch.zeros(vocab_parallel_logits.shape[:-1], dtype=torch.int64, device=vocab_parallel_logits.device)
     _, entropy = log_probs_and_entropy(vocab_parallel_logits, tokens)
     return entropy
+
+
+def vocab_parallel_sum_pi_squared(vocab_parallel_logits):
+    """sum_v p_v^2 of each row: float32 of the logits' leading shape (verl's
+    vocab_parallel_sum_pi_squared: one all-gather where it makes three all-reduces). Not
+    differentiated (vpce returns it detached)."""
+    return sum_pi_squared(vocab_parallel_logits)
