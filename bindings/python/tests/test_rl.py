@@ -259,6 +259,37 @@ def test_ranks_match_float64_with_one_gather(size):
     spawn(rl_worker, size)
 
 
+def sequence_parallel_worker(rank, size, init_file):
+    """The head with sequence_parallel=True (each rank its slice of the sequence, dim 0) against
+    the same call on the whole sequence: the same outputs, hidden's gradient the slice of the
+    whole one (the gather in the forward, the reduce-scatter in the backward)."""
+    group = init_group(rank, size, init_file)
+    generator = torch.Generator().manual_seed(31)
+    hidden = torch.randn(6, 3, 16, generator=generator)
+    weight = torch.randn(200, 16, generator=generator) / 4 * 3
+    target = torch.randint(0, 200, (6, 3), generator=generator)
+    temperature = torch.full((6, 3), 0.9)
+    g_lp, g_h = upstream((6, 3), 14), upstream((6, 3), 15)
+    w_local = weight[rank * 100:(rank + 1) * 100]
+    results = []
+    for sequence_parallel in (False, True):
+        h = (hidden[rank * 3:(rank + 1) * 3] if sequence_parallel else hidden).clone().requires_grad_(True)
+        w = w_local.clone().requires_grad_(True)
+        lp, ent = vt.linear_log_probs_and_entropy(h, w, target, temperature, tp_group=group,
+                                                  sequence_parallel=sequence_parallel)
+        (lp * g_lp + ent * g_h).sum().backward()
+        results.append((lp.detach(), ent.detach(), h.grad, w.grad))
+    (lp_a, ent_a, dh_a, dw_a), (lp_b, ent_b, dh_b, dw_b) = results
+    assert torch.allclose(lp_a, lp_b, rtol=0, atol=1e-6) and torch.allclose(ent_a, ent_b, rtol=0, atol=1e-6)
+    assert torch.allclose(dh_b, dh_a[rank * 3:(rank + 1) * 3], rtol=0, atol=1e-6)
+    assert torch.allclose(dw_a, dw_b, rtol=0, atol=1e-6)
+    dist.destroy_process_group()
+
+
+def test_head_with_sequence_parallelism():
+    spawn(sequence_parallel_worker, 2)
+
+
 def load_verl():
     """verl 0.9.1's tensor_parallel module, loaded by its path (its package imports ray)."""
     spec = importlib.util.find_spec("verl")
