@@ -212,7 +212,7 @@ Status check_group(const char* gathered, std::size_t stride, int ranks, int self
       return disagree(o.what, 0, text(o.mine), r, text(o.theirs));
     }
     if (h.inputs_hash != first.inputs_hash) {
-      return disagree("the targets or weights", 0, "values", r, "other values (their hashes differ)");
+      return disagree("the targets, weights or temperatures", 0, "values", r, "other values (their hashes differ)");
     }
   }
   return check_partition(headers);

@@ -157,7 +157,7 @@ TEST(Group, DifferentTargets) {
   expect_all_fail(run_group([](int r, RankArgs& a) {
                     if (r == 2) a.targets[1] = 8;
                   }),
-                  {"ranks disagree on the targets or weights"});
+                  {"ranks disagree on the targets, weights or temperatures"});
 }
 
 // Targets {0, 0} on one rank and {1, D} on the other, D (the ignore_index) chosen so that the
@@ -180,7 +180,7 @@ TEST(Group, TargetsMadeToCollideUnderTheOldHashAreTold) {
                    options, TensorView::contiguous(&loss[static_cast<std::size_t>(r)], kFloat32, {1}),
                    TensorView::contiguous(lse.data() + 2 * r, kFloat32, {2}));
   });
-  expect_all_fail(results, {"ranks disagree on the targets or weights"});
+  expect_all_fail(results, {"ranks disagree on the targets, weights or temperatures"});
   EXPECT_EQ(loss, (std::vector<float>{-7.0f, -7.0f}));
 }
 

@@ -410,6 +410,28 @@ TEST(RlOutputs, BadArgumentsAreNamed) {
     EXPECT_FALSE(st.ok());
     EXPECT_NE(st.message().find("options.temperature"), std::string::npos) << st.message();
   }
+
+  // Per-token temperatures: a bad one on rank 1 only, then ranks given different values: every
+  // rank fails alike, naming them.
+  for (int variant = 0; variant < 2; ++variant) {
+    const std::vector<Status> both = group->run([&](Communicator& c) {
+      const VocabShard half{c.rank() * 50, c.rank() * 50 + 50, 100};
+      std::vector<float> mine = {1.0f, 0.5f, 1.5f, 1.0f};
+      if (c.rank() == 1) mine[2] = variant == 0 ? -1.0f : 1.25f;
+      const TensorView t = TensorView::contiguous(mine.data(), kFloat32, {4});
+      std::vector<float> out(4);
+      std::vector<double> l(4);
+      const TensorView o1 = TensorView::contiguous(out.data(), kFloat32, {4});
+      const TensorView o2 = TensorView::contiguous(l.data(), kFloat64, {4});
+      return rl::forward(c, p.shard_view(half), y, half, rl::Options{}, {&o1, nullptr, &o2, nullptr}, &t);
+    });
+    const char* want = variant == 0 ? "temperatures: expected finite values > 0, got -1 at token 2"
+                                    : "ranks disagree on the targets, weights or temperatures";
+    for (const Status& st : both) {
+      EXPECT_FALSE(st.ok());
+      EXPECT_NE(st.message().find(want), std::string::npos) << st.message();
+    }
+  }
 }
 
 }  // namespace
