@@ -74,15 +74,10 @@ Status linear_forward(Communicator& comm, const HeadInputs& inputs, const Tensor
   }
   Workspace own;
   Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
-  engine::ExchangeCall call;
-  call.tokens = n;
-  call.width = detail::stats_width(outputs);
-  call.shard = shard;
-  call.dtype = inputs.hidden.dtype;
-  call.options = detail::loss_options(options);
-  call.inputs_hash = a.inputs_hash;
-  call.operation = detail::policy_operation(options, temperatures != nullptr, "fused head, recompute (linear_forward)",
-                                            a.hidden_size(), a.round_logits);
+  const engine::ExchangeCall call = detail::policy_exchange_call(
+      n, shard, inputs.hidden.dtype, options, outputs, a.inputs_hash,
+      detail::policy_operation(options, temperatures != nullptr, "fused head, recompute (linear_forward)",
+                               a.hidden_size(), a.round_logits));
   RowMatrix merged;
   Status group = engine::exchange_stats(
       comm, *buffers, call, local,

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../common/token_math.h"
+#include "../exchange.h"
 #include "../protocol.h"
 #include "../validate.h"
 #include "vpce/rl.h"
@@ -52,6 +53,23 @@ Status check_outputs(const Outputs& outputs, int64_t n, Device device, const std
 // head its hidden size and round_logits.
 vpce::detail::OperationBlock policy_operation(const Options& options, bool per_token, const char* mode,
                                               int64_t hidden_size = 0, bool round_logits = false);
+
+// The forward's one gather of n tokens' statistics: the width the outputs ask for, the
+// options as the loss's, the inputs' hash, the operation block `operation`.
+inline vpce::detail::ExchangeCall policy_exchange_call(int64_t n, const VocabShard& shard, DataType dtype,
+                                                       const Options& options, const Outputs& outputs,
+                                                       uint64_t inputs_hash,
+                                                       const vpce::detail::OperationBlock& operation) {
+  vpce::detail::ExchangeCall call;
+  call.tokens = n;
+  call.width = stats_width(outputs);
+  call.shard = shard;
+  call.dtype = dtype;
+  call.options = loss_options(options);
+  call.inputs_hash = inputs_hash;
+  call.operation = operation;
+  return call;
+}
 
 // merged stats [N, 6] (or [N, 8] with the squares) -> each wanted output, per token.
 void policy_kernel(const RowMatrix& stats, const TokenVector& targets, const vpce::detail::LossParams& params,

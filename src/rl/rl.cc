@@ -120,14 +120,9 @@ Status forward(Communicator& comm, const TensorView& logits, const TensorView& t
 
   Workspace own;
   Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
-  engine::ExchangeCall call;
-  call.tokens = n;
-  call.width = detail::stats_width(outputs);
-  call.shard = shard;
-  call.dtype = logits.dtype;
-  call.options = detail::loss_options(options);
-  call.inputs_hash = in.inputs_hash;
-  call.operation = detail::policy_operation(options, temperatures != nullptr, "forward");
+  const engine::ExchangeCall call =
+      detail::policy_exchange_call(n, shard, logits.dtype, options, outputs, in.inputs_hash,
+                                   detail::policy_operation(options, temperatures != nullptr, "forward"));
   RowMatrix merged;
   Status group = engine::exchange_stats(
       comm, *buffers, call, local,
