@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kThreads)
   p = block_combine(p);
   if (threadIdx.x != 0) return;
   RunningStats s = running[r];
-  Part a{s.max, s.sum_exp, s.sum_logits, s.weighted, s.argmax};
+  Part a{s.max, s.sum_exp, s.sum_logits, s.weighted, 0.0, s.argmax};  // (no squares in the head)
   combine(a, p);
   s.max = a.max;
   s.sum_exp = a.sum_exp;
