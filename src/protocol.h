@@ -1,6 +1,6 @@
 // protocol.h: what each rank sends in the forward's one all-gather.
 //
-// Rank r sends a fixed 704-byte RankHeader followed by its [N, 4] TokenStats. The header
+// Rank r sends a fixed 832-byte RankHeader followed by its [N, 4] TokenStats. The header
 // carries the rank's view of the call (tokens, V, its vocabulary range, dtype, options, a
 // hash of the targets, the operation's own block) and, if its own arguments were bad, its
 // error message. After the
@@ -24,7 +24,7 @@ namespace vpce::detail {
 // ranks must agree on beyond the engine's fields, each compared bit for bit and named by its
 // label in the error (a value whose bit is set in float_values prints as an fp32 number).
 struct OperationBlock {
-  static constexpr int kValues = 4;
+  static constexpr int kValues = 6;
   static constexpr std::size_t kLabelBytes = 56;
   char name[24] = {};  // "fused head": a disagreement on the mode reads "the fused head's mode"
   char mode[48] = {};  // "recompute (linear_cross_entropy_forward)"
@@ -33,7 +33,7 @@ struct OperationBlock {
   uint32_t float_values = 0;
   char padding[4] = {};
 };
-static_assert(sizeof(OperationBlock) == 336);
+static_assert(sizeof(OperationBlock) == 464);
 
 // An operation's block: `name` and `mode` as above, then each value with its label.
 struct OperationValue {
@@ -48,8 +48,8 @@ OperationValue float_value(const char* label, float value);
 struct RankHeader {
   static constexpr uint32_t kMagic = 0x45435056;  // "VPCE"
   // 5: half the logits' mean relative to the max; 6: the chunked head's tokens and grad_loss;
-  // 7: the operation's block instead of the head's fields
-  static constexpr uint32_t kVersion = 7;
+  // 7: the operation's block instead of the head's fields; 8: six values in that block
+  static constexpr uint32_t kVersion = 8;
 
   uint32_t magic = kMagic;
   uint32_t version = kVersion;
@@ -77,7 +77,7 @@ struct RankHeader {
   OperationBlock operation;
   char message[248] = {};  // this rank's error, truncated, NUL-terminated
 };
-static_assert(sizeof(RankHeader) == 704);
+static_assert(sizeof(RankHeader) == 832);
 
 // Bytes one rank sends for n tokens of `width` floats each.
 inline std::size_t payload_bytes(int64_t n, int64_t width) {

@@ -15,7 +15,9 @@
 //   d/dx_iv = dz_iv/dx_iv [ g_lp,i (1[v = y_i] - p_iv) - g_H,i p_iv (z_iv - E_p[z_i]) ]
 //
 // The same outputs of a fused output layer's logits x = h W_r^T + b_r (vpce/head.h) without
-// building them: linear_forward and linear_backward, the head's recompute mode.
+// building them: linear_forward and linear_backward (the head's recompute mode), or
+// linear_forward_backward (its chunked mode) when the upstream gradients are known before
+// the forward.
 //
 // A token equal to ignore_index (a prompt or padding position) gets 0 for both outputs and a
 // zero gradient. Padding columns [Vv, V) take no probability. The forward keeps, per token,
@@ -99,7 +101,6 @@ Status backward(const TensorView& logits, const TensorView& targets, const Tenso
 // Forward of the logits x = h W_r^T + b_r that are never built (vpce/head.h: the operands,
 // the tiles, HeadOptions, the recompute mode): the outputs as forward() gives them for x,
 // with one all_gather (every rank also checks that the group agrees on H and round_logits).
-// (The head's chunked mode does not apply: it needs the upstream gradients at forward time.)
 Status linear_forward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets, const VocabShard& shard,
                       const Options& options, const HeadOptions& head, const Outputs& outputs,
                       const TensorView* temperatures = nullptr, Workspace* workspace = nullptr);
@@ -112,5 +113,22 @@ Status linear_backward(const HeadInputs& inputs, const TensorView& targets, cons
                        const TensorView* mean_logit, const Upstream& upstream, const VocabShard& shard,
                        const Options& options, const HeadOptions& head, const HeadGradients& gradients,
                        const TensorView* temperatures = nullptr, Workspace* workspace = nullptr);
+
+// Chunked mode (vpce/head.h): forward and backward at once, when the upstream gradients do
+// not depend on this call's outputs, e.g. an on-policy step (one update per rollout, as
+// GRPO's and REINFORCE's usual setting: the importance ratio is 1 and the gradient of the
+// loss with respect to log_prob_i is -A_i times the token's weight), or an entropy bonus of
+// fixed weights. The outputs are linear_forward's bit for bit; the gradients are
+// linear_backward's for `upstream` (their fp32 sums in another order). Three GEMMs instead of
+// four. Collective: one all_gather per chunk of head.chunk_tokens tokens; `collectives`, when
+// not null, gets the number made, also on failure. Every rank passes the same upstream
+// gradients (their values are hashed and compared at the first gather). A communication
+// failure at a later chunk leaves the earlier chunks' gradients written or added, as
+// vpce::linear_cross_entropy_forward_backward's do.
+Status linear_forward_backward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets,
+                               const VocabShard& shard, const Options& options, const HeadOptions& head,
+                               const Upstream& upstream, const Outputs& outputs, const HeadGradients& gradients,
+                               const TensorView* temperatures = nullptr, Workspace* workspace = nullptr,
+                               int64_t* collectives = nullptr);
 
 }  // namespace vpce::rl

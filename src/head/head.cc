@@ -196,13 +196,8 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
   if (local.ok()) {
     try {
       ops.emplace(a, true, options.num_threads);
-      logits = buffers->head_logits.reserve(static_cast<std::size_t>(std::min(chunk, n) * a.vocab_rows()));
+      logits = detail::reserve_chunked(a, g, chunk, buffers->head_logits, sums);
       all_stats.resize(static_cast<std::size_t>(n * width));
-      sums.weight_direct = g.weight.present() && g.weight.matrix.dtype == kFloat32;
-      if (g.weight.present() && !sums.weight_direct) {
-        sums.weight.resize(static_cast<std::size_t>(a.vocab_rows() * a.hidden_size()));
-      }
-      if (g.bias.present()) sums.bias.resize(static_cast<std::size_t>(a.vocab_rows()));
     } catch (const std::bad_alloc&) {
       local = out_of_memory("linear_cross_entropy_forward_backward");
     }

@@ -441,6 +441,17 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
   }
 }
 
+float* reserve_chunked(const HeadArgs& args, const HeadGradientArgs& grads, int64_t chunk_tokens, HostFloats& logits,
+                       ChunkedSums& sums) {
+  float* x = logits.reserve(static_cast<std::size_t>(std::min(chunk_tokens, args.tokens()) * args.vocab_rows()));
+  sums.weight_direct = grads.weight.present() && grads.weight.matrix.dtype == kFloat32;
+  if (grads.weight.present() && !sums.weight_direct) {
+    sums.weight.resize(static_cast<std::size_t>(args.vocab_rows() * args.hidden_size()));
+  }
+  if (grads.bias.present()) sums.bias.resize(static_cast<std::size_t>(args.vocab_rows()));
+  return x;
+}
+
 void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, int64_t row_begin,
                      int64_t rows, float* logits, const TileGradient& gradient, const HeadGradientArgs& grads,
                      bool first_chunk, ChunkedSums& sums) {

@@ -99,6 +99,10 @@ struct ChunkedSums {
   std::vector<double> bias;    // [V_r]
   bool weight_direct = false;  // sums added into grad_weight itself
 };
+// Before the first gather: the chunk's logits, [min(chunk_tokens, N), V_r] fp32 taken from
+// `logits`, and the sums' storage for these gradients. Throws std::bad_alloc.
+float* reserve_chunked(const HeadArgs& args, const HeadGradientArgs& grads, int64_t chunk_tokens, HostFloats& logits,
+                       ChunkedSums& sums);
 void chunk_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, int64_t row_begin,
                      int64_t rows, float* logits, const TileGradient& gradient, const HeadGradientArgs& grads,
                      bool first_chunk, ChunkedSums& sums);

@@ -1,9 +1,11 @@
-// rl/head.cc: the RL outputs in the fused head (vpce/rl.h's linear_forward and
-// linear_backward): the head's tile sweeps (head/tiles.h) with the RL outputs' parameters,
-// per-token outputs and gradient rows (policy.h), in the recompute mode.
+// rl/head.cc: the RL outputs in the fused head (vpce/rl.h's linear_forward, linear_backward
+// and linear_forward_backward): the head's tile sweeps (head/tiles.h) with the RL outputs'
+// parameters, per-token outputs and gradient rows (policy.h), in the recompute and the
+// chunked modes.
 #include <new>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../cpu/kernels.h"
@@ -48,6 +50,26 @@ std::vector<engine::NamedRegion> input_regions(const HeadArgs& a, const TokenVec
   std::vector<engine::NamedRegion> regions = engine::input_regions(a);
   regions.push_back(engine::region_of("temperatures", temperatures));
   return regions;
+}
+
+// The tiles' gradient rows: token i's constants from its lse, E_p[z] and upstream gradients.
+// A tile of token rows [r0, r0 + x.rows): its rows' temperatures start at r0.
+engine::TileGradient policy_tile_gradient(const HeadArgs& a, const engine::SweepContext& ctx,
+                                          const detail::PolicyUpstream& up) {
+  return [&a, &ctx, &up](const RowMatrix& x, int64_t r0, int64_t vocab_begin) {
+    engine::LossParams p = ctx.params;
+    if (p.temperatures != nullptr) p.temperatures += r0 * p.temperature_stride;
+    engine::gradient_rows(
+        x, engine::token_slice(a.targets, r0, x.rows),
+        [&](int64_t i) { return up.constants(r0 + i, engine::target_at(a.targets, r0 + i), ctx.params); }, vocab_begin,
+        p, 1, x);
+  };
+}
+
+// Tokens [begin, begin + count) of each output present.
+detail::PolicyOutputs outputs_slice(const detail::PolicyOutputs& o, int64_t begin, int64_t count) {
+  auto slice = [&](const TokenVector& v) { return engine::present(v) ? engine::token_slice(v, begin, count) : v; };
+  return {slice(o.log_prob), slice(o.entropy), slice(o.lse), slice(o.mean_logit), slice(o.sum_p_squared)};
 }
 
 }  // namespace
@@ -111,15 +133,7 @@ Status linear_backward(const HeadInputs& inputs, const TensorView& targets, cons
   if (Status s = engine::check_head_gradients(gradients, a, regions, &g); !s.ok()) return s;
   engine::SweepContext ctx{shard.vocab_begin, detail::policy_params(options, shard, t), options.num_threads};
   ctx.params.entropy_gradient = engine::present(up.grad_entropy);
-  // A tile of token rows [r0, r0 + x.rows): its rows' temperatures start at r0.
-  const engine::TileGradient gradient = [&](const RowMatrix& x, int64_t r0, int64_t vocab_begin) {
-    engine::LossParams p = ctx.params;
-    if (p.temperatures != nullptr) p.temperatures += r0 * p.temperature_stride;
-    engine::gradient_rows(
-        x, engine::token_slice(a.targets, r0, x.rows),
-        [&](int64_t i) { return up.constants(r0 + i, engine::target_at(a.targets, r0 + i), ctx.params); }, vocab_begin,
-        p, 1, x);
-  };
+  const engine::TileGradient gradient = policy_tile_gradient(a, ctx, up);
   Workspace own;
   Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
   try {
@@ -128,6 +142,93 @@ Status linear_backward(const HeadInputs& inputs, const TensorView& targets, cons
   } catch (const std::bad_alloc&) {
     return out_of_memory("rl::linear_backward");  // before any output was written
   }
+  return {};
+}
+
+Status linear_forward_backward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets,
+                               const VocabShard& shard, const Options& options, const HeadOptions& head,
+                               const Upstream& upstream, const Outputs& outputs, const HeadGradients& gradients,
+                               const TensorView* temperatures, Workspace* workspace, int64_t* collectives) {
+  if (collectives != nullptr) *collectives = 0;
+  if (Status s = engine::check_comm(comm); !s.ok()) return s;
+  if (Status s = device_unsupported(inputs); !s.ok()) return s;  // (every rank of a device group)
+  HeadArgs a;
+  TokenVector t;
+  detail::PolicyOutputs out;
+  detail::PolicyUpstream up;
+  engine::HeadGradientArgs g;
+  Status local = check_inputs(inputs, targets, temperatures, shard, options, head, &a, &t);
+  if (local.ok()) local = detail::check_upstream_gradients(upstream, a.tokens(), Device{}, &up);
+  std::vector<engine::NamedRegion> regions;
+  if (local.ok()) {
+    regions = input_regions(a, t);
+    for (const engine::NamedRegion& r : detail::upstream_regions(up)) regions.push_back(r);
+    local = detail::check_outputs(outputs, a.tokens(), Device{}, regions, &out);
+  }
+  if (local.ok()) {
+    for (const auto& [name, v] : {std::pair{"log_prob", &out.log_prob}, std::pair{"entropy", &out.entropy},
+                                  std::pair{"sum_p_squared", &out.sum_p_squared}, std::pair{"lse", &out.lse},
+                                  std::pair{"mean_logit", &out.mean_logit}}) {
+      regions.push_back(engine::region_of(name, *v));
+    }
+    local = engine::check_head_gradients(gradients, a, regions, &g);
+  }
+  const int64_t n = local.ok() ? a.tokens() : engine::announced_tokens(targets);
+  const int64_t chunk = engine::agreed_chunk_tokens(head, shard, comm.size());
+  engine::SweepContext ctx{shard.vocab_begin, detail::policy_params(options, shard, t), options.num_threads};
+  ctx.params.entropy_gradient = engine::present(up.grad_entropy);
+  // Everything is allocated before the first gather, so that no later step can fail alone;
+  // the gradients take each token's lse and E_p[z] in float64 whatever the outputs' dtype.
+  std::optional<engine::Fp32Operands> ops;
+  Workspace own;
+  Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
+  float* logits = nullptr;
+  engine::ChunkedSums sums;
+  std::vector<double> kept;
+  if (local.ok()) {
+    try {
+      ops.emplace(a, true, options.num_threads);
+      logits = engine::reserve_chunked(a, g, chunk, buffers->head_logits, sums);
+      kept.resize(static_cast<std::size_t>(2 * n));
+    } catch (const std::bad_alloc&) {
+      local = out_of_memory("rl::linear_forward_backward");
+    }
+  }
+  up.lse = TokenVector{reinterpret_cast<char*>(kept.data()), kFloat64, n, 1};
+  up.mean_logit = TokenVector{reinterpret_cast<char*>(kept.data() + n), kFloat64, n, 1};
+  const detail::PolicyOutputs kept_out{{}, {}, up.lse, up.mean_logit, {}};
+  const engine::TileGradient gradient = policy_tile_gradient(a, ctx, up);
+  const engine::OperationBlock operation =
+      detail::policy_operation(options, temperatures != nullptr, "fused head, chunked (linear_forward_backward)",
+                               a.hidden_size(), a.round_logits, n, local.ok() ? detail::upstream_hash(up, n) : 0);
+  int64_t row = 0;
+  do {
+    const int64_t rows = std::min(chunk, n - row);
+    RowMatrix merged;
+    Status group = engine::exchange_stats(
+        comm, *buffers,
+        detail::policy_exchange_call(rows, shard, inputs.hidden.dtype, options, outputs, a.inputs_hash, operation),
+        local,
+        [&](const RowMatrix& stats) -> Status {
+          try {
+            engine::sweep_stats(a, *ops, ctx, row, rows, logits, stats, buffers->head_tiles);
+          } catch (const std::bad_alloc&) {
+            return out_of_memory("rl::linear_forward_backward");
+          }
+          return {};
+        },
+        &merged);
+    if (collectives != nullptr) ++*collectives;
+    if (!group.ok()) return group;
+    engine::LossParams p = ctx.params;
+    if (p.temperatures != nullptr) p.temperatures += row * p.temperature_stride;
+    const TokenVector chunk_targets = engine::token_slice(a.targets, row, rows);
+    detail::policy_kernel(merged, chunk_targets, p, options.num_threads, outputs_slice(out, row, rows));
+    detail::policy_kernel(merged, chunk_targets, p, options.num_threads, outputs_slice(kept_out, row, rows));
+    engine::chunk_gradients(a, *ops, ctx, row, rows, logits, gradient, g, row == 0, sums);
+    row += rows;
+  } while (row < n);
+  engine::finish_chunked_gradients(a, ctx, g, sums);
   return {};
 }
 

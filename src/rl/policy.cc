@@ -92,12 +92,15 @@ Status check_outputs(const Outputs& outputs, int64_t n, Device device, const std
 }
 
 vpce::detail::OperationBlock policy_operation(const Options& options, bool per_token, const char* mode,
-                                              int64_t hidden_size, bool round_logits) {
+                                              int64_t hidden_size, bool round_logits, int64_t head_tokens,
+                                              uint64_t upstream_hash) {
   return engine::operation_block("RL outputs", mode,
                                  {engine::float_value("options.temperature", options.temperature),
                                   {"whether temperatures are given per token", per_token ? 1 : 0},
                                   {"the hidden size of the fused head", hidden_size},
-                                  {"head.round_logits", round_logits ? 1 : 0}});
+                                  {"head.round_logits", round_logits ? 1 : 0},
+                                  {"the number of tokens", head_tokens},
+                                  {"a hash of the upstream gradients' values", static_cast<int64_t>(upstream_hash)}});
 }
 
 void policy_kernel(const RowMatrix& stats, const TokenVector& targets, const engine::LossParams& params,
@@ -121,10 +124,7 @@ engine::GradientConstants PolicyUpstream::constants(int64_t i, int64_t target, c
                                            entropy ? engine::lse_tokens(mean_logit).get(i) : 0.0, params);
 }
 
-Status check_upstream(const TensorView& lse, const TensorView* mean_logit, const Upstream& upstream, int64_t n,
-                      Device device, PolicyUpstream* out) {
-  if (Status s = engine::check_device(lse, "lse", device); !s.ok()) return s;
-  if (Status s = engine::as_lse_tokens(lse, "lse", n, &out->lse); !s.ok()) return s;
+Status check_upstream_gradients(const Upstream& upstream, int64_t n, Device device, PolicyUpstream* out) {
   const std::pair<const TensorView*, const char*> upstreams[] = {{upstream.grad_log_prob, "grad_log_prob"},
                                                                  {upstream.grad_entropy, "grad_entropy"}};
   TokenVector* vectors[] = {&out->grad_log_prob, &out->grad_entropy};
@@ -134,6 +134,25 @@ Status check_upstream(const TensorView& lse, const TensorView* mean_logit, const
     if (Status s = engine::check_device(*view, name, device); !s.ok()) return s;
     if (Status s = engine::as_float_tokens(*view, name, n, vectors[k]); !s.ok()) return s;
   }
+  return {};
+}
+
+uint64_t upstream_hash(const PolicyUpstream& u, int64_t n) {
+  uint64_t hash = engine::kValuesHashSeed;
+  for (const TokenVector* v : {&u.grad_log_prob, &u.grad_entropy}) {
+    const bool given = engine::present(*v);
+    hash = engine::extend_values_hash<uint32_t>(hash, given ? n + 1 : 1, [&](int64_t i) {
+      return i == 0 ? (given ? 1U : 0U) : std::bit_cast<uint32_t>(v->at<float>(i - 1));
+    });
+  }
+  return hash;
+}
+
+Status check_upstream(const TensorView& lse, const TensorView* mean_logit, const Upstream& upstream, int64_t n,
+                      Device device, PolicyUpstream* out) {
+  if (Status s = engine::check_device(lse, "lse", device); !s.ok()) return s;
+  if (Status s = engine::as_lse_tokens(lse, "lse", n, &out->lse); !s.ok()) return s;
+  if (Status s = check_upstream_gradients(upstream, n, device, out); !s.ok()) return s;
   if (upstream.grad_entropy == nullptr) return {};
   if (mean_logit == nullptr) {
     return {

@@ -49,10 +49,12 @@ Status check_outputs(const Outputs& outputs, int64_t n, Device device, const std
                      PolicyOutputs* out);
 
 // The forward's operation block: `mode` ("forward" on logits), the scalar temperature and
-// whether each token has its own (their values are in the inputs' hash), and for the fused
-// head its hidden size and round_logits.
+// whether each token has its own (their values are in the inputs' hash), for the fused head
+// its hidden size and round_logits, and for the head's chunked mode the total token count
+// and a hash of the upstream gradients (upstream_hash).
 vpce::detail::OperationBlock policy_operation(const Options& options, bool per_token, const char* mode,
-                                              int64_t hidden_size = 0, bool round_logits = false);
+                                              int64_t hidden_size = 0, bool round_logits = false,
+                                              int64_t head_tokens = 0, uint64_t upstream_hash = 0);
 
 // The forward's one gather of n tokens' statistics: the width the outputs ask for, the
 // options as the loss's, the inputs' hash, the operation block `operation`.
@@ -84,6 +86,10 @@ struct PolicyUpstream {
 };
 Status check_upstream(const TensorView& lse, const TensorView* mean_logit, const Upstream& upstream, int64_t n,
                       Device device, PolicyUpstream* out);
+// The upstream gradients alone (grad_log_prob, grad_entropy), as check_upstream checks them.
+Status check_upstream_gradients(const Upstream& upstream, int64_t n, Device device, PolicyUpstream* out);
+// A hash of which upstream gradients are given and their values (host memory).
+uint64_t upstream_hash(const PolicyUpstream& u, int64_t n);
 inline std::vector<NamedRegion> upstream_regions(const PolicyUpstream& u) {
   return {vpce::detail::region_of("lse", u.lse), vpce::detail::region_of("mean_logit", u.mean_logit),
           vpce::detail::region_of("grad_log_prob", u.grad_log_prob),

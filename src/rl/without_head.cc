@@ -26,4 +26,11 @@ Status linear_backward(const HeadInputs&, const TensorView&, const TensorView&, 
   return no_head("rl::linear_backward");
 }
 
+Status linear_forward_backward(Communicator&, const HeadInputs&, const TensorView&, const VocabShard&, const Options&,
+                               const HeadOptions&, const Upstream&, const Outputs&, const HeadGradients&,
+                               const TensorView*, Workspace*, int64_t* collectives) {
+  if (collectives != nullptr) *collectives = 0;
+  return no_head("rl::linear_forward_backward");
+}
+
 }  // namespace vpce::rl

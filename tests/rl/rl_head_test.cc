@@ -30,8 +30,11 @@ std::vector<float> upstream_of(int64_t n, float scale, int salt) {
   return g;
 }
 
+// Recompute mode (linear_forward, then linear_backward), or with `chunked`
+// linear_forward_backward given the upstream gradients up front.
 Gathered run_policy_head(HeadProblem& p, const std::vector<int64_t>& sizes, const rl::Options& options,
-                         const HeadOptions& head, const std::vector<float>& temperatures, bool accumulate) {
+                         const HeadOptions& head, const std::vector<float>& temperatures, bool accumulate,
+                         bool chunked = false) {
   const int ranks = static_cast<int>(sizes.size());
   const int64_t n = p.tokens, h = p.hidden;
   const std::vector<VocabShard> shards = shards_from_sizes(sizes);
@@ -60,11 +63,6 @@ Gathered run_policy_head(HeadProblem& p, const std::vector<int64_t>& sizes, cons
     const TensorView en = TensorView::contiguous(out.entropy[r].data(), kFloat32, {n});
     const TensorView lse_view = TensorView::contiguous(lse.data(), kFloat64, {n});
     const TensorView mean_view = TensorView::contiguous(mean.data(), kFloat64, {n});
-    if (Status s = rl::linear_forward(comm, inputs, y, shard, options, head, {&lp, &en, &lse_view, &mean_view}, tv);
-        !s.ok()) {
-      return s;
-    }
-    out.gathers[r] = comm.calls;
     const TensorView glp = TensorView::contiguous(const_cast<float*>(g_lp.data()), kFloat32, {n});
     const TensorView gh = TensorView::contiguous(const_cast<float*>(g_h.data()), kFloat32, {n});
     const int64_t rows = shard.vocab_end - shard.vocab_begin;
@@ -72,6 +70,19 @@ Gathered run_policy_head(HeadProblem& p, const std::vector<int64_t>& sizes, cons
     const TensorView dw = TensorView::matrix(grad_weight.data() + shard.vocab_begin * h, kFloat32, rows, h, h);
     const TensorView db = TensorView::contiguous(grad_bias.data() + shard.vocab_begin, kFloat32, {rows});
     HeadGradients grads{{&dh, accumulate}, {&dw, accumulate}, {p.with_bias ? &db : nullptr, accumulate}};
+    if (chunked) {
+      int64_t collectives = 0;
+      const Status s = rl::linear_forward_backward(comm, inputs, y, shard, options, head, {&glp, &gh},
+                                                   {&lp, &en, &lse_view, &mean_view}, grads, tv, nullptr, &collectives);
+      out.gathers[r] = comm.calls;
+      EXPECT_EQ(collectives, comm.calls);
+      return s;
+    }
+    if (Status s = rl::linear_forward(comm, inputs, y, shard, options, head, {&lp, &en, &lse_view, &mean_view}, tv);
+        !s.ok()) {
+      return s;
+    }
+    out.gathers[r] = comm.calls;
     return rl::linear_backward(inputs, y, lse_view, &mean_view, {&glp, &gh}, shard, options, head, grads, tv);
   });
   const double prefill = accumulate ? 0.25 : 0.0;
@@ -103,6 +114,8 @@ PolicyHeadOracle policy_head_oracle(const HeadProblem& p, const rl::Options& opt
   reference::Options o;
   o.ignore_index = options.ignore_index;
   o.valid_vocab = options.valid_vocab_size;
+  o.logit_scale = options.logit_scale;
+  o.softcap = options.softcap;
   const std::vector<float> g_lp = upstream_of(n, 1.0f, 1), g_h = upstream_of(n, 0.5f, 3);
   PolicyHeadOracle out;
   out.outputs = reference::policy(logits, n, v, p.targets, widen(temperatures), widen(g_lp), widen(g_h), o);
@@ -124,10 +137,10 @@ PolicyHeadOracle policy_head_oracle(const HeadProblem& p, const rl::Options& opt
 }
 
 void expect_policy_matches(const Gathered& got, const PolicyHeadOracle& want, double grad_tolerance,
-                           const std::string& label) {
+                           const std::string& label, int gathers = 1) {
   for (std::size_t r = 0; r < got.status.size(); ++r) {
     ASSERT_TRUE(got.status[r].ok()) << label << " rank " << r << ": " << got.status[r].message();
-    EXPECT_EQ(got.gathers[r], 1) << label;
+    EXPECT_EQ(got.gathers[r], gathers) << label;
     EXPECT_EQ(got.log_prob[r], got.log_prob[0]) << label;
     EXPECT_EQ(got.entropy[r], got.entropy[0]) << label;
   }
@@ -176,6 +189,66 @@ TEST(RlHead, Bf16OperandsAndAScalarTemperatureMatchTheOracle) {
   // The oracle's products of the stored bf16 values in fp64: fp32 tiles are within 1e-6; the
   // gradients are written in fp32.
   expect_policy_matches(run_policy_head(p, {130, 120}, options, HeadOptions{}, {}, false), want, 1e-5, "bf16");
+}
+
+// The chunked mode: chunks of 8 of 29 tokens (4 gathers, the last one short), uneven ranges,
+// per-token temperatures, gradients written over and added into; its outputs are the
+// recompute mode's bit for bit.
+TEST(RlHead, ChunkedModeMatchesTheOracleAndTheRecomputeModesOutputs) {
+  const int64_t vocab = 301;
+  for (int ranks = 1; ranks <= 4; ++ranks) {
+    HeadProblem p = random_head_problem(29, 24, vocab, ranks == 3 ? kBFloat16 : kFloat32, 70 + ranks);
+    std::vector<int64_t> sizes = even_splits(vocab, ranks);
+    if (ranks > 1) {
+      sizes[0] -= 30;
+      sizes.back() += 30;
+    }
+    HeadOptions head;
+    head.token_block = 4;
+    head.vocab_block = 32;
+    head.chunk_tokens = 8;
+    rl::Options options;
+    options.logit_scale = 0.9f;
+    const std::vector<float> temperatures = mixed_temperatures(p.tokens);
+    const PolicyHeadOracle want = policy_head_oracle(p, options, temperatures);
+    const std::string label = "chunked, R " + std::to_string(ranks);
+    const Gathered chunked = run_policy_head(p, sizes, options, head, temperatures, ranks % 2 == 1, true);
+    expect_policy_matches(chunked, want, 1e-5, label, 4);
+    const Gathered recompute = run_policy_head(p, sizes, options, head, temperatures, false);
+    EXPECT_EQ(chunked.log_prob[0], recompute.log_prob[0]) << label;
+    EXPECT_EQ(chunked.entropy[0], recompute.entropy[0]) << label;
+  }
+}
+
+// Ranks given different upstream gradients (or one given grad_entropy and the other not)
+// all fail at the first gather, naming them, with nothing written.
+TEST(RlHead, ChunkedRanksThatDisagreeOnTheUpstreamGradientsAllFail) {
+  HeadProblem p = random_head_problem(6, 8, 40, kFloat32, 5);
+  for (int variant = 0; variant < 2; ++variant) {
+    std::unique_ptr<ThreadGroup> group;
+    ASSERT_TRUE(ThreadGroup::create(2, &group, std::chrono::seconds(60)).ok());
+    std::vector<std::vector<float>> grad_hidden(2, std::vector<float>(48, 7.0f));
+    const std::vector<Status> status = group->run([&](Communicator& comm) {
+      const int r = comm.rank();
+      const VocabShard shard{r * 20, r * 20 + 20, 40};
+      const HeadInputs inputs{p.hidden_view(), p.weight_view(shard.vocab_begin, shard.vocab_end), nullptr};
+      const TensorView y = TensorView::contiguous(p.targets.data(), kInt64, {6});
+      std::vector<float> g(6, 0.5f);
+      if (r == 1 && variant == 0) g[3] = 0.25f;
+      const TensorView gv = TensorView::contiguous(g.data(), kFloat32, {6});
+      const rl::Upstream upstream{&gv, r == 1 && variant == 1 ? &gv : nullptr};
+      std::vector<float> lp(6);
+      const TensorView lp_view = TensorView::contiguous(lp.data(), kFloat32, {6});
+      const TensorView dh = TensorView::matrix(grad_hidden[r].data(), kFloat32, 6, 8, 8);
+      return rl::linear_forward_backward(comm, inputs, y, shard, rl::Options{}, HeadOptions{}, upstream,
+                                         {&lp_view, nullptr, nullptr, nullptr}, {{&dh, false}, {}, {}});
+    });
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(status[r].code(), Code::kInvalidUsage) << status[r].message();
+      EXPECT_NE(status[r].message().find("upstream gradients"), std::string::npos) << status[r].message();
+      EXPECT_EQ(grad_hidden[r], std::vector<float>(48, 7.0f));
+    }
+  }
 }
 
 TEST(RlHead, DeviceAndBadArgumentsAreRefusedByName) {

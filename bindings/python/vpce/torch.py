@@ -15,7 +15,7 @@ kept between them, not a softmax of the logits' size. Label smoothing is exact a
 parity with a past run.
 
 The all-gather carries one block per rank of a size every rank computes alike (4096 bytes
-at first): a 36-byte block header, then vpce's payload (a 704-byte header and 16 bytes per
+at first): a 36-byte block header, then vpce's payload (an 832-byte header and 16 bytes per
 token). A payload that outgrows the blocks costs one more gather, once, and every rank
 grows them alike, since every rank sees every size. So ranks that disagree on the number of
 tokens all get vpce's "ranks disagree" error, and a rank that fails before the gather (a
