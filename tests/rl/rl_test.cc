@@ -7,6 +7,7 @@
 // bits on every rank and thread count; and the errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -287,6 +288,64 @@ TEST(RlOutputs, AdversarialRowsKeepTheirAccuracy) {
   expect_matches(run, want, 1e-5, "adversarial");
   EXPECT_GE(run.per_rank[0].entropy[2], 0.0f);
   for (double g : run.grad) EXPECT_TRUE(std::isfinite(g));
+}
+
+// The keep-mask (docs/rl.md): the rollout's support after top-k or top-p given as -inf on the
+// logits it dropped. Per token, the support is the k = 1, 4 or 9 largest columns or the top-p
+// prefix (p = 0.9) of the tempered distribution, found here in fp64; the sampled token is in
+// it. Against the oracle of the masked logits and, directly, the renormalised softmax over
+// the support: log p_y = z_y - log sum_{v in S} e^z_v; outside the support the gradient is
+// exactly 0 (not NaN); a support of one column gives log p 0, entropy 0, gradient 0.
+TEST(RlOutputs, AKeepMaskGivenAsMinusInfinityRenormalisesOverTheSupport) {
+  const int64_t vocab = 301, n = 12;
+  for (int ranks = 1; ranks <= 3; ++ranks) {
+    Problem p = random_problem(n, vocab, kFloat32, 20 + ranks, 3.0f);
+    PolicyConfig config;
+    config.temperatures = mixed_temperatures(n);
+    std::vector<std::vector<bool>> kept(static_cast<std::size_t>(n), std::vector<bool>(vocab, false));
+    std::vector<double> support_lse(static_cast<std::size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      const double t = config.temperatures[i];
+      std::vector<int64_t> order(static_cast<std::size_t>(vocab));
+      for (int64_t v = 0; v < vocab; ++v) order[v] = v;
+      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return p.at(i, a) > p.at(i, b); });
+      int64_t size = i % 4 == 0 ? 1 : i % 4 == 1 ? 4 : i % 4 == 2 ? 9 : 0;
+      if (size == 0) {  // top-p 0.9: the shortest prefix holding 90 % of the probability
+        double total = 0.0, mass = 0.0;
+        for (int64_t v = 0; v < vocab; ++v) total += std::exp((p.at(i, v) - p.at(i, order[0])) / t);
+        while (mass < 0.9 * total) mass += std::exp((p.at(i, order[size++]) - p.at(i, order[0])) / t);
+      }
+      double sum = 0.0;
+      for (int64_t k = 0; k < size; ++k) {
+        kept[i][order[k]] = true;
+        sum += std::exp((p.at(i, order[k]) - p.at(i, order[0])) / t);
+      }
+      support_lse[i] = p.at(i, order[0]) / t + std::log(sum);
+      p.targets[i] = order[(i * 5) % size];  // a token the rollout could sample
+      for (int64_t v = 0; v < vocab; ++v) {
+        if (!kept[i][v]) p.set(i, v, -kInf);
+      }
+    }
+    std::vector<int64_t> sizes = even_splits(vocab, ranks);
+    if (ranks > 1) {
+      sizes[0] += 31;
+      sizes.back() -= 31;
+    }
+    const std::string label = "keep-mask, R " + std::to_string(ranks);
+    const PolicyRun run = run_policy(p, shards_from_sizes(sizes), config);
+    expect_matches(run, policy_oracle(p, config), 1e-5, label);
+    for (int64_t i = 0; i < n; ++i) {
+      const double direct = p.at(i, p.targets[i]) / config.temperatures[i] - support_lse[i];
+      EXPECT_NEAR(run.per_rank[0].log_prob[i], direct, 1e-6 * std::max(1.0, std::fabs(direct))) << label;
+      for (int64_t v = 0; v < vocab; ++v) {
+        if (!kept[i][v] || i % 4 == 0) EXPECT_EQ(run.grad[i * vocab + v], 0.0) << label << " " << i << ", " << v;
+      }
+      if (i % 4 == 0) {
+        EXPECT_EQ(run.per_rank[0].log_prob[i], 0.0f) << label;
+        EXPECT_EQ(run.per_rank[0].entropy[i], 0.0f) << label;
+      }
+    }
+  }
 }
 
 // Logits of 1e4 +- a few at a temperature other than 1: z = x / T rounds to fp32 as every

@@ -85,6 +85,28 @@ def test_one_rank_in_place_and_options():
     assert torch.all(leaf.grad[:, 500:] == 0)
 
 
+def test_keep_mask_as_minus_infinity_renormalises_over_the_support():
+    """The rollout's top-k support (k = 5) applied in place to the trainer's logits (a non-leaf
+    output, as a model's): log-prob and entropy over the support, no gradient outside it."""
+    generator = torch.Generator().manual_seed(9)
+    leaf = (torch.randn(4, 9, 700, generator=generator) * 3).requires_grad_(True)
+    logits = leaf * 1.0
+    top = logits.detach().topk(5, dim=-1).indices
+    keep = torch.zeros(logits.shape, dtype=torch.bool).scatter_(-1, top, True)
+    target = top.gather(-1, torch.randint(0, 5, (4, 9, 1), generator=generator)).squeeze(-1)
+    logits.masked_fill_(~keep, float("-inf"))  # no copy of the logits
+    g_lp, g_h = upstream((4, 9), 5), upstream((4, 9), 6)
+    log_prob, entropy = vt.log_probs_and_entropy(logits, target, temperature=0.7)
+    (log_prob * g_lp + entropy * g_h).sum().backward()
+    x = leaf.detach().double().requires_grad_(True)
+    log_p = torch.log_softmax(x.masked_fill(~keep, float("-inf")) / 0.7, dim=-1)
+    want_lp = log_p.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    want_h = -(log_p.exp() * log_p.masked_fill(~keep, 0.0)).sum(-1)  # (0 log 0 = 0, and so its gradient)
+    (want_lp * g_lp.double() + want_h * g_h.double()).sum().backward()
+    check(log_prob, entropy, leaf.grad, (want_lp.detach(), want_h.detach(), x.grad))
+    assert torch.all(leaf.grad[~keep] == 0)
+
+
 def test_one_rank_edge_rows():
     logits = torch.zeros(4, 300)
     logits[0, 17] = 60.0  # near one-hot
