@@ -144,6 +144,40 @@ void bind_rl(nb::module_& m) {
                       nb::arg("grad_log_prob").none(), nb::arg("grad_entropy").none(), nb::arg("vocab_begin"),
                       nb::arg("vocab_end"), nb::arg("vocab_size"), nb::arg("options"), nb::arg("head")),
       gradient_args(), std::make_tuple(nb::arg("temperatures").none() = nb::none()));
+
+  def_with_groups(
+      m, "rl_linear_forward_backward",
+      [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle targets, nb::handle grad_log_prob,
+         nb::handle grad_entropy, int64_t vocab_begin, int64_t vocab_end, int64_t vocab_size,
+         const vpce::rl::Options& options, const vpce::HeadOptions& head_options, nb::handle log_prob,
+         nb::handle entropy, nb::handle grad_hidden, nb::handle grad_weight, nb::handle grad_bias,
+         bool accumulate_hidden, bool accumulate_weight, bool accumulate_bias, nb::handle temperatures, int rank,
+         int size, nb::object all_gather) {
+        require_all_gather(size, all_gather);
+        const Head operands(hidden, weight, bias);
+        const Input y(targets, "targets");
+        const PolicyUpstream up(grad_log_prob, grad_entropy);
+        const PolicyOutputs out(log_prob, entropy, nb::none(), nb::none(), nb::none());
+        const OptionalInput t(temperatures, "temperatures");
+        const Gradients gradients(grad_hidden, grad_weight, grad_bias, accumulate_hidden, accumulate_weight,
+                                  accumulate_bias);
+        int64_t collectives = 0;
+        collective(rank, size, std::move(all_gather), [&](vpce::Communicator& comm) {
+          return vpce::rl::linear_forward_backward(
+              comm, operands.inputs, y, shard_of(vocab_begin, vocab_end, vocab_size), options, head_options, up.views,
+              out.views, gradients.views, t.get(), operands.workspace(), &collectives);
+        });
+        return collectives;
+      },
+      "RL outputs in the fused head, chunked mode: log_prob and entropy and, with their upstream gradients known "
+      "now, the gradients, chunk by chunk; one all_gather per chunk. Returns the number of all_gathers made.",
+      std::make_tuple(nb::arg("hidden").none(), nb::arg("weight").none(), nb::arg("bias").none(),
+                      nb::arg("targets").none(), nb::arg("grad_log_prob").none(), nb::arg("grad_entropy").none(),
+                      nb::arg("vocab_begin"), nb::arg("vocab_end"), nb::arg("vocab_size"), nb::arg("options"),
+                      nb::arg("head"), nb::arg("log_prob").none() = nb::none(), nb::arg("entropy").none() = nb::none()),
+      gradient_args(),
+      std::make_tuple(nb::arg("temperatures").none() = nb::none(), nb::arg("rank") = 0, nb::arg("size") = 1,
+                      nb::arg("all_gather") = nb::none()));
 }
 
 }  // namespace vpce::python

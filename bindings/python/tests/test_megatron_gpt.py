@@ -345,10 +345,11 @@ def test_label_smoothing_both_ways_through_the_fused_head():
 
 
 def rl_worker(rank, size, init_file):
-    """vpce.megatron.log_probs_and_entropy through the fused head against vpce's RL outputs on
-    Megatron's own logits (the same model's forward without labels), per-sequence temperatures,
-    a padded vocabulary, non-uniform upstream gradients: the outputs within 1e-6 and every
-    parameter's gradient within 2e-5 of the logits path's."""
+    """vpce.megatron.log_probs_and_entropy and policy_objective (chunks of 16 tokens) through the
+    fused head against vpce's RL outputs on Megatron's own logits (the same model's forward
+    without labels), per-sequence temperatures, a padded vocabulary, non-uniform upstream
+    gradients: the outputs within 1e-6 and every parameter's gradient within 2e-5 of the
+    logits path's."""
     from test_megatron_core import megatron_init  # noqa: PLC0415
 
     import vpce.megatron  # noqa: PLC0415
@@ -375,12 +376,25 @@ def rl_worker(rank, size, init_file):
         (log_prob * g_lp + entropy * g_h).sum().backward()
         results.append((log_prob.detach(), entropy.detach(),
                         {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}))
-    (lp_a, h_a, grads_a), (lp_b, h_b, grads_b) = results
-    assert relative_error(lp_b, lp_a) <= 1e-6 and relative_error(h_b, h_a) <= 1e-6
-    assert torch.all(lp_b[loss_mask == 0] == 0) and torch.all(h_b[loss_mask == 0] == 0)
-    assert grads_a.keys() == grads_b.keys()
-    for name in grads_a:
-        assert relative_error(grads_b[name], grads_a[name]) <= 2e-5, name
+    # The on-policy objective (the head's chunked mode, gradients in the forward).
+    model = build(size, tied=False, bias=True, fusion=False)
+    vpce.megatron.fuse_output_layer(model, valid_vocab_size=USED, token_block=8, chunk_tokens=16)
+    objective, log_prob, entropy = vpce.megatron.policy_objective(
+        model, tokens, position_ids, attention_mask, labels=labels, log_prob_weights=g_lp, entropy_weights=g_h,
+        temperature=temperature)
+    assert objective.dim() == 0 and not log_prob.requires_grad
+    objective.backward()
+    results.append((log_prob, entropy, {name: p.grad.clone() for name, p in model.named_parameters()
+                                        if p.grad is not None}))
+    (lp_a, h_a, grads_a), *others = results
+    for lp_b, h_b, grads_b in others:
+        assert relative_error(lp_b, lp_a) <= 1e-6 and relative_error(h_b, h_a) <= 1e-6
+        assert torch.all(lp_b[loss_mask == 0] == 0) and torch.all(h_b[loss_mask == 0] == 0)
+        assert grads_a.keys() == grads_b.keys()
+        for name in grads_a:
+            assert relative_error(grads_b[name], grads_a[name]) <= 2e-5, name
+    want = (lp_a.double() * g_lp.double() + h_a.double() * g_h.double()).sum()
+    assert abs(objective.item() - want.item()) <= 1e-5 * abs(want.item())
     dist.destroy_process_group()
 
 

@@ -184,6 +184,82 @@ def test_head_one_rank_matches_float64(per_token):
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("per_token", [False, True])
+def test_head_policy_objective_matches_float64(per_token):
+    """linear_policy_objective (the chunked mode, chunks of 8 of 21 tokens): its objective,
+    outputs and gradients against the float64 reference, scaled by a non-unit upstream
+    gradient; log_prob and entropy carry no gradient; a second backward is refused."""
+    generator = torch.Generator().manual_seed(23)
+    hidden = torch.randn(3, 7, 32, generator=generator, requires_grad=True)
+    weight = (torch.randn(403, 32, generator=generator) / 32 ** 0.5 * 3).requires_grad_(True)
+    bias = torch.randn(403, generator=generator).requires_grad_(True)
+    target = torch.randint(0, 403, (3, 7), generator=generator)
+    target[2, 5] = -100
+    temperature = torch.tensor([0.5, 1.0, 1.7])[torch.arange(21) % 3].view(3, 7) if per_token else 0.8
+    g_lp, g_h = upstream((3, 7), 13), upstream((3, 7), 14)
+    objective, log_prob, entropy = vt.linear_policy_objective(hidden, weight, target, g_lp, g_h, temperature,
+                                                              bias=bias, token_block=4, vocab_block=64,
+                                                              chunk_tokens=8)
+    assert objective.shape == () and not log_prob.requires_grad and not entropy.requires_grad
+    (2.5 * objective).backward()
+    want_lp, want_h, want_dh, want_dw, want_db = head_reference(hidden, weight, bias, target, temperature,
+                                                                2.5 * g_lp, 2.5 * g_h)
+    assert (log_prob.double() - want_lp).abs().max() <= 1e-6 * want_lp.abs().max()
+    assert (entropy.double() - want_h).abs().max() <= 1e-6 * want_h.abs().max()
+    want_objective = (want_lp * g_lp.double() + want_h * g_h.double()).sum()
+    assert abs(objective.item() - want_objective.item()) <= 1e-6 * (want_lp.abs() * g_lp.abs()).sum().item() * 10
+    for got, want in ((hidden.grad, want_dh), (weight.grad, want_dw), (bias.grad, want_db)):
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    with pytest.raises(RuntimeError, match="one backward per forward|a second time"):  # (vpce's or autograd's)
+        objective.backward()
+
+
+def test_head_policy_objective_errors_name_the_argument():
+    hidden, weight = torch.randn(4, 8), torch.randn(20, 8)
+    target = torch.tensor([1, 2, 3, 4])
+    with pytest.raises(ValueError, match="log_prob_weights.shape"):
+        vt.linear_policy_objective(hidden, weight, target, torch.ones(3))
+    with pytest.raises(TypeError, match="entropy_weights"):
+        vt.linear_policy_objective(hidden, weight, target, torch.ones(4), entropy_weights=0.1)
+    with pytest.raises(TypeError, match="mode"):
+        vt.linear_policy_objective(hidden, weight, target, torch.ones(4), mode="chunked")
+
+
+@needs_custom_ops
+def test_head_policy_objective_opcheck():
+    generator = torch.Generator().manual_seed(25)
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden = torch.randn(5, 3, 16, generator=generator).to(dtype).requires_grad_(True)
+        weight = torch.randn(40, 16, generator=generator).to(dtype).requires_grad_(True)
+        bias = torch.randn(40, generator=generator).to(dtype).requires_grad_(True)
+        target = torch.randint(0, 40, (5, 3), generator=generator)
+        weights = upstream((5, 3), 26)
+        torch.library.opcheck(torch.ops.vpce.rl_linear_chunked.default,
+                              (hidden, weight, bias, target, weights, None, None, 0.9, 0, False, "", True, True, True))
+
+
+@needs_custom_ops
+def test_head_policy_objective_compiles_without_a_graph_break():
+    generator = torch.Generator().manual_seed(24)
+    hidden = torch.randn(6, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(200, 16, generator=generator, requires_grad=True)
+    target = torch.randint(0, 200, (6,), generator=generator)
+    advantages = torch.randn(6, generator=generator)
+
+    def step(h, w, y, a):
+        objective, log_prob, entropy = vt.linear_policy_objective(h, w, y, -a / 6, torch.full((6,), -0.01), 0.9)
+        return objective, log_prob
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    objective, log_prob = compiled(hidden, weight, target, advantages)
+    objective.backward()
+    assert not log_prob.requires_grad
+    got = (hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    step(hidden, weight, target, advantages)[0].backward()
+    assert torch.equal(got[0], hidden.grad) and torch.equal(got[1], weight.grad)
+
+
 @needs_custom_ops
 def test_head_compiles_without_a_graph_break():
     generator = torch.Generator().manual_seed(22)
@@ -282,9 +358,10 @@ def test_ranks_match_float64_with_one_gather(size):
 
 
 def sequence_parallel_worker(rank, size, init_file):
-    """The head with sequence_parallel=True (each rank its slice of the sequence, dim 0) against
-    the same call on the whole sequence: the same outputs, hidden's gradient the slice of the
-    whole one (the gather in the forward, the reduce-scatter in the backward)."""
+    """The head with sequence_parallel=True (each rank its slice of the sequence, dim 0), in the
+    recompute and the chunked modes, against the recompute call on the whole sequence: the
+    same outputs, hidden's gradient the slice of the whole one (the gather in the forward,
+    the reduce-scatter in the backward)."""
     group = init_group(rank, size, init_file)
     generator = torch.Generator().manual_seed(31)
     hidden = torch.randn(6, 3, 16, generator=generator)
@@ -301,10 +378,18 @@ def sequence_parallel_worker(rank, size, init_file):
                                                   sequence_parallel=sequence_parallel)
         (lp * g_lp + ent * g_h).sum().backward()
         results.append((lp.detach(), ent.detach(), h.grad, w.grad))
-    (lp_a, ent_a, dh_a, dw_a), (lp_b, ent_b, dh_b, dw_b) = results
-    assert torch.allclose(lp_a, lp_b, rtol=0, atol=1e-6) and torch.allclose(ent_a, ent_b, rtol=0, atol=1e-6)
-    assert torch.allclose(dh_b, dh_a[rank * 3:(rank + 1) * 3], rtol=0, atol=1e-6)
-    assert torch.allclose(dw_a, dw_b, rtol=0, atol=1e-6)
+    # The chunked mode (linear_policy_objective) with sequence parallelism, chunks of 8 of 18.
+    h = hidden[rank * 3:(rank + 1) * 3].clone().requires_grad_(True)
+    w = w_local.clone().requires_grad_(True)
+    objective, lp, ent = vt.linear_policy_objective(h, w, target, g_lp, g_h, temperature, tp_group=group,
+                                                    sequence_parallel=True, token_block=4, chunk_tokens=8)
+    objective.backward()
+    results.append((lp, ent, h.grad, w.grad))
+    (lp_a, ent_a, dh_a, dw_a), *others = results
+    for lp_b, ent_b, dh_b, dw_b in others:
+        assert torch.allclose(lp_a, lp_b, rtol=0, atol=1e-6) and torch.allclose(ent_a, ent_b, rtol=0, atol=1e-6)
+        assert torch.allclose(dh_b, dh_a[rank * 3:(rank + 1) * 3], rtol=0, atol=1e-6)
+        assert torch.allclose(dw_a, dw_b, rtol=0, atol=1e-6)
     dist.destroy_process_group()
 
 

@@ -417,6 +417,28 @@ def _head_chunked(hidden, weight, bias, target, label_smoothing, tp_group, seque
     """The chunked forward: (loss, grad_hidden, grad_weight, grad_bias) for an upstream
     gradient of 1, the gradients float32 (None where not needed), the hidden one already
     summed over the group (or reduce-scattered); every collective made here."""
+
+    def kernel(args, y, total, w, b, shard, grad_hidden, grad_weight, grad_bias, collective, rank, size):
+        loss = torch.empty((), dtype=torch.float32, device=total.device)
+        lse = torch.empty(tuple(target.shape), dtype=torch.float64, device=total.device)
+        _vpce.linear_cross_entropy_forward_backward(total, w, _present(b), y, *shard, args.loss, args.head, 1.0, loss,
+                                                    lse, grad_hidden, grad_weight, grad_bias, rank=rank, size=size,
+                                                    all_gather=collective)
+        return loss.double() if hidden.dtype == torch.float64 else loss
+
+    loss, grads = _head_chunked_with(kernel, hidden, weight, bias, target, label_smoothing, tp_group,
+                                     sequence_parallel, options, needs)
+    return (loss, *grads)
+
+
+def _head_chunked_with(kernel, hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel, options,
+                       needs):
+    """A chunked forward's scaffolding, for any operation of the head: the group, the
+    sequence-parallel gather, the checked operands, float32 gradients (None where needs[i] is
+    false), then kernel(args, targets, all hidden states, weight, bias, shard, grad_hidden,
+    grad_weight, grad_bias or None for an empty slice, collective, rank, size) -> its outputs;
+    then the hidden gradient summed over the group (or reduce-scattered). Returns (outputs,
+    (grad_hidden, grad_weight, grad_bias))."""
     group, rank, size = _group(tp_group)
     with _calling(group, size) as call:
         gather, collective = _forward_collectives(call, rank, size, sequence_parallel, needs[0])
@@ -426,18 +448,14 @@ def _head_chunked(hidden, weight, bias, target, label_smoothing, tp_group, seque
                 group, rank, size, gather, hidden, weight, bias, target, label_smoothing, options, sequence_parallel,
                 need_weight)
             device = total.device
-            loss = torch.empty((), dtype=torch.float32, device=device)
-            lse = torch.empty(tuple(target.shape), dtype=torch.float64, device=device)
             grad_hidden = torch.empty(total.shape, dtype=torch.float32, device=device) if need_hidden else None
             grad_weight = torch.empty(w.shape, dtype=torch.float32, device=device) if need_weight else None
             grad_bias = (torch.empty(b.shape, dtype=torch.float32, device=device)
                          if need_bias and bias is not None else None)
             if grad_bias is not None:
                 grad_bias.zero_()  # stays zero for an empty slice, which the head is given as no bias
-            _vpce.linear_cross_entropy_forward_backward(total, w, _present(b), y, *shard, args.loss, args.head, 1.0, loss,
-                                                        lse, grad_hidden, grad_weight,
-                                                        None if _present(b) is None else grad_bias, rank=rank, size=size,
-                                                        all_gather=collective)
+            outputs = kernel(args, y, total, w, b, shard, grad_hidden, grad_weight,
+                             None if _present(b) is None else grad_bias, collective, rank, size)
         except Exception as error:
             agreed = _agreed(error, (gather, collective))
             if agreed is error:
@@ -445,9 +463,7 @@ def _head_chunked(hidden, weight, bias, target, label_smoothing, tp_group, seque
             raise agreed from error
         if grad_hidden is not None:
             grad_hidden = _reduce_hidden_gradient(grad_hidden, group, rank, size, sequence_parallel).view(hidden.shape)
-        if hidden.dtype == torch.float64:
-            loss = loss.double()
-        return loss, grad_hidden, grad_weight, grad_bias
+        return outputs, (grad_hidden, grad_weight, grad_bias)
 
 
 def _scaled(gradient, grad_loss, dtype):
@@ -457,6 +473,37 @@ def _scaled(gradient, grad_loss, dtype):
         return None
     g = grad_loss.reshape(()).to(torch.float32)
     return gradient.mul_(g).to(dtype)
+
+
+def _keep_chunked(ctx, gradients, hidden, weight, bias, needs):
+    """Keeps a chunked forward's gradients (upstream 1) on ctx for _chunked_backward."""
+    ctx.gradients = list(gradients)
+    ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    ctx.has_bias = bias is not None
+    # weight.main_grad is looked up in the backward, as the recompute mode does (it may be
+    # attached after the forward); the forward checked the one it had.
+    ctx.weight = weight if needs[1] else None
+
+
+def _chunked_backward(ctx, grad_output, arguments, call, instead):
+    """The gradients _keep_chunked kept, times the scalar upstream gradient, in the operands'
+    dtypes, the weight's added into main_grad where it has one: (grad_hidden, grad_weight,
+    grad_bias). Once per forward (the first backward consumes them)."""
+    if ctx.gradients is None:
+        raise RuntimeError(f"{call}: expected one backward per forward (the gradients computed in the forward were "
+                           f"consumed by the first); {instead}")
+    grad_hidden, grad_weight, grad_bias = ctx.gradients
+    ctx.gradients = None
+    hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
+    grad_hidden = _scaled(grad_hidden, grad_output, hidden_dtype)
+    main_grad = None if ctx.weight is None else _main_grad(ctx.weight, arguments)
+    if main_grad is not None and grad_weight is not None:
+        main_grad.add_(_scaled(grad_weight, grad_output, torch.float32).to(main_grad.dtype))
+        grad_weight = _returned_weight_gradient(ctx.weight, main_grad, hidden_dtype)
+    else:
+        grad_weight = _scaled(grad_weight, grad_output, weight_dtype)
+    grad_bias = _scaled(grad_bias, grad_output, bias_dtype) if ctx.has_bias else None
+    return grad_hidden, grad_weight, grad_bias
 
 
 # ---- the autograd.Function ----------------------------------------------------------------
@@ -471,16 +518,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel, options):
         needs = tuple(bool(n) for n in ctx.needs_input_grad[:3])
         ctx.arguments = (label_smoothing, tp_group, sequence_parallel, options)
-        ctx.has_bias = bias is not None
         if options.get("mode", "recompute") == "chunked":
             loss, grad_hidden, grad_weight, grad_bias = _head_chunked(hidden, weight, bias, target, label_smoothing,
                                                                       tp_group, sequence_parallel, options, needs)
             ctx.chunked = True
-            ctx.gradients = [grad_hidden, grad_weight, grad_bias]
-            ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-            # weight.main_grad is looked up in the backward, as the recompute mode does (it
-            # may be attached after the forward); the forward checked the one it had.
-            ctx.weight = weight if needs[1] else None
+            _keep_chunked(ctx, (grad_hidden, grad_weight, grad_bias), hidden, weight, bias, needs)
             return loss
         loss, lse, _ = _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel,
                                      options, needs[0], needs[1])
@@ -492,23 +534,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         _first_derivative_only("linear_cross_entropy")
         if ctx.chunked:
-            if ctx.gradients is None:
-                raise RuntimeError("linear_cross_entropy (mode 'chunked'): expected one backward per forward (the "
-                                   "gradients computed in the forward were consumed by the first); use mode "
-                                   "'recompute' to backward more than once")
-            grad_hidden, grad_weight, grad_bias = ctx.gradients
-            ctx.gradients = None
-            hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
-            grad_hidden = _scaled(grad_hidden, grad_loss, hidden_dtype)
             label_smoothing, _, _, options = ctx.arguments
-            main_grad = None if ctx.weight is None else _main_grad(ctx.weight, _Arguments(label_smoothing, options))
-            if main_grad is not None and grad_weight is not None:
-                main_grad.add_(_scaled(grad_weight, grad_loss, torch.float32).to(main_grad.dtype))
-                grad_weight = _returned_weight_gradient(ctx.weight, main_grad, hidden_dtype)
-            else:
-                grad_weight = _scaled(grad_weight, grad_loss, weight_dtype)
-            grad_bias = _scaled(grad_bias, grad_loss, bias_dtype) if ctx.has_bias else None
-            return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+            grads = _chunked_backward(ctx, grad_loss, _Arguments(label_smoothing, options),
+                                      "linear_cross_entropy (mode 'chunked')",
+                                      "use mode 'recompute' to backward more than once")
+            return (*grads, None, None, None, None, None)
         hidden, weight, bias, target, lse = ctx.saved_tensors
         needs = tuple(bool(n) for n in ctx.needs_input_grad[:3])
         label_smoothing, tp_group, sequence_parallel, options = ctx.arguments
@@ -536,6 +566,32 @@ def _check_head_op(op, hidden, weight, bias, target, lse=None, grad_loss=None, r
                       (("hidden", hidden, _OPERAND_DTYPES), ("weight", weight, (hidden.dtype,)),
                        ("bias", bias, (hidden.dtype,)), ("target", target, _TARGET_DTYPES + _WIDENED_TARGET_DTYPES),
                        ("lse", lse, _LSE_DTYPES), ("grad_loss", grad_loss, _GRADIENT_DTYPES)), real)
+
+
+def _register_chunked_autograd(op, name, first_gradient, first_need):
+    """The autograd of a chunked custom op whose first output is a scalar and whose outputs
+    [first_gradient, first_gradient + 3) are the gradients of hidden, weight and bias for an
+    upstream gradient of 1 (inputs [first_need, first_need + 3) say which are needed; hidden,
+    weight and bias are its first three inputs). The backward scales them out of place (the
+    op's outputs are not to be changed); eager calls take the autograd.Functions, which
+    scale them in place."""
+
+    def setup(ctx, inputs, output):
+        hidden, weight, bias = inputs[:3]
+        ctx.save_for_backward(*output[first_gradient:first_gradient + 3])
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.needs = inputs[first_need:first_need + 3]
+        ctx.inputs = len(inputs)
+
+    def backward(ctx, grad_output, *unused):
+        del unused  # the other outputs are not differentiated through
+        _first_derivative_only(name)
+        g = grad_output.reshape(()).to(torch.float32)
+        grads = [(gradient * g).to(dtype) if need else None
+                 for gradient, dtype, need in zip(ctx.saved_tensors, ctx.dtypes, ctx.needs)]
+        return (*grads, *([None] * (ctx.inputs - 3)))
+
+    torch.library.register_autograd(op, backward, setup_context=setup)
 
 
 if _CUSTOM_OPS:
@@ -630,25 +686,7 @@ if _CUSTOM_OPS:
                 weight.new_empty(weight.shape, dtype=f32) if need_weight else _nothing(hidden).float(),
                 bias.new_empty(bias.shape, dtype=f32) if need_bias and bias is not None else _nothing(hidden).float())
 
-    # The backward scales the gradients out of place (the op's outputs are not to be
-    # changed); eager calls take the autograd.Function, which scales them in place.
-    def _setup_chunked(ctx, inputs, output):
-        hidden, weight, bias = inputs[:3]
-        ctx.save_for_backward(*output[1:])
-        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.needs = inputs[8:11]
-
-    def _chunked_autograd(ctx, grad_loss, *unused):
-        del unused  # the gradients are outputs of the op, not differentiated through
-        _first_derivative_only("linear_cross_entropy")
-        g = grad_loss.reshape(()).to(torch.float32)
-        grads = []
-        for gradient, dtype, need in zip(ctx.saved_tensors, ctx.dtypes, ctx.needs):
-            grads.append((gradient * g).to(dtype) if need else None)
-        return (*grads, None, None, None, None, None, None, None, None)
-
-    torch.library.register_autograd("vpce::linear_cross_entropy_chunked", _chunked_autograd,
-                                    setup_context=_setup_chunked)
+    _register_chunked_autograd("vpce::linear_cross_entropy_chunked", "linear_cross_entropy", 1, 8)
 
 
 def _fits_head_op(hidden, weight, bias, target, label_smoothing, options):

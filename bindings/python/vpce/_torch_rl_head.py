@@ -1,17 +1,19 @@
-"""The RL outputs in the fused head for PyTorch (vpce/rl.h's linear_forward / linear_backward):
-log-probabilities and entropy of hidden @ weight.T + bias without the logits, on the head's
-scaffolding (_torch_head: groups, sequence parallelism, main_grad, the hidden gradient's
-reduction): an autograd.Function and, on PyTorch >= 2.4, the custom ops
-vpce::rl_linear_forward / vpce::rl_linear_backward."""
+"""The RL outputs in the fused head for PyTorch (vpce/rl.h's linear_forward / linear_backward,
+and linear_forward_backward): log-probabilities and entropy of hidden @ weight.T + bias
+without the logits, on the head's scaffolding (_torch_head: groups, sequence parallelism,
+main_grad, the hidden gradient's reduction): autograd.Functions and, on PyTorch >= 2.4, the
+custom ops vpce::rl_linear_forward / vpce::rl_linear_backward (recompute mode) and
+vpce::rl_linear_chunked (chunked mode)."""
 from __future__ import annotations
 
 import torch
 
 from . import _vpce
 from ._torch_arguments import _first_derivative_only
-from ._torch_compile import _CUSTOM_OPS
-from ._torch_head import (_HEAD_OPTION_NAMES, _check_head_op, _fits_head_op, _head_backward_with,
-                          _head_forward_with, _needs, _nothing, _present)
+from ._torch_compile import _CUSTOM_OPS, _compiling
+from ._torch_head import (_HEAD_OPTION_NAMES, _Arguments, _check_head_op, _chunked_backward, _fits_head_op,
+                          _head_backward_with, _head_chunked_with, _head_forward_with, _keep_chunked, _needs,
+                          _nothing, _present, _register_chunked_autograd)
 from ._torch_ops import _decode_options, _encode_options, _group_key, _keyed_group
 from ._torch_rl import _RL_OPTION_NAMES, _as_temperatures, _rl_options
 
@@ -65,6 +67,75 @@ def _policy_head_backward(hidden, weight, bias, target, lse, mean, grad_log_prob
                                  accumulate_weight=add_weight, temperatures=t)
 
     return _head_backward_with(kernel, hidden, weight, bias, target, 0.0, tp_group, sequence_parallel, options, needs)
+
+
+def _token_weights(weights, target, name):
+    """An objective's weights: None, or a tensor broadcastable to the target (one per token),
+    as float32 contiguous of the target's shape."""
+    if weights is None:
+        return None
+    if not isinstance(weights, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor of one weight per token or None, got {type(weights).__name__}")
+    if weights.device != target.device:
+        raise ValueError(f"{name}.device: expected the target's device {target.device}, got {weights.device}")
+    if not weights.is_floating_point():
+        raise TypeError(f"{name}.dtype: expected a floating-point tensor, got {weights.dtype}")
+    try:
+        return torch.broadcast_to(weights.to(torch.float32), tuple(target.shape)).contiguous()
+    except RuntimeError:
+        raise ValueError(f"{name}.shape: expected the target's shape {tuple(target.shape)} (or broadcastable to it), "
+                         f"got {tuple(weights.shape)}") from None
+
+
+def _policy_head_chunked(hidden, weight, bias, target, log_prob_weights, entropy_weights, temperature, tp_group,
+                         sequence_parallel, options, needs):
+    """The chunked mode: (objective, log_prob, entropy, grad_hidden, grad_weight, grad_bias),
+    objective = sum(log_prob_weights * log_prob + entropy_weights * entropy) in float32, the
+    gradients its own (float32, None where not needed), the hidden one summed over the group."""
+    _check_options(options)
+
+    def kernel(args, y, total, w, b, shard, grad_hidden, grad_weight, grad_bias, collective, rank, size):
+        scalar, t = _as_temperatures(temperature, total, y)
+        opts = _rl_options(scalar, args.loss_options)
+        log_prob = torch.empty(y.shape, dtype=torch.float32, device=total.device)
+        entropy = torch.empty(y.shape, dtype=torch.float32, device=total.device)
+        _vpce.rl_linear_forward_backward(total, w, _present(b), y, log_prob_weights, entropy_weights, *shard, opts, args.head,
+                                         log_prob, entropy, grad_hidden, grad_weight, grad_bias, temperatures=t,
+                                         rank=rank, size=size, all_gather=collective)
+        objective = torch.zeros((), dtype=torch.float64, device=total.device)
+        for weights, output in ((log_prob_weights, log_prob), (entropy_weights, entropy)):
+            if weights is not None:
+                objective += (weights.double() * output.double()).sum()
+        return objective.float(), log_prob, entropy
+
+    (objective, log_prob, entropy), grads = _head_chunked_with(kernel, hidden, weight, bias, target, 0.0, tp_group,
+                                                               sequence_parallel, options, needs)
+    return (objective, log_prob, entropy, *grads)
+
+
+class _LinearPolicyObjective(torch.autograd.Function):
+    """linear_policy_objective as an autograd.Function: (objective, log_prob, entropy), the
+    gradients computed in the forward and scaled by the objective's upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, log_prob_weights, entropy_weights, temperature, tp_group,
+                sequence_parallel, options):
+        needs = tuple(bool(n) for n in ctx.needs_input_grad[:3])
+        objective, log_prob, entropy, *grads = _policy_head_chunked(
+            hidden, weight, bias, target, log_prob_weights, entropy_weights, temperature, tp_group, sequence_parallel,
+            options, needs)
+        _keep_chunked(ctx, grads, hidden, weight, bias, needs)
+        ctx.options = options
+        ctx.mark_non_differentiable(log_prob, entropy)
+        return objective, log_prob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_objective, grad_log_prob, grad_entropy):
+        del grad_log_prob, grad_entropy  # no gradient flows through them (not differentiable)
+        _first_derivative_only("linear_policy_objective")
+        grads = _chunked_backward(ctx, grad_objective, _Arguments(0.0, ctx.options), "linear_policy_objective",
+                                  "use linear_log_probs_and_entropy to backward more than once")
+        return (*grads, None, None, None, None, None, None, None)
 
 
 class _LinearLogProbs(torch.autograd.Function):
@@ -155,6 +226,34 @@ if _CUSTOM_OPS:
 
     torch.library.register_autograd("vpce::rl_linear_forward", _autograd, setup_context=_setup)
 
+    @torch.library.custom_op("vpce::rl_linear_chunked", mutates_args=())
+    def _op_chunked(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                    log_prob_weights: Optional[Tensor], entropy_weights: Optional[Tensor],
+                    temperatures: Optional[Tensor], temperature: float, group_key: int, sequence_parallel: bool,
+                    options: str, need_hidden: bool, need_weight: bool,
+                    need_bias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The RL outputs in the head (chunked): (objective, log_prob, entropy, grad_hidden,
+        grad_weight, grad_bias), the gradients float32 for an upstream gradient of 1 (empty
+        where not needed)."""
+        _check_head_op("rl_linear_chunked", hidden, weight, bias, target)
+        objective, log_prob, entropy, *grads = _policy_head_chunked(
+            hidden, weight, bias, target, log_prob_weights, entropy_weights,
+            _temperature_value(temperatures, temperature), _keyed_group(group_key), sequence_parallel,
+            _decode_options(options), (need_hidden, need_weight, need_bias))
+        return (objective, log_prob, entropy, *(_nothing(hidden).float() if g is None else g for g in grads))
+
+    @_op_chunked.register_fake
+    def _(hidden, weight, bias, target, log_prob_weights, entropy_weights, temperatures, temperature, group_key,
+          sequence_parallel, options, need_hidden, need_weight, need_bias):
+        _check_head_op("rl_linear_chunked", hidden, weight, bias, target, real=False)
+        f32, shape = torch.float32, tuple(target.shape)
+        return (hidden.new_empty((), dtype=f32), hidden.new_empty(shape, dtype=f32), hidden.new_empty(shape, dtype=f32),
+                hidden.new_empty(hidden.shape, dtype=f32) if need_hidden else _nothing(hidden).float(),
+                weight.new_empty(weight.shape, dtype=f32) if need_weight else _nothing(hidden).float(),
+                bias.new_empty(bias.shape, dtype=f32) if need_bias and bias is not None else _nothing(hidden).float())
+
+    _register_chunked_autograd("vpce::rl_linear_chunked", "linear_policy_objective", 3, 11)
+
 
 def linear_log_probs_and_entropy(hidden, weight, target, temperature=1.0, tp_group=None, *, bias=None,
                                  sequence_parallel=False, **options):
@@ -172,15 +271,59 @@ def linear_log_probs_and_entropy(hidden, weight, target, temperature=1.0, tp_gro
     """
     _check_options(options)
     args = (hidden, weight, bias, target, temperature, tp_group, sequence_parallel, options)
-    per_token = isinstance(temperature, torch.Tensor)
-    fits = (per_token and isinstance(target, torch.Tensor) and temperature.shape == target.shape
-            and temperature.device == target.device) or (
-        not per_token and isinstance(temperature, (float, int)) and not isinstance(temperature, bool))
-    if (_CUSTOM_OPS and isinstance(sequence_parallel, bool) and fits
-            and _fits_head_op(hidden, weight, bias, target, 0.0, options)):
+    if isinstance(sequence_parallel, bool) and _fits_rl_head_op(hidden, weight, bias, target, temperature, options):
+        per_token = isinstance(temperature, torch.Tensor)
         temperatures = temperature.to(torch.float32) if per_token else None
         log_prob, entropy, _, _ = torch.ops.vpce.rl_linear_forward(
             hidden, weight, bias, target, temperatures, 1.0 if per_token else float(temperature),
             _group_key(tp_group), sequence_parallel, _encode_options(options), _needs(hidden, weight, bias)[0])
         return log_prob, entropy
     return _LinearLogProbs.apply(*args)
+
+
+def _fits_rl_head_op(hidden, weight, bias, target, temperature, options):
+    """Whether the head's RL custom ops take these arguments (else the autograd.Functions,
+    whose checks raise the same error on every rank)."""
+    per_token = isinstance(temperature, torch.Tensor)
+    fits = (per_token and isinstance(target, torch.Tensor) and temperature.shape == target.shape
+            and temperature.device == target.device) or (
+        not per_token and isinstance(temperature, (float, int)) and not isinstance(temperature, bool))
+    return _CUSTOM_OPS and fits and _fits_head_op(hidden, weight, bias, target, 0.0, options)
+
+
+def linear_policy_objective(hidden, weight, target, log_prob_weights, entropy_weights=None, temperature=1.0,
+                            tp_group=None, *, bias=None, sequence_parallel=False, **options):
+    """(objective, log_prob, entropy) of the output layer's logits hidden @ weight.T + bias
+    without building them, for a step whose per-token upstream gradients are known before
+    the forward: objective = sum_i (log_prob_weights_i log_prob_i + entropy_weights_i
+    entropy_i), a 0-d float32 tensor differentiable for hidden, weight and bias, its
+    gradients computed inside this forward by the head's chunked mode (three GEMMs instead
+    of the recompute mode's four); log_prob and entropy float32 of the target's shape,
+    without gradient (for logging, ratios, KL metrics).
+
+    The on-policy step of GRPO or REINFORCE (one update per rollout: the importance ratio is
+    1, so d loss / d log_prob_i = -A_i m_i / sum(m)) is objective with log_prob_weights =
+    -advantages * mask / mask.sum() and entropy_weights = -coef * mask / mask.sum(); a
+    clipped ratio of a later PPO epoch needs log_prob first (linear_log_probs_and_entropy).
+
+    log_prob_weights, entropy_weights: tensors broadcastable to the target (None: zero), the
+    same on every rank of tp_group (hashed and compared: ranks that differ all raise).
+    hidden, weight, bias, target, temperature, tp_group, sequence_parallel and options: as
+    linear_log_probs_and_entropy's, and the head's chunk_tokens. One all-gather per chunk of
+    tokens, then the hidden gradient's reduction, all in this call; one backward per call.
+    """
+    _check_options(options)
+    log_prob_weights = _token_weights(log_prob_weights, target, "log_prob_weights")
+    entropy_weights = _token_weights(entropy_weights, target, "entropy_weights")
+    # Eager calls take the autograd.Function, which scales the gradients in place (the op's
+    # backward cannot change its outputs: a copy of each gradient).
+    if (_compiling() and isinstance(sequence_parallel, bool)
+            and _fits_rl_head_op(hidden, weight, bias, target, temperature, options)):
+        per_token = isinstance(temperature, torch.Tensor)
+        objective, log_prob, entropy, *_ = torch.ops.vpce.rl_linear_chunked(
+            hidden, weight, bias, target, log_prob_weights, entropy_weights,
+            temperature.to(torch.float32) if per_token else None, 1.0 if per_token else float(temperature),
+            _group_key(tp_group), sequence_parallel, _encode_options(options), *_needs(hidden, weight, bias))
+        return objective, log_prob.detach(), entropy.detach()
+    return _LinearPolicyObjective.apply(hidden, weight, bias, target, log_prob_weights, entropy_weights, temperature,
+                                        tp_group, sequence_parallel, options)

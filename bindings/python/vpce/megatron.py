@@ -58,24 +58,29 @@ import torch
 
 from . import torch as vt
 
-__all__ = ["fuse_output_layer", "unfuse_output_layer", "is_fused", "log_probs_and_entropy"]
+__all__ = ["fuse_output_layer", "unfuse_output_layer", "is_fused", "log_probs_and_entropy", "policy_objective"]
 
 _MODES = ("recompute", "chunked")
 # Set while a fused model's forward runs with labels: (the fused model, its loss_mask).
 _ACTIVE = contextvars.ContextVar("vpce_megatron_active", default=None)
-# Set while log_probs_and_entropy runs a fused model's forward: (the model, its _PolicyRequest).
+# Set while log_probs_and_entropy or policy_objective runs a fused model's forward: (the model,
+# its _PolicyRequest).
 _POLICY = contextvars.ContextVar("vpce_megatron_policy", default=None)
 # The options of fuse_output_layer that the RL outputs take too.
 _POLICY_OPTIONS = ("logit_scale", "softcap", "valid_vocab_size", "num_threads", "token_block", "vocab_block",
-                   "bf16_logit_gradients", "round_logits", "ignore_index")
+                   "chunk_tokens", "bf16_logit_gradients", "round_logits", "ignore_index")
 
 
 class _PolicyRequest:
-    """What log_probs_and_entropy asks of the fused forward: the temperature; the entropy comes
-    back in it (the forward returns the log-probabilities, as it returns the loss)."""
+    """What log_probs_and_entropy (or policy_objective, with the objective's weights) asks of
+    the fused forward: the temperature; the entropy (and the objective's log-probabilities)
+    come back in it (the forward returns the log-probabilities or the objective, as it
+    returns the loss)."""
 
-    def __init__(self, temperature):
+    def __init__(self, temperature, weights=None):
         self.temperature = temperature
+        self.weights = weights  # (log_prob_weights, entropy_weights) [b, s] for policy_objective
+        self.log_prob = None
         self.entropy = None
 
 
@@ -263,10 +268,19 @@ def _fused_policy(gpt, labels, deferred, options, request):
             temperature = temperature.unsqueeze(1).expand(labels.shape)
         temperature = temperature.transpose(0, 1).contiguous()
     kept = {k: v for k, v in options.items() if k in _POLICY_OPTIONS}
-    log_prob, entropy = vt.linear_log_probs_and_entropy(
-        deferred.hidden, deferred.weight, target, temperature, tp_group=_tp_group(gpt, layer),
-        bias=None if layer.skip_bias_add else layer.bias, sequence_parallel=bool(layer.sequence_parallel),
-        gradient_accumulation_fusion=bool(layer.gradient_accumulation_fusion), **kept)
+    common = dict(tp_group=_tp_group(gpt, layer), bias=None if layer.skip_bias_add else layer.bias,
+                  sequence_parallel=bool(layer.sequence_parallel),
+                  gradient_accumulation_fusion=bool(layer.gradient_accumulation_fusion), **kept)
+    if request.weights is not None:
+        weights = [None if w is None else torch.broadcast_to(w, labels.shape).transpose(0, 1).contiguous()
+                   for w in request.weights]
+        objective, log_prob, entropy = vt.linear_policy_objective(deferred.hidden, deferred.weight, target, *weights,
+                                                                  temperature, **common)
+        request.log_prob = log_prob.transpose(0, 1).contiguous()
+        request.entropy = entropy.transpose(0, 1).contiguous()
+        return objective
+    log_prob, entropy = vt.linear_log_probs_and_entropy(deferred.hidden, deferred.weight, target, temperature,
+                                                        **common)
     request.entropy = entropy.transpose(0, 1).contiguous()
     return log_prob.transpose(0, 1).contiguous()
 
@@ -281,17 +295,39 @@ def log_probs_and_entropy(model, *args, labels, temperature=1.0, **kwargs):
     fuse_output_layer that apply (round_logits, bf16_logit_gradients, the tiles, logit_scale,
     softcap, valid_vocab_size, ignore_index) apply. Not with multi-token prediction."""
     gpt = _unwrap(model)
+    request = _PolicyRequest(temperature)
+    return _policy_forward(model, gpt, args, labels, kwargs, request), request.entropy
+
+
+def policy_objective(model, *args, labels, log_prob_weights, entropy_weights=None, temperature=1.0, **kwargs):
+    """(objective, log_prob, entropy) from the forward of `model` (fused by fuse_output_layer),
+    for a step whose upstream gradients are known before it (the on-policy step of GRPO or
+    REINFORCE: log_prob_weights = -advantages * mask / mask.sum()): objective = sum of
+    log_prob_weights * log_prob + entropy_weights * entropy, 0-d and differentiable, its
+    gradients at the output layer computed in this forward by the head's chunked mode
+    (vpce.torch.linear_policy_objective); log_prob and entropy [b, s] without gradient.
+    log_prob_weights, entropy_weights: [b, s] (or broadcastable; entropy_weights None: 0).
+    labels, temperature, args and kwargs as log_probs_and_entropy's; the fused options'
+    chunk_tokens applies too. One backward per call."""
+    gpt = _unwrap(model)
+    if log_prob_weights is None and entropy_weights is None:
+        raise ValueError("log_prob_weights: expected a tensor [b, s] (or entropy_weights), got None for both")
+    request = _PolicyRequest(temperature, (log_prob_weights, entropy_weights))
+    objective = _policy_forward(model, gpt, args, labels, kwargs, request, "policy_objective")
+    return objective, request.log_prob, request.entropy
+
+
+def _policy_forward(model, gpt, args, labels, kwargs, request, name="log_probs_and_entropy"):
+    """The fused model's forward with `request` (what its compute_language_model_loss returns)."""
     if not is_fused(gpt):
-        raise ValueError("vpce.megatron.log_probs_and_entropy: expected a model given to fuse_output_layer first")
+        raise ValueError(f"vpce.megatron.{name}: expected a model given to fuse_output_layer first")
     if getattr(gpt.config, "mtp_num_layers", None):
-        raise ValueError("vpce.megatron.log_probs_and_entropy: not supported: multi-token prediction (its heads "
-                         "would take the loss's path)")
+        raise ValueError(f"vpce.megatron.{name}: not supported: multi-token prediction (its heads would take the "
+                         "loss's path)")
     if labels is None:
         raise ValueError("labels: expected the sampled tokens [b, s], got None")
-    request = _PolicyRequest(temperature)
     token = _POLICY.set((gpt, request))
     try:
-        log_prob = model(*args, labels=labels, **kwargs)
+        return model(*args, labels=labels, **kwargs)
     finally:
         _POLICY.reset(token)
-    return log_prob, request.entropy

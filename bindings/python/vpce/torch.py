@@ -64,12 +64,13 @@ from ._torch_head import linear_cross_entropy
 from ._torch_helpers import VocabParallelCrossEntropy
 from ._torch_ops import _encode_options, _fits_op, _group_key, _without_data
 from ._torch_rl import log_probs_and_entropy, sum_pi_squared
-from ._torch_rl_head import linear_log_probs_and_entropy
+from ._torch_rl_head import linear_log_probs_and_entropy, linear_policy_objective
 
 __all__ = ["VocabParallelCrossEntropy", "_VocabParallelCrossEntropy", "vocab_parallel_cross_entropy",
            "unfused_cross_entropy", "fused_vocab_parallel_cross_entropy", "get_tensor_model_parallel_group",
            "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size", "linear_cross_entropy",
-           "log_probs_and_entropy", "linear_log_probs_and_entropy", "sum_pi_squared"]
+           "log_probs_and_entropy", "linear_log_probs_and_entropy", "linear_policy_objective",
+           "sum_pi_squared"]
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None, *,
