@@ -9,6 +9,7 @@ log-prob and entropy between the two (glibc told to unmap freed blocks, so that 
 memory follows the live tensors). A benchmark, not a test.
 
     build/venv-torch2.15/bin/python bench/rl_head_memory.py --ranks 2 --tokens 4096 --vocab 64000 --hidden 1024
+    (--chunk-tokens C: the chunked mode's chunk, with a token block of C below 512)
 """
 import argparse
 import os
@@ -36,13 +37,25 @@ def worker(rank, size, init_file, args, results):
     g_lp = torch.rand(args.tokens, generator=torch.Generator().manual_seed(8)) + 0.5
     g_h = torch.rand(args.tokens, generator=torch.Generator().manual_seed(9)) * 0.02 - 0.01
 
+    # Each variant: (what the backward starts from, log_prob, entropy).
+    def objective(log_prob, entropy):
+        return (log_prob * g_lp + entropy * g_h).sum(), log_prob, entropy
+
     def head(h, w):
-        return vt.linear_log_probs_and_entropy(h, w, target, tp_group=group)
+        return objective(*vt.linear_log_probs_and_entropy(h, w, target, tp_group=group))
+
+    # A chunk below the head's default token block (512) takes that block too.
+    tiles = {"chunk_tokens": args.chunk_tokens}
+    if 0 < args.chunk_tokens < 512:
+        tiles["token_block"] = args.chunk_tokens
+
+    def chunked(h, w):
+        return vt.linear_policy_objective(h, w, target, g_lp, g_h, tp_group=group, **tiles)
 
     def logits_path(h, w):
-        return vt.log_probs_and_entropy(h @ w.T, target, tp_group=group)
+        return objective(*vt.log_probs_and_entropy(h @ w.T, target, tp_group=group))
 
-    runs = {"logits": logits_path, "head": head}
+    runs = {"logits": logits_path, "head": head, "chunked": chunked}
     times, peaks, counts, outputs = ({n: [] for n in runs}, {n: [] for n in runs}, {n: {} for n in runs}, {})
     gradients_mib = (hidden.numel() + weight.numel()) * 4 / 2**20
     for _ in range(args.warmup + args.repeat):
@@ -54,20 +67,21 @@ def worker(rank, size, init_file, args, results):
             before = status_mib("VmRSS")
             start = time.perf_counter()
             with Counter() as forward:
-                log_prob, entropy = run(h, w)
+                start_from, log_prob, entropy = run(h, w)
             with Counter() as backward:
-                (log_prob * g_lp + entropy * g_h).sum().backward()
+                start_from.backward()
             times[name].append(time.perf_counter() - start)
             peaks[name].append(status_mib("VmHWM") - before - gradients_mib)
             counts[name] = {"forward": forward.calls, "backward": backward.calls}
             outputs[name] = (log_prob.detach(), entropy.detach())
-            del h, w, log_prob, entropy
+            del h, w, start_from, log_prob, entropy
     logits_mib = args.tokens * local * 4 / 2**20
     for name in runs:
         lp, ent = outputs[name]
         lp0, ent0 = outputs["logits"]
         results.put((rank, name, statistics.median(times[name][args.warmup:]), max(peaks[name][args.warmup:]),
-                     logits_mib, counts[name], float((lp - lp0).abs().max()), float((ent - ent0).abs().max())))
+                     peaks[name][0], logits_mib, counts[name], float((lp - lp0).abs().max()),
+                     float((ent - ent0).abs().max())))
     dist.destroy_process_group()
 
 
@@ -78,6 +92,7 @@ def main():
     parser.add_argument("--vocab", type=int, default=64000)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--chunk-tokens", type=int, default=0, help="the chunked mode's chunk (0: its default)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
@@ -87,19 +102,23 @@ def main():
     results = mp.get_context("spawn").SimpleQueue()
     with tempfile.TemporaryDirectory() as directory:
         mp.spawn(worker, args=(args.ranks, os.path.join(directory, "init"), args, results), nprocs=args.ranks)
-    rows = sorted((results.get() for _ in range(2 * args.ranks)), key=lambda r: (r[0], r[1] != "logits"))
+    order = ("logits", "head", "chunked")
+    rows = sorted((results.get() for _ in range(len(order) * args.ranks)), key=lambda r: (r[0], order.index(r[1])))
     print(f"R {args.ranks}, N {args.tokens}, V {args.vocab} ({args.vocab // args.ranks} per rank), H {args.hidden}, "
-          f"fp32, {args.threads} thread(s) per rank, median of {args.repeat}; rank 0's figures")
-    print(f"{'variant':8} {'ms':>9} {'peak MiB':>9} {'% logits':>9} {'collectives fwd / bwd':>34} "
-          f"{'log-prob diff':>13} {'entropy diff':>12}")
-    for rank, name, ms, peak, logits_mib, counts, lp_diff, h_diff in rows:
+          f"fp32, {args.threads} thread(s) per rank, chunk_tokens {args.chunk_tokens or 'default'}, median of "
+          f"{args.repeat}; rank 0's figures")
+    print(f"{'variant':8} {'ms':>9} {'peak MiB':>9} {'% logits':>9} {'first call':>10} {'%':>7} "
+          f"{'collectives fwd / bwd':>30} {'log-prob diff':>13} {'entropy diff':>12}")
+    for rank, name, ms, peak, first, logits_mib, counts, lp_diff, h_diff in rows:
         if rank != 0:
             continue
         calls = " / ".join(",".join(sorted(set(counts[k]))) or "none" for k in ("forward", "backward"))
-        print(f"{name:8} {1e3 * ms:9.1f} {peak:9.1f} {100 * peak / logits_mib:8.2f}% {calls:>34} "
-              f"{lp_diff:13.2e} {h_diff:12.2e}")
+        print(f"{name:8} {1e3 * ms:9.1f} {peak:9.1f} {100 * peak / logits_mib:8.2f}% {first:10.1f} "
+              f"{100 * first / logits_mib:6.2f}% {calls:>30} {lp_diff:13.2e} {h_diff:12.2e}")
     print(f"(the fp32 logits [N, V/R]: {args.tokens * (args.vocab // args.ranks) * 4 / 2**20:.1f} MiB; the peak beyond "
-          "the inputs and the gradients of hidden and weight)")
+          "the inputs and the gradients of hidden and weight, over the timed calls and on the first call, which "
+          "also holds the buffers a Workspace keeps for the next: the tiles, the head's buffer of logit gradients, "
+          "the chunked mode's chunk of logits)")
 
 
 if __name__ == "__main__":

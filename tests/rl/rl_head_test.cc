@@ -220,6 +220,30 @@ TEST(RlHead, ChunkedModeMatchesTheOracleAndTheRecomputeModesOutputs) {
   }
 }
 
+// The chunked mode is bit-identical run to run and for 1 and 2 threads (outputs and every
+// gradient), as the recompute mode is.
+TEST(RlHead, ChunkedModeIsBitIdenticalAcrossThreadCountsAndRuns) {
+  HeadProblem p = random_head_problem(40, 16, 230, kFloat32, 17);
+  HeadOptions head;
+  head.token_block = 8;
+  head.vocab_block = 32;
+  head.chunk_tokens = 16;
+  const std::vector<float> temperatures = mixed_temperatures(p.tokens);
+  std::vector<Gathered> runs;
+  for (int threads : {1, 2, 2}) {
+    rl::Options options;
+    options.num_threads = threads;
+    runs.push_back(run_policy_head(p, {120, 110}, options, head, temperatures, false, true));
+  }
+  for (std::size_t k = 1; k < runs.size(); ++k) {
+    EXPECT_EQ(runs[k].log_prob[0], runs[0].log_prob[0]);
+    EXPECT_EQ(runs[k].entropy[0], runs[0].entropy[0]);
+    EXPECT_EQ(runs[k].grad_hidden, runs[0].grad_hidden);
+    EXPECT_EQ(runs[k].grad_weight, runs[0].grad_weight);
+    EXPECT_EQ(runs[k].grad_bias, runs[0].grad_bias);
+  }
+}
+
 // Ranks given different upstream gradients (or one given grad_entropy and the other not)
 // all fail at the first gather, naming them, with nothing written.
 TEST(RlHead, ChunkedRanksThatDisagreeOnTheUpstreamGradientsAllFail) {
