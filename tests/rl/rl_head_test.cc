@@ -245,10 +245,12 @@ TEST(RlHead, ChunkedModeIsBitIdenticalAcrossThreadCountsAndRuns) {
 }
 
 // Ranks given different upstream gradients (or one given grad_entropy and the other not)
-// all fail at the first gather, naming them, with nothing written.
+// all fail at the first gather, naming them, with nothing written; a rank whose
+// grad_log_prob has the wrong length names it, and the other is told it failed, after the
+// one gather both made.
 TEST(RlHead, ChunkedRanksThatDisagreeOnTheUpstreamGradientsAllFail) {
   HeadProblem p = random_head_problem(6, 8, 40, kFloat32, 5);
-  for (int variant = 0; variant < 2; ++variant) {
+  for (int variant = 0; variant < 3; ++variant) {
     std::unique_ptr<ThreadGroup> group;
     ASSERT_TRUE(ThreadGroup::create(2, &group, std::chrono::seconds(60)).ok());
     std::vector<std::vector<float>> grad_hidden(2, std::vector<float>(48, 7.0f));
@@ -259,18 +261,29 @@ TEST(RlHead, ChunkedRanksThatDisagreeOnTheUpstreamGradientsAllFail) {
       const TensorView y = TensorView::contiguous(p.targets.data(), kInt64, {6});
       std::vector<float> g(6, 0.5f);
       if (r == 1 && variant == 0) g[3] = 0.25f;
-      const TensorView gv = TensorView::contiguous(g.data(), kFloat32, {6});
+      const TensorView gv = TensorView::contiguous(g.data(), kFloat32, {r == 1 && variant == 2 ? 5 : 6});
       const rl::Upstream upstream{&gv, r == 1 && variant == 1 ? &gv : nullptr};
       std::vector<float> lp(6);
       const TensorView lp_view = TensorView::contiguous(lp.data(), kFloat32, {6});
       const TensorView dh = TensorView::matrix(grad_hidden[r].data(), kFloat32, 6, 8, 8);
-      return rl::linear_forward_backward(comm, inputs, y, shard, rl::Options{}, HeadOptions{}, upstream,
-                                         {&lp_view, nullptr, nullptr, nullptr}, {{&dh, false}, {}, {}});
+      int64_t collectives = -1;
+      const Status s = rl::linear_forward_backward(comm, inputs, y, shard, rl::Options{}, HeadOptions{}, upstream,
+                                                   {&lp_view, nullptr, nullptr, nullptr}, {{&dh, false}, {}, {}},
+                                                   nullptr, nullptr, &collectives);
+      EXPECT_EQ(collectives, 1);
+      return s;
     });
     for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(grad_hidden[r], std::vector<float>(48, 7.0f));
+      if (variant == 2) continue;
       EXPECT_EQ(status[r].code(), Code::kInvalidUsage) << status[r].message();
       EXPECT_NE(status[r].message().find("upstream gradients"), std::string::npos) << status[r].message();
-      EXPECT_EQ(grad_hidden[r], std::vector<float>(48, 7.0f));
+    }
+    if (variant == 2) {
+      EXPECT_EQ(status[1].code(), Code::kInvalidArgument) << status[1].message();
+      EXPECT_NE(status[1].message().find("grad_log_prob"), std::string::npos) << status[1].message();
+      EXPECT_EQ(status[0].code(), Code::kRemoteError) << status[0].message();
+      EXPECT_NE(status[0].message().find("grad_log_prob"), std::string::npos) << status[0].message();
     }
   }
 }
