@@ -30,10 +30,6 @@ bool on_device(const HeadInputs& inputs) {
          detail::device_supported(inputs.hidden.device, "hidden").ok();
 }
 
-Status out_of_memory(const char* call) {
-  return {Code::kSystemError, std::string(call) + ": could not allocate the tiles' buffers"};
-}
-
 // The forward's outputs (loss and extras float32, lse float64 or float32), overlapping
 // neither each other nor the inputs.
 Status check_forward_outputs(const HeadArgs& a, const LossOptions& options, const TensorView& loss,
@@ -88,23 +84,15 @@ Status linear_cross_entropy_forward(Communicator& comm, const HeadInputs& inputs
     try {
       ops.emplace(a, false, options.num_threads);
     } catch (const std::bad_alloc&) {
-      local = out_of_memory("linear_cross_entropy_forward");
+      local = detail::head_out_of_memory("linear_cross_entropy_forward");
     }
   }
   Workspace own;
   Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
   RowMatrix merged;
-  Status group = detail::exchange_stats(
-      comm, *buffers, exchange_call(a, n, width, shard, inputs, options, extras.weights != nullptr, false), local,
-      [&](const RowMatrix& stats) -> Status {
-        try {
-          detail::sweep_stats(a, *ops, ctx, 0, n, nullptr, stats, buffers->head_tiles);
-        } catch (const std::bad_alloc&) {
-          return out_of_memory("linear_cross_entropy_forward");
-        }
-        return {};
-      },
-      &merged);
+  Status group = detail::exchange_head_stats(
+      comm, *buffers, exchange_call(a, n, width, shard, inputs, options, extras.weights != nullptr, false), local, a,
+      ops ? &*ops : nullptr, ctx, 0, n, nullptr, "linear_cross_entropy_forward", &merged);
   if (!group.ok()) return group;
   detail::loss_kernel(merged, a.targets, a.weights, ctx.params, options.num_threads, out);
   return {};
@@ -143,7 +131,7 @@ Status linear_cross_entropy_backward(const HeadInputs& inputs, const TensorView&
         detail::loss_tile_gradient(a, ctx, lse_in, detail::upstream_of(upstream, a.targets, a.weights, ctx.params)), g,
         buffers->head_tiles);
   } catch (const std::bad_alloc&) {
-    return out_of_memory("linear_cross_entropy_backward");  // before any output was written
+    return detail::head_out_of_memory("linear_cross_entropy_backward");  // before any output was written
   }
   return {};
 }
@@ -199,7 +187,7 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
       logits = detail::reserve_chunked(a, g, chunk, buffers->head_logits, sums);
       all_stats.resize(static_cast<std::size_t>(n * width));
     } catch (const std::bad_alloc&) {
-      local = out_of_memory("linear_cross_entropy_forward_backward");
+      local = detail::head_out_of_memory("linear_cross_entropy_forward_backward");
     }
   }
   const float one[1] = {grad_loss};
@@ -210,18 +198,10 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
   do {
     const int64_t rows = std::min(chunk, n - row);
     RowMatrix merged;
-    Status group = detail::exchange_stats(
+    Status group = detail::exchange_head_stats(
         comm, *buffers,
-        exchange_call(a, rows, width, shard, inputs, options, extras.weights != nullptr, true, n, grad_loss), local,
-        [&](const RowMatrix& stats) -> Status {
-          try {
-            detail::sweep_stats(a, *ops, ctx, row, rows, logits, stats, buffers->head_tiles);
-          } catch (const std::bad_alloc&) {
-            return out_of_memory("linear_cross_entropy_forward_backward");
-          }
-          return {};
-        },
-        &merged);
+        exchange_call(a, rows, width, shard, inputs, options, extras.weights != nullptr, true, n, grad_loss), local, a,
+        ops ? &*ops : nullptr, ctx, row, rows, logits, "linear_cross_entropy_forward_backward", &merged);
     if (collectives != nullptr) ++*collectives;
     if (!group.ok()) return group;
     const detail::LseTokens lse_out = detail::lse_tokens(out.lse);
@@ -267,7 +247,7 @@ Status linear_cross_entropy_local_stats(const HeadInputs& inputs, const TensorVi
     detail::HostFloats tiles;
     detail::sweep_stats(a, ops, sweep_context(shard, options), 0, a.tokens(), nullptr, out, tiles);
   } catch (const std::bad_alloc&) {
-    return out_of_memory("linear_cross_entropy_local_stats");
+    return detail::head_out_of_memory("linear_cross_entropy_local_stats");
   }
   return {};
 }

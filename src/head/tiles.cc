@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <new>
+#include <string>
 
 #include "../cpu/dtype.h"
 #include "../cpu/parallel.h"
@@ -439,6 +441,26 @@ void sweep_gradients(const HeadArgs& args, const Fp32Operands& ops, const SweepC
       store_rows(grads.hidden.matrix, grads.hidden.accumulate, 0, n, hidden_sum.data(), h, threads);
     }
   }
+}
+
+Status head_out_of_memory(const char* call) {
+  return {Code::kSystemError, std::string(call) + ": could not allocate the tiles' buffers"};
+}
+
+Status exchange_head_stats(Communicator& comm, Workspace::Buffers& buffers, const ExchangeCall& call,
+                           const Status& local, const HeadArgs& args, const Fp32Operands* ops, const SweepContext& ctx,
+                           int64_t row_begin, int64_t rows, float* keep, const char* function, RowMatrix* merged) {
+  return exchange_stats(
+      comm, buffers, call, local,
+      [&](const RowMatrix& stats) -> Status {
+        try {
+          sweep_stats(args, *ops, ctx, row_begin, rows, keep, stats, buffers.head_tiles);
+        } catch (const std::bad_alloc&) {
+          return head_out_of_memory(function);
+        }
+        return {};
+      },
+      merged);
 }
 
 float* reserve_chunked(const HeadArgs& args, const HeadGradientArgs& grads, int64_t chunk_tokens, HostFloats& logits,

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../cpu/kernels.h"
+#include "../exchange.h"
 #include "../workspace.h"
 #include "head_args.h"
 
@@ -72,6 +73,17 @@ class Fp32Operands {
 // (chunked mode; padding columns are not written), else dropped.
 void sweep_stats(const HeadArgs& args, const Fp32Operands& ops, const SweepContext& ctx, int64_t row_begin,
                  int64_t rows, float* keep, const RowMatrix& stats, HostFloats& tiles);
+
+// `call`'s error for buffers it could not allocate.
+Status head_out_of_memory(const char* call);
+
+// A forward's one gather of token rows [row_begin, row_begin + rows) (exchange.h): this
+// rank's statistics swept from its tiles (sweep_stats, kept in `keep` when not null) when its
+// own check `local` passed (`ops` then holds the operands); `function` names an allocation
+// failure. On success *merged views the merged statistics.
+Status exchange_head_stats(Communicator& comm, Workspace::Buffers& buffers, const ExchangeCall& call,
+                           const Status& local, const HeadArgs& args, const Fp32Operands* ops, const SweepContext& ctx,
+                           int64_t row_begin, int64_t rows, float* keep, const char* function, RowMatrix* merged);
 
 // Turns a tile of logits x (token rows [r0, r0 + x.rows), the shard's columns from
 // vocab_begin) into their gradient in place: the operation's gradient rows (the loss's,

@@ -31,10 +31,6 @@ Status device_unsupported(const HeadInputs& inputs) {
                                to_string(inputs.hidden.device))};
 }
 
-Status out_of_memory(const char* call) {
-  return {Code::kSystemError, std::string(call) + ": could not allocate the tiles' buffers"};
-}
-
 // The head's operands and targets, the temperatures (into the inputs' hash).
 Status check_inputs(const HeadInputs& inputs, const TensorView& targets, const TensorView* temperatures,
                     const VocabShard& shard, const Options& options, const HeadOptions& head, HeadArgs* a,
@@ -91,7 +87,7 @@ Status linear_forward(Communicator& comm, const HeadInputs& inputs, const Tensor
     try {
       ops.emplace(a, false, options.num_threads);
     } catch (const std::bad_alloc&) {
-      local = out_of_memory("rl::linear_forward");
+      local = engine::head_out_of_memory("rl::linear_forward");
     }
   }
   Workspace own;
@@ -101,17 +97,8 @@ Status linear_forward(Communicator& comm, const HeadInputs& inputs, const Tensor
       detail::policy_operation(options, temperatures != nullptr, "fused head, recompute (linear_forward)",
                                a.hidden_size(), a.round_logits));
   RowMatrix merged;
-  Status group = engine::exchange_stats(
-      comm, *buffers, call, local,
-      [&](const RowMatrix& stats) -> Status {
-        try {
-          engine::sweep_stats(a, *ops, ctx, 0, n, nullptr, stats, buffers->head_tiles);
-        } catch (const std::bad_alloc&) {
-          return out_of_memory("rl::linear_forward");
-        }
-        return {};
-      },
-      &merged);
+  Status group = engine::exchange_head_stats(comm, *buffers, call, local, a, ops ? &*ops : nullptr, ctx, 0, n, nullptr,
+                                             "rl::linear_forward", &merged);
   if (!group.ok()) return group;
   detail::policy_kernel(merged, a.targets, ctx.params, options.num_threads, out);
   return {};
@@ -140,7 +127,7 @@ Status linear_backward(const HeadInputs& inputs, const TensorView& targets, cons
     const engine::Fp32Operands ops(a, false, options.num_threads);
     engine::sweep_gradients(a, ops, ctx, gradient, g, buffers->head_tiles);
   } catch (const std::bad_alloc&) {
-    return out_of_memory("rl::linear_backward");  // before any output was written
+    return engine::head_out_of_memory("rl::linear_backward");  // before any output was written
   }
   return {};
 }
@@ -191,7 +178,7 @@ Status linear_forward_backward(Communicator& comm, const HeadInputs& inputs, con
       logits = engine::reserve_chunked(a, g, chunk, buffers->head_logits, sums);
       kept.resize(static_cast<std::size_t>(2 * n));
     } catch (const std::bad_alloc&) {
-      local = out_of_memory("rl::linear_forward_backward");
+      local = engine::head_out_of_memory("rl::linear_forward_backward");
     }
   }
   up.lse = TokenVector{reinterpret_cast<char*>(kept.data()), kFloat64, n, 1};
@@ -205,19 +192,10 @@ Status linear_forward_backward(Communicator& comm, const HeadInputs& inputs, con
   do {
     const int64_t rows = std::min(chunk, n - row);
     RowMatrix merged;
-    Status group = engine::exchange_stats(
+    Status group = engine::exchange_head_stats(
         comm, *buffers,
         detail::policy_exchange_call(rows, shard, inputs.hidden.dtype, options, outputs, a.inputs_hash, operation),
-        local,
-        [&](const RowMatrix& stats) -> Status {
-          try {
-            engine::sweep_stats(a, *ops, ctx, row, rows, logits, stats, buffers->head_tiles);
-          } catch (const std::bad_alloc&) {
-            return out_of_memory("rl::linear_forward_backward");
-          }
-          return {};
-        },
-        &merged);
+        local, a, ops ? &*ops : nullptr, ctx, row, rows, logits, "rl::linear_forward_backward", &merged);
     if (collectives != nullptr) ++*collectives;
     if (!group.ok()) return group;
     engine::LossParams p = ctx.params;

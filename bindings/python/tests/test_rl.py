@@ -164,16 +164,22 @@ def head_reference(hidden, weight, bias, target, temperature, g_lp, g_h):
     return lp, ent, h.grad, w.grad, b.grad
 
 
-@pytest.mark.parametrize("per_token", [False, True])
-def test_head_one_rank_matches_float64(per_token):
-    generator = torch.Generator().manual_seed(21)
+def head_problem(seed, per_token, scalar):
+    """hidden [3, 7, 32], weight [403, 32], bias, targets (one ignored), temperatures (per token
+    in {0.5, 1, 1.7}, or the scalar), non-uniform upstream gradients of both outputs."""
+    generator = torch.Generator().manual_seed(seed)
     hidden = torch.randn(3, 7, 32, generator=generator, requires_grad=True)
     weight = (torch.randn(403, 32, generator=generator) / 32 ** 0.5 * 3).requires_grad_(True)
     bias = torch.randn(403, generator=generator).requires_grad_(True)
     target = torch.randint(0, 403, (3, 7), generator=generator)
-    target[1, 2] = -100
-    temperature = torch.tensor([0.5, 1.0, 1.7])[torch.arange(21) % 3].view(3, 7) if per_token else 1.3
-    g_lp, g_h = upstream((3, 7), 11), upstream((3, 7), 12)
+    target[1 + seed % 2, seed % 7] = -100
+    temperature = torch.tensor([0.5, 1.0, 1.7])[torch.arange(21) % 3].view(3, 7) if per_token else scalar
+    return hidden, weight, bias, target, temperature, upstream((3, 7), seed + 1), upstream((3, 7), seed + 2)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_head_one_rank_matches_float64(per_token):
+    hidden, weight, bias, target, temperature, g_lp, g_h = head_problem(21, per_token, 1.3)
     log_prob, entropy = vt.linear_log_probs_and_entropy(hidden, weight, target, temperature, bias=bias,
                                                         token_block=8, vocab_block=64)
     (log_prob * g_lp + entropy * g_h).sum().backward()
@@ -189,14 +195,7 @@ def test_head_policy_objective_matches_float64(per_token):
     """linear_policy_objective (the chunked mode, chunks of 8 of 21 tokens): its objective,
     outputs and gradients against the float64 reference, scaled by a non-unit upstream
     gradient; log_prob and entropy carry no gradient; a second backward is refused."""
-    generator = torch.Generator().manual_seed(23)
-    hidden = torch.randn(3, 7, 32, generator=generator, requires_grad=True)
-    weight = (torch.randn(403, 32, generator=generator) / 32 ** 0.5 * 3).requires_grad_(True)
-    bias = torch.randn(403, generator=generator).requires_grad_(True)
-    target = torch.randint(0, 403, (3, 7), generator=generator)
-    target[2, 5] = -100
-    temperature = torch.tensor([0.5, 1.0, 1.7])[torch.arange(21) % 3].view(3, 7) if per_token else 0.8
-    g_lp, g_h = upstream((3, 7), 13), upstream((3, 7), 14)
+    hidden, weight, bias, target, temperature, g_lp, g_h = head_problem(23, per_token, 0.8)
     objective, log_prob, entropy = vt.linear_policy_objective(hidden, weight, target, g_lp, g_h, temperature,
                                                               bias=bias, token_block=4, vocab_block=64,
                                                               chunk_tokens=8)
