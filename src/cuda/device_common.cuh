@@ -401,11 +401,15 @@ struct TokenInputs {
   }
   // A target outside [0, Vv) that is not ignore_index, or a weight that is negative or not
   // finite: sets header->status (its message is ready), when there is a header.
+  // Token i's target, weight and (the RL outputs') per-token temperature, checked: a bad one
+  // sets header->status.
   __device__ __forceinline__ void flag_bad(int64_t i, int64_t y, const LossParams& params, RankHeader* header) const {
     const bool bad_target = !params.ignored(y) && (y < 0 || y >= params.valid_vocab);
     const bool bad_weight =
         weights != nullptr && !(isfinite(weights[i * weight_stride]) && weights[i * weight_stride] >= 0.0f);
-    if ((bad_target || bad_weight) && header != nullptr) {
+    const float temperature = params.temperature_of(i);
+    const bool bad_temperature = params.temperatures != nullptr && !(isfinite(temperature) && temperature > 0.0f);
+    if ((bad_target || bad_weight || bad_temperature) && header != nullptr) {
       atomicCAS(&header->status, 0, static_cast<int32_t>(Code::kInvalidArgument));
     }
   }
@@ -455,6 +459,26 @@ struct GradientParams {
     return gradient_constants(y, upstream, tokens.weight(i), lse.get(i), params);
   }
 };
+
+// The RL outputs' gradient parameters: grad_log_prob in grad_loss's place, grad_entropy and
+// E_p[z] (an upstream gradient not given: 0).
+inline GradientParams policy_gradient_params(const TokenVector& targets, const TokenVector& lse,
+                                             const TokenVector& grad_log_prob, const TokenVector& grad_entropy,
+                                             const TokenVector& mean_logit, int64_t vocab_begin,
+                                             const LossParams& params) {
+  GradientParams p{token_inputs(targets, TokenVector{}),
+                   lse_tokens(lse),
+                   reinterpret_cast<const float*>(grad_log_prob.base),
+                   grad_log_prob.stride,
+                   nullptr,
+                   vocab_begin,
+                   params};
+  p.policy = true;
+  p.grad_entropy = reinterpret_cast<const float*>(grad_entropy.base);
+  p.grad_entropy_stride = grad_entropy.stride;
+  p.mean_logit = lse_tokens(mean_logit);
+  return p;
+}
 
 // The gradient's parameters from the validated arguments (shared_upstream null: per token).
 inline GradientParams gradient_params(const TokenVector& targets, const TokenVector& weights, const TokenVector& lse,

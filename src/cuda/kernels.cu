@@ -63,12 +63,6 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x != 0) return;
   const int64_t y = tokens.target(i);
   tokens.flag_bad(i, y, params, header);
-  if (params.temperatures != nullptr && header != nullptr) {  // the RL outputs' per-token temperatures
-    const float temperature = params.temperature_of(i);
-    if (!(isfinite(temperature) && temperature > 0.0f)) {
-      atomicCAS(&header->status, 0, static_cast<int32_t>(Code::kInvalidArgument));
-    }
-  }
   const int64_t column = y - vocab_begin;
   float* out = stats + i * width;
   out[0] = p.max;
@@ -396,14 +390,10 @@ Status gradient(const RowMatrix& logits, const TokenVector& targets, const Token
     shared = shared_upstream;
   }
   const int64_t valid = valid_columns(vocab_begin, logits.cols, params);
-  GradientParams p = gradient_params(targets, weights, lse, policy != nullptr ? policy->grad_log_prob : grad_loss,
-                                     shared, vocab_begin, params);
-  if (policy != nullptr) {
-    p.policy = true;
-    p.grad_entropy = reinterpret_cast<const float*>(policy->grad_entropy.base);
-    p.grad_entropy_stride = policy->grad_entropy.stride;
-    p.mean_logit = lse_tokens(policy->mean_logit);
-  }
+  const GradientParams p = policy != nullptr
+                               ? policy_gradient_params(targets, lse, policy->grad_log_prob, policy->grad_entropy,
+                                                        policy->mean_logit, vocab_begin, params)
+                               : gradient_params(targets, weights, lse, grad_loss, shared, vocab_begin, params);
   with_type(logits.dtype, [&](auto* in_type) {
     using TIn = std::remove_pointer_t<decltype(in_type)>;
     with_type(grad.dtype, [&](auto* out_type) {

@@ -39,4 +39,14 @@ Status device_linear_cross_entropy_local_stats(const HeadInputs& inputs, const T
   return refuse(inputs.hidden);
 }
 
+Status device_policy_linear_forward(Communicator&, const HeadInputs& inputs, const TensorView&, const VocabShard&,
+                                    const LossOptions&, const HeadOptions&, const PreparePolicy&, Workspace*) {
+  return refuse(inputs.hidden);
+}
+
+Status device_policy_linear_backward(const HeadInputs& inputs, const TensorView&, const VocabShard&, const LossOptions&,
+                                     const HeadOptions&, const HeadGradients&, const CheckPolicyBackward&, Workspace*) {
+  return refuse(inputs.hidden);
+}
+
 }  // namespace vpce::detail

@@ -10,6 +10,7 @@
 
 #include "../cpu/kernels.h"
 #include "../exchange.h"
+#include "../head/device_head.h"
 #include "../head/head_args.h"
 #include "../head/tiles.h"
 #include "../workspace.h"
@@ -24,12 +25,7 @@ using engine::HeadArgs;
 using engine::RowMatrix;
 using engine::TokenVector;
 
-Status device_unsupported(const HeadInputs& inputs) {
-  if (inputs.hidden.device.type == DeviceType::kCPU) return {};
-  return {Code::kUnsupported,
-          engine::expected_got("hidden.device", "cpu (the RL outputs run on the CPU in this release)",
-                               to_string(inputs.hidden.device))};
-}
+bool on_device(const HeadInputs& inputs) { return inputs.hidden.device.type != DeviceType::kCPU; }
 
 // The head's operands and targets, the temperatures (into the inputs' hash).
 Status check_inputs(const HeadInputs& inputs, const TensorView& targets, const TensorView* temperatures,
@@ -68,13 +64,88 @@ detail::PolicyOutputs outputs_slice(const detail::PolicyOutputs& o, int64_t begi
   return {slice(o.log_prob), slice(o.entropy), slice(o.lse), slice(o.mean_logit), slice(o.sum_p_squared)};
 }
 
+// linear_forward on device tensors (head/device_head.h): the head's checks there, then the RL
+// outputs' own (temperatures' values are checked on the device, not hashed; no sum_p_squared).
+Status device_forward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets, const VocabShard& shard,
+                      const Options& options, const HeadOptions& head, const Outputs& outputs,
+                      const TensorView* temperatures, Workspace* workspace) {
+  const Device device = inputs.hidden.device;
+  auto prepare = [&](Status local, const HeadArgs& a, engine::PolicyForward* p) {
+    TokenVector t;
+    detail::PolicyOutputs out;
+    uint64_t unhashed = 0;
+    if (local.ok()) local = detail::check_temperatures(options, temperatures, a.tokens(), device, &t, &unhashed);
+    if (local.ok() && outputs.sum_p_squared != nullptr) {
+      local = {Code::kUnsupported,
+               engine::expected_got("outputs.sum_p_squared", "null (the fused head on a device does not compute it)",
+                                    "a tensor")};
+    }
+    if (local.ok()) local = detail::check_outputs(outputs, a.tokens(), device, input_regions(a, t), &out);
+    if (local.ok()) {
+      local = detail::check_device_pointers({{temperatures, "temperatures"},
+                                             {outputs.log_prob, "log_prob"},
+                                             {outputs.entropy, "entropy"},
+                                             {outputs.lse, "lse"},
+                                             {outputs.mean_logit, "mean_logit"}});
+    }
+    const TensorView& h = inputs.hidden;
+    const int64_t hidden =
+        local.ok() ? a.hidden_size() : (h.ndim >= 1 && h.ndim <= TensorView::kMaxDims ? h.shape[h.ndim - 1] : 0);
+    p->operation = detail::policy_operation(options, temperatures != nullptr, "fused head, recompute (linear_forward)",
+                                            hidden, local.ok() && a.round_logits);
+    p->params = detail::policy_params(options, shard, t);
+    p->found_message = detail::device_found_message(p->params, options);
+    p->out = {true, out.log_prob, out.entropy, out.lse, out.mean_logit, {}};
+    return local;
+  };
+  return engine::device_policy_linear_forward(comm, inputs, targets, shard, detail::loss_options(options), head,
+                                              prepare, workspace);
+}
+
+// linear_backward on device tensors.
+Status device_backward(const HeadInputs& inputs, const TensorView& targets, const TensorView& lse,
+                       const TensorView* mean_logit, const Upstream& upstream, const VocabShard& shard,
+                       const Options& options, const HeadOptions& head, const HeadGradients& gradients,
+                       const TensorView* temperatures, Workspace* workspace) {
+  const Device device = inputs.hidden.device;
+  auto check = [&](const HeadArgs& a, TokenVector* lse_out, engine::PolicyBackwardInputs* policy,
+                   engine::LossParams* params, std::vector<engine::NamedRegion>* regions) -> Status {
+    TokenVector t;
+    uint64_t unhashed = 0;
+    if (Status s = detail::check_temperatures(options, temperatures, a.tokens(), device, &t, &unhashed); !s.ok()) {
+      return s;
+    }
+    detail::PolicyUpstream up;
+    if (Status s = detail::check_upstream(lse, mean_logit, upstream, a.tokens(), device, &up); !s.ok()) return s;
+    if (Status s = detail::check_device_pointers({{temperatures, "temperatures"},
+                                                  {&lse, "lse"},
+                                                  {mean_logit, "mean_logit"},
+                                                  {upstream.grad_log_prob, "grad_log_prob"},
+                                                  {upstream.grad_entropy, "grad_entropy"}});
+        !s.ok()) {
+      return s;
+    }
+    regions->push_back(engine::region_of("temperatures", t));
+    for (const engine::NamedRegion& r : detail::upstream_regions(up)) regions->push_back(r);
+    *lse_out = up.lse;
+    *policy = {true, up.grad_log_prob, up.grad_entropy, up.mean_logit};
+    *params = detail::policy_params(options, shard, t);
+    params->entropy_gradient = engine::present(up.grad_entropy);
+    return {};
+  };
+  return engine::device_policy_linear_backward(inputs, targets, shard, detail::loss_options(options), head, gradients,
+                                               check, workspace);
+}
+
 }  // namespace
 
 Status linear_forward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets, const VocabShard& shard,
                       const Options& options, const HeadOptions& head, const Outputs& outputs,
                       const TensorView* temperatures, Workspace* workspace) {
   if (Status s = engine::check_comm(comm); !s.ok()) return s;
-  if (Status s = device_unsupported(inputs); !s.ok()) return s;  // (every rank of a device group)
+  if (on_device(inputs)) {
+    return device_forward(comm, inputs, targets, shard, options, head, outputs, temperatures, workspace);
+  }
   HeadArgs a;
   TokenVector t;
   detail::PolicyOutputs out;
@@ -108,7 +179,10 @@ Status linear_backward(const HeadInputs& inputs, const TensorView& targets, cons
                        const TensorView* mean_logit, const Upstream& upstream, const VocabShard& shard,
                        const Options& options, const HeadOptions& head, const HeadGradients& gradients,
                        const TensorView* temperatures, Workspace* workspace) {
-  if (Status s = device_unsupported(inputs); !s.ok()) return s;
+  if (on_device(inputs)) {
+    return device_backward(inputs, targets, lse, mean_logit, upstream, shard, options, head, gradients, temperatures,
+                           workspace);
+  }
   HeadArgs a;
   TokenVector t;
   if (Status s = check_inputs(inputs, targets, temperatures, shard, options, head, &a, &t); !s.ok()) return s;
@@ -138,7 +212,13 @@ Status linear_forward_backward(Communicator& comm, const HeadInputs& inputs, con
                                const TensorView* temperatures, Workspace* workspace, int64_t* collectives) {
   if (collectives != nullptr) *collectives = 0;
   if (Status s = engine::check_comm(comm); !s.ok()) return s;
-  if (Status s = device_unsupported(inputs); !s.ok()) return s;  // (every rank of a device group)
+  if (on_device(inputs)) {  // (every rank of a device group, before any collective)
+    return {Code::kUnsupported,
+            engine::expected_got("hidden.device",
+                                 "cpu (the chunked mode of the RL outputs runs on the CPU; on a device, "
+                                 "linear_forward and linear_backward)",
+                                 to_string(inputs.hidden.device))};
+  }
   HeadArgs a;
   TokenVector t;
   detail::PolicyOutputs out;

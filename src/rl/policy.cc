@@ -116,6 +116,19 @@ void policy_kernel(const RowMatrix& stats, const TokenVector& targets, const eng
   });
 }
 
+Status check_device_pointers(std::initializer_list<std::pair<const TensorView*, const char*>> views) {
+  for (const auto& [view, name] : views) {
+    if (view == nullptr) continue;
+    if (Status s = engine::check_device_pointer(*view, name); !s.ok()) return s;
+  }
+  return {};
+}
+
+std::string device_found_message(const engine::LossParams& params, const Options& options) {
+  return "targets or temperatures: expected targets in [0, " + std::to_string(params.valid_vocab) + ") or " +
+         std::to_string(options.ignore_index) + " and finite temperatures > 0, got another value (found on the device)";
+}
+
 engine::GradientConstants PolicyUpstream::constants(int64_t i, int64_t target, const engine::LossParams& params) const {
   const double g_lp = engine::present(grad_log_prob) ? static_cast<double>(grad_log_prob.at<float>(i)) : 0.0;
   const bool entropy = engine::present(grad_entropy);

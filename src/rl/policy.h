@@ -5,6 +5,9 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "../common/token_math.h"
@@ -76,6 +79,12 @@ inline vpce::detail::ExchangeCall policy_exchange_call(int64_t n, const VocabSha
 // merged stats [N, 6] (or [N, 8] with the squares) -> each wanted output, per token.
 void policy_kernel(const RowMatrix& stats, const TokenVector& targets, const vpce::detail::LossParams& params,
                    int num_threads, const PolicyOutputs& out);
+
+// Device tensors: each given view is memory of its CUDA device.
+Status check_device_pointers(std::initializer_list<std::pair<const TensorView*, const char*>> views);
+// Device tensors: the message a forward's header carries (while its status is 0) for a bad
+// target or temperature the device finds.
+std::string device_found_message(const vpce::detail::LossParams& params, const Options& options);
 
 // The backward's upstream gradients and kept values, validated: grad_log_prob and
 // grad_entropy float32 (absent: 0), lse, and mean_logit (required with grad_entropy).

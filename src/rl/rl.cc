@@ -5,8 +5,6 @@
 // the CPU, or on a CUDA device through cuda/dispatch.h (the loss's protocol and kernels with
 // the RL outputs' last stage and gradient constants).
 #include <cstdio>
-#include <initializer_list>
-#include <utility>
 #include <vector>
 
 #include "../cpu/kernels.h"
@@ -43,15 +41,6 @@ bool on_device(const TensorView& logits) {
   return logits.device.type == DeviceType::kCUDA && engine::device_supported(logits.device, "logits").ok();
 }
 
-// Each given view is memory of its CUDA device.
-Status check_device_pointers(std::initializer_list<std::pair<const TensorView*, const char*>> views) {
-  for (const auto& [view, name] : views) {
-    if (view == nullptr) continue;
-    if (Status s = engine::check_device_pointer(*view, name); !s.ok()) return s;
-  }
-  return {};
-}
-
 // The forward on device tensors: the loss's header and protocol, its buffers, kernels and
 // gather on the device (cuda/dispatch.cu), the RL outputs' last stage.
 Status device_forward(Communicator& comm, const LossInputs& in, const detail::PolicyOutputs& out, int64_t n,
@@ -64,14 +53,14 @@ Status device_forward(Communicator& comm, const LossInputs& in, const detail::Po
              "error), got null"};
   }
   if (local.ok()) {
-    local = check_device_pointers({{&logits, "logits"},
-                                   {&targets, "targets"},
-                                   {temperatures, "temperatures"},
-                                   {outputs.log_prob, "log_prob"},
-                                   {outputs.entropy, "entropy"},
-                                   {outputs.lse, "lse"},
-                                   {outputs.mean_logit, "mean_logit"},
-                                   {outputs.sum_p_squared, "sum_p_squared"}});
+    local = detail::check_device_pointers({{&logits, "logits"},
+                                           {&targets, "targets"},
+                                           {temperatures, "temperatures"},
+                                           {outputs.log_prob, "log_prob"},
+                                           {outputs.entropy, "entropy"},
+                                           {outputs.lse, "lse"},
+                                           {outputs.mean_logit, "mean_logit"},
+                                           {outputs.sum_p_squared, "sum_p_squared"}});
   }
   Workspace own;  // only when the caller gave none: that is this rank's error, but it still joins
   Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
@@ -81,10 +70,7 @@ Status device_forward(Communicator& comm, const LossInputs& in, const detail::Po
       engine::make_header(comm.rank(), comm.size(), n, width, shard, logits.dtype, loss, false, 0,
                           detail::policy_operation(options, temperatures != nullptr, "forward"), local);
   if (header.status == 0) {  // the message the device reports if it finds a bad value
-    std::snprintf(header.message, sizeof(header.message),
-                  "targets or temperatures: expected targets in [0, %lld) or %lld and finite temperatures > 0, got "
-                  "another value (found on the device)",
-                  static_cast<long long>(params.valid_vocab), static_cast<long long>(options.ignore_index));
+    std::snprintf(header.message, sizeof(header.message), "%s", detail::device_found_message(params, options).c_str());
   }
   engine::DeviceForwardArgs args{in,
                                  engine::LossOutputs{},
@@ -155,14 +141,14 @@ Status backward(const TensorView& logits, const TensorView& targets, const Tenso
   engine::LossParams params = detail::policy_params(options, shard, t);
   params.entropy_gradient = engine::present(up.grad_entropy);
   if (logits.device.type != DeviceType::kCPU) {
-    if (Status s = check_device_pointers({{&logits, "logits"},
-                                          {&targets, "targets"},
-                                          {&lse, "lse"},
-                                          {mean_logit, "mean_logit"},
-                                          {upstream.grad_log_prob, "grad_log_prob"},
-                                          {upstream.grad_entropy, "grad_entropy"},
-                                          {&grad_logits, "grad_logits"},
-                                          {temperatures, "temperatures"}});
+    if (Status s = detail::check_device_pointers({{&logits, "logits"},
+                                                  {&targets, "targets"},
+                                                  {&lse, "lse"},
+                                                  {mean_logit, "mean_logit"},
+                                                  {upstream.grad_log_prob, "grad_log_prob"},
+                                                  {upstream.grad_entropy, "grad_entropy"},
+                                                  {&grad_logits, "grad_logits"},
+                                                  {temperatures, "temperatures"}});
         !s.ok()) {
       return s;
     }

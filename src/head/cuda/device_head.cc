@@ -88,6 +88,7 @@ struct ForwardCall {
   DataType dtype{};         // the operands'
   int64_t hidden_size = 0;  // H as announced
   int device = 0;
+  const PolicyForward* policy = nullptr;  // the RL outputs' forward, in the loss's place
 };
 
 // A forward's call, as announced even when its arguments are bad (H from hidden's shape).
@@ -133,7 +134,7 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   Communicator& comm = *f.comm;
   const LossOptions& options = *f.options;
   const bool with_extras = f.extras->target_is_argmax != nullptr || f.extras->entropy != nullptr;
-  const int64_t width = with_extras ? kStatsWidthWithExtras : kStatsWidth;
+  const int64_t width = f.policy != nullptr || with_extras ? kStatsWidthWithExtras : kStatsWidth;
   const int64_t n = local.ok() ? a.tokens() : announced_tokens(*f.targets);
   const int64_t vocab_rows =
       local.ok() ? a.vocab_rows() : std::max<int64_t>(f.shard->vocab_end - f.shard->vocab_begin, 0);
@@ -158,6 +159,7 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   CurrentDevice current(f.device);
   if (Status s = current.status(); !s.ok()) return local.ok() ? s : local;
   Call c = make_call(a, tiles, *f.shard, options, width);
+  if (f.policy != nullptr) c.params = f.policy->params;
   PanelGradients pg;
   // Everything is allocated before the first gather, so that no later step fails alone.
   if (local.ok()) local = begin(&buffers->device_head, f.device, stream, &c.b);
@@ -176,9 +178,15 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   auto* error = reinterpret_cast<cuda::DeviceError*>(protocol.error);
   auto* stats = reinterpret_cast<float*>(protocol.send + sizeof(RankHeader));
   auto* terms = reinterpret_cast<double*>(protocol.merged + stats_bytes);
-  const RankHeader mine =
-      head_header(comm, n, width, local.ok() ? a.hidden_size() : f.hidden_size, *f.shard, f.dtype, options,
-                  f.extras->weights != nullptr, g != nullptr, grad_loss, a.round_logits, local);
+  RankHeader mine;
+  if (f.policy != nullptr) {
+    mine = make_header(comm.rank(), comm.size(), n, width, *f.shard, f.dtype, options, false, 0, f.policy->operation,
+                       local);
+    if (mine.status == 0) std::snprintf(mine.message, sizeof(mine.message), "%s", f.policy->found_message.c_str());
+  } else {
+    mine = head_header(comm, n, width, local.ok() ? a.hidden_size() : f.hidden_size, *f.shard, f.dtype, options,
+                       f.extras->weights != nullptr, g != nullptr, grad_loss, a.round_logits, local);
+  }
   if (Status s = cuda::write_header(mine, header, stream); !s.ok()) return local.ok() ? s : local;
   const bool reduced = options.reduction != Reduction::kNone;
   if (local.ok() && g != nullptr) {
@@ -195,9 +203,9 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
     if (local.ok()) {
       // The header is written once: a bad target or weight found in any chunk stays in it.
       if (Status s = fold_rows(c, r0, rows, keep, chunk, c.b->as<RunningStats>(c.b->running)); !s.ok()) return s;
-      if (Status s =
-              finalize_stats(c.b->as<RunningStats>(c.b->running), rows, slice(a.targets, r0, rows),
-                             slice(a.weights, r0, rows), c.vocab_begin, c.params, width, stats, width, header, stream);
+      if (Status s = finalize_stats(c.b->as<RunningStats>(c.b->running), rows, slice(a.targets, r0, rows),
+                                    slice(a.weights, r0, rows), c.vocab_begin, c.params_at(r0), width, stats, width,
+                                    header, stream);
           !s.ok()) {
         return s;
       }
@@ -210,6 +218,16 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
       return local.ok() ? s : local;
     }
     if (!local.ok()) continue;
+    if (f.policy != nullptr) {  // (the recompute mode: one chunk of every token)
+      if (Status s = cuda::merge_and_policy(reinterpret_cast<const float*>(protocol.recv + sizeof(RankHeader)),
+                                            static_cast<int64_t>(payload / sizeof(float)), comm.size(), rows, width,
+                                            reinterpret_cast<float*>(protocol.merged), a.targets, c.params,
+                                            f.policy->out, error, stream);
+          !s.ok()) {
+        return s;
+      }
+      continue;
+    }
     LossOutputs o;
     o.loss = reduced ? out.loss : slice(out.loss, r0, rows);
     o.lse = slice(out.lse, r0, rows);
@@ -257,6 +275,25 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
     }
   }
   return {};
+}
+
+// The recompute backward of validated arguments on device d: the buffers (the workspace's,
+// or this call's, which then waits for its stream before it returns them), then run_backward.
+Status recompute_backward(const HeadArgs& a, const HeadOptions& head, const VocabShard& shard,
+                          const LossOptions& options, const LossParams& params, const HeadGradientArgs& g,
+                          const TokenVector& lse, const TokenVector& grad_loss, const PolicyBackwardInputs* policy,
+                          Device d, Workspace* workspace) {
+  if (!g.hidden.present() && !g.weight.present() && !g.bias.present()) return {};
+  std::shared_ptr<void> own;
+  std::shared_ptr<void>* state = workspace != nullptr ? &WorkspaceAccess::buffers(*workspace)->device_head : &own;
+  CurrentDevice current(d.id);
+  if (Status s = current.status(); !s.ok()) return s;
+  const Tiles tiles = gpu_tiles(head, a.tokens(), a.vocab_rows(), a.vocab_rows(), false);
+  Call c = make_call(a, tiles, shard, options, kStatsWidth);
+  c.params = params;
+  if (Status s = begin(state, d.id, c.stream, &c.b); !s.ok()) return s;
+  const CallScope call(c.b->order, c.stream);  // (after `own`: marks the end before own's buffers go)
+  return run_backward(c, g, lse, grad_loss, policy);
 }
 
 }  // namespace
@@ -329,18 +366,38 @@ Status device_linear_cross_entropy_backward(const HeadInputs& inputs, const Tens
   regions.push_back(region_of("grad_loss", upstream));
   HeadGradientArgs g;
   if (Status s = head_cuda::check_gradients(gradients, a, d, regions, &g); !s.ok()) return s;
-  if (!g.hidden.present() && !g.weight.present() && !g.bias.present()) return {};
-  // Without a workspace the buffers and the cuBLAS handle are this call's, and it waits for
-  // its stream before it returns them.
-  std::shared_ptr<void> own;
-  std::shared_ptr<void>* state = workspace != nullptr ? &WorkspaceAccess::buffers(*workspace)->device_head : &own;
-  CurrentDevice current(d.id);
-  if (Status s = current.status(); !s.ok()) return s;
-  const head_cuda::Tiles tiles = head_cuda::gpu_tiles(head, a.tokens(), a.vocab_rows(), a.vocab_rows(), false);
-  Call c = head_cuda::make_call(a, tiles, shard, options, kStatsWidth);
-  if (Status s = head_cuda::begin(state, d.id, c.stream, &c.b); !s.ok()) return s;
-  const CallScope call(c.b->order, c.stream);  // (after `own`: marks the end before own's buffers go)
-  return head_cuda::run_backward(c, g, lse_in, upstream);
+  return head_cuda::recompute_backward(a, head, shard, options, loss_params(options, shard), g, lse_in, upstream,
+                                       nullptr, d, workspace);
+}
+
+Status device_policy_linear_forward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets,
+                                    const VocabShard& shard, const LossOptions& options, const HeadOptions& head,
+                                    const PreparePolicy& prepare, Workspace* workspace) {
+  HeadArgs a;
+  Status local = head_cuda::check_inputs(inputs, targets, nullptr, shard, options, head, &a);
+  PolicyForward policy;
+  local = prepare(local, a, &policy);
+  const ForwardExtras none;
+  ForwardCall f = head_cuda::forward_call(comm, inputs, targets, shard, options, head, none, workspace);
+  f.policy = &policy;
+  return head_cuda::run_forward(f, local, a, LossOutputs{}, nullptr, 0.0f, nullptr);
+}
+
+Status device_policy_linear_backward(const HeadInputs& inputs, const TensorView& targets, const VocabShard& shard,
+                                     const LossOptions& options, const HeadOptions& head,
+                                     const HeadGradients& gradients, const CheckPolicyBackward& check,
+                                     Workspace* workspace) {
+  HeadArgs a;
+  if (Status s = head_cuda::check_inputs(inputs, targets, nullptr, shard, options, head, &a); !s.ok()) return s;
+  const Device d = inputs.hidden.device;
+  TokenVector lse;
+  PolicyBackwardInputs policy;
+  LossParams params;
+  std::vector<NamedRegion> regions = input_regions(a);
+  if (Status s = check(a, &lse, &policy, &params, &regions); !s.ok()) return s;
+  HeadGradientArgs g;
+  if (Status s = head_cuda::check_gradients(gradients, a, d, regions, &g); !s.ok()) return s;
+  return head_cuda::recompute_backward(a, head, shard, options, params, g, lse, TokenVector{}, &policy, d, workspace);
 }
 
 Status device_linear_cross_entropy_local_stats(const HeadInputs& inputs, const TensorView& targets,

@@ -74,8 +74,8 @@ Status fold_rows(const Call& c, int64_t r0, int64_t rows, float* keep, int64_t k
       const int64_t nb = std::min(c.tiles.nb, rows - i0);
       float* z = keep != nullptr ? keep + keep_rows * j0 + i0 * vb : c.b->as<float>(c.b->tile);
       if (Status s = tile_gemm(c, r0 + i0, nb, j0, vb, z); !s.ok()) return s;
-      if (Status s = fold_tile(z, vb, nb, columns, slice(c.a.targets, r0 + i0, nb), c.vocab_begin, c.params, c.extras(),
-                               running + i0, c.stream);
+      if (Status s = fold_tile(z, vb, nb, columns, slice(c.a.targets, r0 + i0, nb), c.vocab_begin, c.params_at(r0 + i0),
+                               c.extras(), running + i0, c.stream);
           !s.ok()) {
         return s;
       }
@@ -98,9 +98,15 @@ Status panel_gradients(const Call& c, const PanelGradients& pg, int64_t r0, int6
   void* hi = split ? c.b->hi.p : nullptr;
   void* lo = split && !c.a.bf16_logit_gradients ? c.b->lo.p : nullptr;
   const TokenVector grad_loss = pg.upstream != nullptr ? TokenVector{} : slice(pg.grad_loss, r0, rows);
+  PolicyBackwardInputs policy;
+  if (pg.policy != nullptr) {
+    policy = {true, slice(pg.policy->grad_log_prob, r0, rows), slice(pg.policy->grad_entropy, r0, rows),
+              slice(pg.policy->mean_logit, r0, rows)};
+  }
   if (Status s =
           tile_gradient(dz, vb, rows, c.columns(j0, vb), slice(c.a.targets, r0, rows), slice(c.a.weights, r0, rows),
-                        slice(pg.lse, r0, rows), grad_loss, pg.upstream, c.vocab_begin, c.params, hi, lo, c.stream);
+                        slice(pg.lse, r0, rows), grad_loss, pg.upstream, c.vocab_begin, c.params_at(r0), hi, lo,
+                        c.stream, pg.policy != nullptr ? &policy : nullptr);
       !s.ok()) {
     return s;
   }
@@ -242,7 +248,8 @@ Status finish_gradients(const Call& c, const HeadGradientArgs& g, const PanelGra
 
 // The backward: per panel, every token's tiles into the [N, Vb] panel, their gradient, its
 // GEMMs. `b` is the call's head buffers.
-Status run_backward(Call& c, const HeadGradientArgs& g, const TokenVector& lse, const TokenVector& grad_loss) {
+Status run_backward(Call& c, const HeadGradientArgs& g, const TokenVector& lse, const TokenVector& grad_loss,
+                    const PolicyBackwardInputs* policy) {
   HeadBuffers& b = *c.b;
   const int64_t n = c.a.tokens();
   if (Status s = b.grow(b.tile, static_cast<std::size_t>(n * c.tiles.vb) * sizeof(float)); !s.ok()) return s;
@@ -251,6 +258,7 @@ Status run_backward(Call& c, const HeadGradientArgs& g, const TokenVector& lse, 
   pg.g = &g;
   pg.lse = lse;
   pg.grad_loss = grad_loss;
+  pg.policy = policy;
   if (Status s = gradient_targets(c, g, n, &pg); !s.ok()) return s;
   if (c.params.reduction != Reduction::kNone) {
     pg.upstream = b.as<double>(b.upstream);

@@ -72,8 +72,10 @@ Status grow_gradient_buffers(const Call& c, const HeadGradientArgs& g, int64_t r
 Status finish_gradients(const Call& c, const HeadGradientArgs& g, const PanelGradients& pg);
 
 // The backward: per panel, every token's tiles into the [N, Vb] panel, their gradient, its
-// GEMMs. `b` is the call's head buffers.
-Status run_backward(Call& c, const HeadGradientArgs& g, const TokenVector& lse, const TokenVector& grad_loss);
+// GEMMs. `b` is the call's head buffers. With `policy`, the RL outputs' gradient (grad_loss
+// unused).
+Status run_backward(Call& c, const HeadGradientArgs& g, const TokenVector& lse, const TokenVector& grad_loss,
+                    const PolicyBackwardInputs* policy = nullptr);
 
 struct Tiles {
   int64_t nb = 1;     // tokens per tile
@@ -93,6 +95,13 @@ struct Call {
   HeadBuffers* b = nullptr;
 
   bool extras() const { return width == kStatsWidthWithExtras; }
+  // The parameters of the tokens from `first` on (the RL outputs' per-token temperatures
+  // start there).
+  LossParams params_at(int64_t first) const {
+    LossParams p = params;
+    if (p.temperatures != nullptr) p.temperatures += first * p.temperature_stride;
+    return p;
+  }
   Operand hidden_rows(int64_t first) const {
     return {a.hidden.base + first * a.hidden.row_stride * a.hidden.dtype.bytes(), cuda_type(a.hidden.dtype),
             std::max<int64_t>(a.hidden.row_stride, std::max<int64_t>(a.hidden.cols, 1))};
@@ -133,6 +142,8 @@ struct PanelGradients {
   Target hidden, weight;
   const double* upstream = nullptr;  // shared, for a reduction; else grad_loss per token
   TokenVector lse, grad_loss;        // every token's
+  // The RL outputs' upstream gradients and E_p[z], every token's (grad_loss then unused).
+  const PolicyBackwardInputs* policy = nullptr;
 };
 
 }  // namespace vpce::detail::head_cuda

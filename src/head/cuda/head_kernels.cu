@@ -66,9 +66,9 @@ __global__ void init_running_kernel(RunningStats* running, int64_t rows) {
 // cuda/kernels.cu's local_stats_kernel folds a row), then running[r] <- running[r] then it.
 __global__ void __launch_bounds__(kThreads)
     fold_tile_kernel(const float* z, int64_t ld, int64_t valid, int64_t col0, TileLogits logits, TokenInputs tokens,
-                     int64_t vocab_begin, LossParams params, Transform t, bool extras, bool plain,
-                     RunningStats* running) {
+                     int64_t vocab_begin, LossParams params, bool extras, bool plain, RunningStats* running) {
   const int64_t r = blockIdx.x;
+  const Transform t = transform_of(params, r);  // (per-token temperatures start at the tile's first token)
   const float* row = z + r * ld;
   const bool sum_logits = params.with_sum_logits();
   Part p = empty_part();
@@ -258,7 +258,7 @@ Status fold_tile(const float* z, int64_t ld, int64_t rows, const TileColumns& co
   if (rows == 0) return {};
   fold_tile_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
       z, ld, columns.valid, columns.col0, tile_logits(columns), token_inputs(targets, TokenVector{}), vocab_begin,
-      params, transform_of(params), extras, is_plain(params) && !extras && columns.as_is(), running);
+      params, extras, is_plain(params) && !extras && columns.as_is(), running);
   return launched("head: tile statistics");
 }
 
@@ -274,9 +274,12 @@ Status finalize_stats(const RunningStats* running, int64_t rows, const TokenVect
 Status tile_gradient(float* z, int64_t ld, int64_t rows, const TileColumns& columns, const TokenVector& targets,
                      const TokenVector& weights, const TokenVector& lse, const TokenVector& grad_loss,
                      const double* shared, int64_t vocab_begin, const LossParams& params, void* hi, void* lo,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, const PolicyBackwardInputs* policy) {
   if (rows == 0 || columns.cols == 0) return {};
-  const GradientParams p = gradient_params(targets, weights, lse, grad_loss, shared, vocab_begin, params);
+  const GradientParams p = policy != nullptr
+                               ? policy_gradient_params(targets, lse, policy->grad_log_prob, policy->grad_entropy,
+                                                        policy->mean_logit, vocab_begin, params)
+                               : gradient_params(targets, weights, lse, grad_loss, shared, vocab_begin, params);
   tile_gradient_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
       z, ld, columns.cols, columns.valid, columns.col0, tile_logits(columns), p, is_plain(params) && columns.as_is(),
       static_cast<__nv_bfloat16*>(hi), static_cast<__nv_bfloat16*>(lo));

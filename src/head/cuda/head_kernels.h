@@ -67,11 +67,13 @@ Status finalize_stats(const RunningStats* running, int64_t rows, const TokenVect
 // that do not count). The upstream gradient is shared (*shared, for a reduction) or per
 // token (grad_loss). With `hi` and `lo` (bf16, [rows, cols], row stride ld), also writes
 // the gradient split in two bf16 parts, hi = bf16(g), lo = bf16(g - hi); with `hi` alone,
-// hi = bf16(g) and z <- hi's values (bf16_logit_gradients).
+// hi = bf16(g) and z <- hi's values (bf16_logit_gradients). With `policy`, the RL outputs'
+// gradient instead (its upstream gradients and E_p[z], from the tile's first token; weights,
+// grad_loss and shared unused).
 Status tile_gradient(float* z, int64_t ld, int64_t rows, const TileColumns& columns, const TokenVector& targets,
                      const TokenVector& weights, const TokenVector& lse, const TokenVector& grad_loss,
                      const double* shared, int64_t vocab_begin, const LossParams& params, void* hi, void* lo,
-                     cudaStream_t stream);
+                     cudaStream_t stream, const PolicyBackwardInputs* policy = nullptr);
 
 // Column sums of dz [rows, cols] (row stride ld) in a fixed order, in fp64, added into
 // sums[0, cols) (or written over them when `first`). `partial` holds kColumnSegments * cols
