@@ -108,7 +108,7 @@ if [ "$mode" = all ] || [ "$mode" = run ]; then
   # the device (it cannot on some virtualised machines: then it says so and this step fails).
   if command -v compute-sanitizer >/dev/null; then
     step memcheck timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 "$bundle/vpce_cuda_tests" \
-      --gtest_brief=1 --gtest_filter='Cuda.EveryOption:Cuda.LongRowsAndAdversarialValues:CudaHead.EveryOptionEveryReduction:CudaHead.DefaultTilesAndOneTile:CudaRlHead.MatchesTheCpuHeadForOneAndTwoRanks'
+      --gtest_brief=1 --gtest_filter='Cuda.EveryOption:Cuda.LongRowsAndAdversarialValues:CudaHead.EveryOptionEveryReduction:CudaHead.DefaultTilesAndOneTile:CudaRlHead.MatchesTheCpuHeadForOneAndTwoRanksInBothModes'
   fi
   exit "$status"
 fi

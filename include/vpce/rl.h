@@ -122,7 +122,9 @@ Status linear_backward(const HeadInputs& inputs, const TensorView& targets, cons
 // linear_backward's for `upstream` (their fp32 sums in another order). Three GEMMs instead of
 // four. Collective: one all_gather per chunk of head.chunk_tokens tokens; `collectives`, when
 // not null, gets the number made, also on failure. Every rank passes the same upstream
-// gradients (their values are hashed and compared at the first gather). A communication
+// gradients (on the CPU their values are hashed and compared at the first gather; device
+// tensors' values are not read on the host). On device tensors, sum_p_squared is refused
+// (kUnsupported) in every head entry. A communication
 // failure at a later chunk leaves the earlier chunks' gradients written or added, as
 // vpce::linear_cross_entropy_forward_backward's do.
 Status linear_forward_backward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets,

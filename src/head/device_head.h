@@ -46,6 +46,10 @@ struct PolicyForward {
   std::string found_message;
   PolicyForwardOutputs out;
   LossParams params;
+  // The chunked mode: the upstream gradients (device vectors; wanted) and the regions of the
+  // RL outputs' tensors, which the gradients must not overlap.
+  PolicyBackwardInputs upstream;
+  std::vector<NamedRegion> regions;
 };
 // Given this rank's check of the head's operands (`local`, and `a` when it passed), the RL
 // outputs' own checks and their forward: returns the rank's check.
@@ -56,6 +60,14 @@ using PreparePolicy = std::function<Status(Status local, const HeadArgs& a, Poli
 Status device_policy_linear_forward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets,
                                     const VocabShard& shard, const LossOptions& options, const HeadOptions& head,
                                     const PreparePolicy& prepare, Workspace* workspace);
+
+// rl::linear_forward_backward (the chunked mode) on device tensors: the loss's chunked forward
+// with the RL outputs' last stage per chunk and their gradient, one gather per chunk.
+// `prepare` also fills the upstream gradients and the regions.
+Status device_policy_linear_forward_backward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets,
+                                             const VocabShard& shard, const LossOptions& options,
+                                             const HeadOptions& head, const HeadGradients& gradients,
+                                             const PreparePolicy& prepare, Workspace* workspace, int64_t* collectives);
 
 // rl::linear_backward on device tensors: `check` the RL outputs' own checks of the validated
 // operands, which fill lse, the upstream gradients and E_p[z] (device vectors) and the

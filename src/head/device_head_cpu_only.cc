@@ -44,6 +44,14 @@ Status device_policy_linear_forward(Communicator&, const HeadInputs& inputs, con
   return refuse(inputs.hidden);
 }
 
+Status device_policy_linear_forward_backward(Communicator&, const HeadInputs& inputs, const TensorView&,
+                                             const VocabShard&, const LossOptions&, const HeadOptions&,
+                                             const HeadGradients&, const PreparePolicy&, Workspace*,
+                                             int64_t* collectives) {
+  if (collectives != nullptr) *collectives = 0;
+  return refuse(inputs.hidden);
+}
+
 Status device_policy_linear_backward(const HeadInputs& inputs, const TensorView&, const VocabShard&, const LossOptions&,
                                      const HeadOptions&, const HeadGradients&, const CheckPolicyBackward&, Workspace*) {
   return refuse(inputs.hidden);

@@ -64,17 +64,29 @@ detail::PolicyOutputs outputs_slice(const detail::PolicyOutputs& o, int64_t begi
   return {slice(o.log_prob), slice(o.entropy), slice(o.lse), slice(o.mean_logit), slice(o.sum_p_squared)};
 }
 
-// linear_forward on device tensors (head/device_head.h): the head's checks there, then the RL
-// outputs' own (temperatures' values are checked on the device, not hashed; no sum_p_squared).
+// linear_forward, or with `upstream` and `gradients` linear_forward_backward (the chunked mode),
+// on device tensors (head/device_head.h): the head's checks there, then the RL outputs' own
+// (the values of the temperatures and upstream gradients are checked or used on the device,
+// not hashed; no sum_p_squared).
 Status device_forward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets, const VocabShard& shard,
                       const Options& options, const HeadOptions& head, const Outputs& outputs,
-                      const TensorView* temperatures, Workspace* workspace) {
+                      const TensorView* temperatures, Workspace* workspace, const Upstream* upstream = nullptr,
+                      const HeadGradients* gradients = nullptr, int64_t* collectives = nullptr) {
   const Device device = inputs.hidden.device;
+  const bool chunked = upstream != nullptr;
   auto prepare = [&](Status local, const HeadArgs& a, engine::PolicyForward* p) {
     TokenVector t;
     detail::PolicyOutputs out;
+    detail::PolicyUpstream up;
     uint64_t unhashed = 0;
     if (local.ok()) local = detail::check_temperatures(options, temperatures, a.tokens(), device, &t, &unhashed);
+    if (local.ok() && chunked) {
+      local = detail::check_upstream_gradients(*upstream, a.tokens(), device, &up);
+      if (local.ok()) {
+        local = detail::check_device_pointers(
+            {{upstream->grad_log_prob, "grad_log_prob"}, {upstream->grad_entropy, "grad_entropy"}});
+      }
+    }
     if (local.ok() && outputs.sum_p_squared != nullptr) {
       local = {Code::kUnsupported,
                engine::expected_got("outputs.sum_p_squared", "null (the fused head on a device does not compute it)",
@@ -91,15 +103,30 @@ Status device_forward(Communicator& comm, const HeadInputs& inputs, const Tensor
     const TensorView& h = inputs.hidden;
     const int64_t hidden =
         local.ok() ? a.hidden_size() : (h.ndim >= 1 && h.ndim <= TensorView::kMaxDims ? h.shape[h.ndim - 1] : 0);
-    p->operation = detail::policy_operation(options, temperatures != nullptr, "fused head, recompute (linear_forward)",
-                                            hidden, local.ok() && a.round_logits);
+    const int64_t n = local.ok() ? a.tokens() : engine::announced_tokens(targets);
+    p->operation =
+        chunked ? detail::policy_operation(options, temperatures != nullptr,
+                                           "fused head, chunked (linear_forward_backward)", hidden,
+                                           local.ok() && a.round_logits, n)
+                : detail::policy_operation(options, temperatures != nullptr, "fused head, recompute (linear_forward)",
+                                           hidden, local.ok() && a.round_logits);
     p->params = detail::policy_params(options, shard, t);
+    p->params.entropy_gradient = engine::present(up.grad_entropy);
     p->found_message = detail::device_found_message(p->params, options);
     p->out = {true, out.log_prob, out.entropy, out.lse, out.mean_logit, {}};
+    p->upstream = {chunked, up.grad_log_prob, up.grad_entropy, {}};
+    p->regions = {engine::region_of("temperatures", t), engine::region_of("log_prob", out.log_prob),
+                  engine::region_of("entropy", out.entropy), engine::region_of("lse", out.lse),
+                  engine::region_of("mean_logit", out.mean_logit)};
+    for (const engine::NamedRegion& r : detail::upstream_regions(up)) p->regions.push_back(r);
     return local;
   };
-  return engine::device_policy_linear_forward(comm, inputs, targets, shard, detail::loss_options(options), head,
-                                              prepare, workspace);
+  const LossOptions loss = detail::loss_options(options);
+  if (chunked) {
+    return engine::device_policy_linear_forward_backward(comm, inputs, targets, shard, loss, head, *gradients, prepare,
+                                                         workspace, collectives);
+  }
+  return engine::device_policy_linear_forward(comm, inputs, targets, shard, loss, head, prepare, workspace);
 }
 
 // linear_backward on device tensors.
@@ -212,12 +239,9 @@ Status linear_forward_backward(Communicator& comm, const HeadInputs& inputs, con
                                const TensorView* temperatures, Workspace* workspace, int64_t* collectives) {
   if (collectives != nullptr) *collectives = 0;
   if (Status s = engine::check_comm(comm); !s.ok()) return s;
-  if (on_device(inputs)) {  // (every rank of a device group, before any collective)
-    return {Code::kUnsupported,
-            engine::expected_got("hidden.device",
-                                 "cpu (the chunked mode of the RL outputs runs on the CPU; on a device, "
-                                 "linear_forward and linear_backward)",
-                                 to_string(inputs.hidden.device))};
+  if (on_device(inputs)) {
+    return device_forward(comm, inputs, targets, shard, options, head, outputs, temperatures, workspace, &upstream,
+                          &gradients, collectives);
   }
   HeadArgs a;
   TokenVector t;

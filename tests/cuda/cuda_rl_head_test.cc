@@ -1,9 +1,10 @@
 // tests/cuda/cuda_rl_head_test.cc: the RL outputs in the fused head on device tensors
-// (rl::linear_forward / linear_backward, recompute mode) against the same calls on the CPU,
-// which tests/rl/rl_head_test.cc holds to the fp64 oracle: R 1 and 2 ranks as threads on one
-// GPU with uneven ranges, per-token temperatures in device memory, both upstream gradients,
-// fp32 operands with a bias, small tiles, ignored tokens; a bad temperature found on the
-// device; the chunked mode and sum_p_squared refused by name. Skips without a GPU.
+// (rl::linear_forward / linear_backward, the recompute mode, and linear_forward_backward, the
+// chunked mode) against the same calls on the CPU, which tests/rl/rl_head_test.cc holds to the
+// fp64 oracle: R 1 and 2 ranks as threads on one GPU with uneven ranges, per-token
+// temperatures in device memory, both upstream gradients, fp32 operands with a bias, small
+// tiles and chunks, ignored tokens; a bad temperature found on the device; sum_p_squared
+// refused by name. Skips without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -55,11 +56,14 @@ HeadOptions small_tiles() {
   HeadOptions head;
   head.token_block = 8;
   head.vocab_block = 64;
+  head.chunk_tokens = 16;  // (the chunked mode)
   return head;
 }
 
-// The recompute mode on the device (on_device) or on the CPU, R ranks as threads.
-PolicyHeadRun run_policy_head(const PolicyHeadProblem& p, const std::vector<int64_t>& sizes, bool on_device) {
+// The recompute mode, or the chunked one, on the device (on_device) or on the CPU, R ranks as
+// threads.
+PolicyHeadRun run_policy_head(const PolicyHeadProblem& p, const std::vector<int64_t>& sizes, bool on_device,
+                              bool chunked = false) {
   const int ranks = static_cast<int>(sizes.size());
   const std::vector<VocabShard> shards = shards_from_sizes(sizes);
   const Device device = on_device ? kGpu : Device{};
@@ -121,11 +125,14 @@ PolicyHeadRun run_policy_head(const PolicyHeadProblem& p, const std::vector<int6
     rl::Options options;
     options.stream = stream;
     std::optional<Workspace> workspace(std::in_place);
-    Status s = rl::linear_forward(comm, inputs, y, shard, options, small_tiles(), {&lpv, &env, &lsev, &meanv}, &t,
-                                  &*workspace);
-    if (s.ok()) {
-      s = rl::linear_backward(inputs, y, lsev, &meanv, {&glpv, &ghv}, shard, options, small_tiles(),
-                              {{&dhv, false}, {&dwv, false}, {&dbv, false}}, &t, &*workspace);
+    const HeadGradients grads{{&dhv, false}, {&dwv, false}, {&dbv, false}};
+    Status s = chunked ? rl::linear_forward_backward(comm, inputs, y, shard, options, small_tiles(), {&glpv, &ghv},
+                                                     {&lpv, &env, &lsev, &meanv}, grads, &t, &*workspace)
+                       : rl::linear_forward(comm, inputs, y, shard, options, small_tiles(), {&lpv, &env, &lsev, &meanv},
+                                            &t, &*workspace);
+    if (s.ok() && !chunked) {
+      s = rl::linear_backward(inputs, y, lsev, &meanv, {&glpv, &ghv}, shard, options, small_tiles(), grads, &t,
+                              &*workspace);
     }
     run.device_status[static_cast<std::size_t>(r)] = workspace->device_status();
     if (on_device) {
@@ -154,27 +161,29 @@ PolicyHeadRun run_policy_head(const PolicyHeadProblem& p, const std::vector<int6
   return run;
 }
 
-TEST(CudaRlHead, MatchesTheCpuHeadForOneAndTwoRanks) {
+TEST(CudaRlHead, MatchesTheCpuHeadForOneAndTwoRanksInBothModes) {
   REQUIRE_GPU();
   const PolicyHeadProblem p = policy_head_problem(37, 40, 1001, 3);
   for (const std::vector<int64_t>& sizes : {std::vector<int64_t>{1001}, std::vector<int64_t>{560, 441}}) {
-    const PolicyHeadRun want = run_policy_head(p, sizes, false);
-    const PolicyHeadRun got = run_policy_head(p, sizes, true);
-    const std::string label = "R " + std::to_string(sizes.size());
-    for (std::size_t r = 0; r < sizes.size(); ++r) {
-      ASSERT_TRUE(want.status[r].ok()) << label << ": " << want.status[r].to_string();
-      ASSERT_TRUE(got.status[r].ok()) << label << ": " << got.status[r].to_string();
-      ASSERT_TRUE(got.device_status[r].ok()) << label << ": " << got.device_status[r].to_string();
-      EXPECT_EQ(got.log_prob[r], got.log_prob[0]) << label;
-      EXPECT_EQ(got.entropy[r], got.entropy[0]) << label;
+    for (bool chunked : {false, true}) {
+      const PolicyHeadRun want = run_policy_head(p, sizes, false, chunked);
+      const PolicyHeadRun got = run_policy_head(p, sizes, true, chunked);
+      const std::string label = "R " + std::to_string(sizes.size()) + (chunked ? ", chunked" : "");
+      for (std::size_t r = 0; r < sizes.size(); ++r) {
+        ASSERT_TRUE(want.status[r].ok()) << label << ": " << want.status[r].to_string();
+        ASSERT_TRUE(got.status[r].ok()) << label << ": " << got.status[r].to_string();
+        ASSERT_TRUE(got.device_status[r].ok()) << label << ": " << got.device_status[r].to_string();
+        EXPECT_EQ(got.log_prob[r], got.log_prob[0]) << label;
+        EXPECT_EQ(got.entropy[r], got.entropy[0]) << label;
+      }
+      // fp32 GEMMs in another order (cuBLAS against oneDNN): within fp32's rounding of the
+      // tiles' sums, as the CPU head is of the fp64 oracle.
+      EXPECT_LT(relative_error(widen(got.log_prob[0]), widen(want.log_prob[0])), 2e-6) << label;
+      EXPECT_LT(relative_error(widen(got.entropy[0]), widen(want.entropy[0])), 2e-6) << label;
+      EXPECT_LT(relative_error(got.grad_hidden, want.grad_hidden), 2e-5) << label;
+      EXPECT_LT(relative_error(got.grad_weight, want.grad_weight), 2e-5) << label;
+      EXPECT_LT(relative_error(got.grad_bias, want.grad_bias), 2e-5) << label;
     }
-    // fp32 GEMMs in another order (cuBLAS against oneDNN): within fp32's rounding of the
-    // tiles' sums, as the CPU head is of the fp64 oracle.
-    EXPECT_LT(relative_error(widen(got.log_prob[0]), widen(want.log_prob[0])), 2e-6) << label;
-    EXPECT_LT(relative_error(widen(got.entropy[0]), widen(want.entropy[0])), 2e-6) << label;
-    EXPECT_LT(relative_error(got.grad_hidden, want.grad_hidden), 2e-5) << label;
-    EXPECT_LT(relative_error(got.grad_weight, want.grad_weight), 2e-5) << label;
-    EXPECT_LT(relative_error(got.grad_bias, want.grad_bias), 2e-5) << label;
   }
 }
 
@@ -189,7 +198,7 @@ TEST(CudaRlHead, ABadTemperatureIsFoundOnTheDeviceOnEveryRank) {
   }
 }
 
-TEST(CudaRlHead, TheChunkedModeAndSumOfSquaresAreRefusedByName) {
+TEST(CudaRlHead, SumOfSquaresIsRefusedByName) {
   REQUIRE_GPU();
   const PolicyHeadProblem p = policy_head_problem(4, 8, 20, 5);
   DeviceBuffer hidden(p.hidden.data(), p.hidden.size() * sizeof(float));
@@ -202,12 +211,8 @@ TEST(CudaRlHead, TheChunkedModeAndSumOfSquaresAreRefusedByName) {
   const TensorView v = TensorView::contiguous(out.p, kFloat32, {4}, kGpu);
   DeviceLoopback comm;
   Workspace workspace;
-  Status s = rl::linear_forward_backward(comm, inputs, y, {0, 20, 20}, rl::Options{}, HeadOptions{}, {&v, nullptr},
-                                         {&v, nullptr, nullptr, nullptr}, {}, nullptr, &workspace);
-  EXPECT_EQ(s.code(), Code::kUnsupported);
-  EXPECT_NE(s.message().find("hidden.device"), std::string::npos) << s.message();
-  s = rl::linear_forward(comm, inputs, y, {0, 20, 20}, rl::Options{}, HeadOptions{},
-                         {nullptr, nullptr, nullptr, nullptr, &v}, nullptr, &workspace);
+  const Status s = rl::linear_forward(comm, inputs, y, {0, 20, 20}, rl::Options{}, HeadOptions{},
+                                      {nullptr, nullptr, nullptr, nullptr, &v}, nullptr, &workspace);
   EXPECT_EQ(s.code(), Code::kUnsupported);
   EXPECT_NE(s.message().find("sum_p_squared"), std::string::npos) << s.message();
 }

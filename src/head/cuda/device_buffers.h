@@ -66,10 +66,11 @@ struct HeadBuffers {
   cublasHandle_t handle = nullptr;
   cudaStream_t stream = nullptr;  // of the last call
   CallOrder order;                // of the calls on these buffers
-  Buffer cublas, running, tile, hi, lo, hidden32, weight32, grad_hidden32, grad_weight32, bias_sums, partial, upstream;
+  Buffer cublas, running, tile, hi, lo, hidden32, weight32, grad_hidden32, grad_weight32, bias_sums, partial, upstream,
+      kept;  // (the RL outputs' chunked mode: every token's lse and E_p[z], fp64)
 
   Buffer* all() { return &cublas; }
-  static constexpr int kBuffers = 12;
+  static constexpr int kBuffers = 13;
 
   HeadBuffers() = default;
   HeadBuffers(const HeadBuffers&) = delete;

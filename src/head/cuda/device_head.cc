@@ -166,7 +166,18 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   std::optional<CallScope> head_call;  // (declared after `own`: it marks the end before own's buffers go)
   if (local.ok()) head_call.emplace(c.b->order, stream);
   if (local.ok()) local = prepare_forward(c, g, chunk, &pg);
-  if (local.ok() && g != nullptr) pg.lse = out.lse;
+  // The RL outputs' chunked mode keeps every token's lse and E_p[z] in fp64 for the gradients.
+  TokenVector kept_lse, kept_mean;
+  PolicyBackwardInputs policy_upstream;
+  if (local.ok() && g != nullptr && f.policy != nullptr) {
+    local = c.b->grow(c.b->kept, static_cast<std::size_t>(2 * n) * sizeof(double));
+    kept_lse = TokenVector{c.b->kept.p, kFloat64, n, 1};
+    kept_mean = TokenVector{c.b->kept.p + n * static_cast<int64_t>(sizeof(double)), kFloat64, n, 1};
+    policy_upstream = {true, f.policy->upstream.grad_log_prob, f.policy->upstream.grad_entropy, kept_mean};
+    pg.upstream = nullptr;
+    pg.policy = &policy_upstream;
+  }
+  if (local.ok() && g != nullptr) pg.lse = f.policy != nullptr ? kept_lse : out.lse;
   DeviceProtocol protocol;
   if (Status s = device_protocol(&buffers->device, f.device, stream, comm.size(), comm.rank(), payload, merged_bytes,
                                  &protocol);
@@ -189,7 +200,7 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   }
   if (Status s = cuda::write_header(mine, header, stream); !s.ok()) return local.ok() ? s : local;
   const bool reduced = options.reduction != Reduction::kNone;
-  if (local.ok() && g != nullptr) {
+  if (local.ok() && g != nullptr && f.policy == nullptr) {
     if (Status s = cuda::shared_upstream(nullptr, grad_loss, a.targets, a.weights, n, c.params,
                                          c.b->as<double>(c.b->upstream), c.stream);
         !s.ok()) {
@@ -218,27 +229,39 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
       return local.ok() ? s : local;
     }
     if (!local.ok()) continue;
-    if (f.policy != nullptr) {  // (the recompute mode: one chunk of every token)
-      if (Status s = cuda::merge_and_policy(reinterpret_cast<const float*>(protocol.recv + sizeof(RankHeader)),
-                                            static_cast<int64_t>(payload / sizeof(float)), comm.size(), rows, width,
-                                            reinterpret_cast<float*>(protocol.merged), a.targets, c.params,
-                                            f.policy->out, error, stream);
+    if (f.policy != nullptr) {
+      // The chunk's outputs, and in the chunked mode the kept lse and E_p[z] of its tokens.
+      const PolicyForwardOutputs& u = f.policy->out;
+      const PolicyForwardOutputs chunk_out[2] = {
+          {true,
+           slice(u.log_prob, r0, rows),
+           slice(u.entropy, r0, rows),
+           slice(u.lse, r0, rows),
+           slice(u.mean_logit, r0, rows),
+           {}},
+          {true, {}, {}, slice(kept_lse, r0, rows), slice(kept_mean, r0, rows), {}}};
+      for (int part = 0; part < (g != nullptr ? 2 : 1); ++part) {
+        if (Status s = cuda::merge_and_policy(reinterpret_cast<const float*>(protocol.recv + sizeof(RankHeader)),
+                                              static_cast<int64_t>(payload / sizeof(float)), comm.size(), rows, width,
+                                              reinterpret_cast<float*>(protocol.merged), slice(a.targets, r0, rows),
+                                              c.params_at(r0), chunk_out[part], error, stream);
+            !s.ok()) {
+          return s;
+        }
+      }
+    } else {
+      LossOutputs o;
+      o.loss = reduced ? out.loss : slice(out.loss, r0, rows);
+      o.lse = slice(out.lse, r0, rows);
+      o.target_is_argmax = slice(out.target_is_argmax, r0, rows);
+      o.entropy = slice(out.entropy, r0, rows);
+      if (Status s = cuda::merge_and_loss(reinterpret_cast<const float*>(protocol.recv + sizeof(RankHeader)),
+                                          static_cast<int64_t>(payload / sizeof(float)), comm.size(), rows, width,
+                                          reinterpret_cast<float*>(protocol.merged), slice(a.targets, r0, rows),
+                                          slice(a.weights, r0, rows), c.params, o, terms + r0, error, stream);
           !s.ok()) {
         return s;
       }
-      continue;
-    }
-    LossOutputs o;
-    o.loss = reduced ? out.loss : slice(out.loss, r0, rows);
-    o.lse = slice(out.lse, r0, rows);
-    o.target_is_argmax = slice(out.target_is_argmax, r0, rows);
-    o.entropy = slice(out.entropy, r0, rows);
-    if (Status s = cuda::merge_and_loss(reinterpret_cast<const float*>(protocol.recv + sizeof(RankHeader)),
-                                        static_cast<int64_t>(payload / sizeof(float)), comm.size(), rows, width,
-                                        reinterpret_cast<float*>(protocol.merged), slice(a.targets, r0, rows),
-                                        slice(a.weights, r0, rows), c.params, o, terms + r0, error, stream);
-        !s.ok()) {
-      return s;
     }
     if (g == nullptr) continue;
     Operand hidden;
@@ -260,8 +283,11 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   if (Status s = finish_gradients(c, *g, pg); !s.ok()) return s;
   // An error the device found in a later chunk's gather poisons every output, as it would
   // have poisoned them in one gather.
-  const std::pair<const TokenVector*, bool> vectors[] = {
-      {&out.lse, true}, {&out.target_is_argmax, true}, {&out.entropy, true}, {&out.loss, !reduced}};
+  const PolicyForwardOutputs& u = f.policy != nullptr ? f.policy->out : PolicyForwardOutputs{};
+  const std::pair<const TokenVector*, bool> vectors[] = {{&out.lse, true},     {&out.target_is_argmax, true},
+                                                         {&out.entropy, true}, {&out.loss, !reduced},
+                                                         {&u.log_prob, true},  {&u.entropy, true},
+                                                         {&u.lse, true},       {&u.mean_logit, true}};
   for (const auto& [v, wanted] : vectors) {
     if (!wanted || v->base == nullptr) continue;
     if (Status s = poison(v->base, v->dtype, v->n, 1, v->stride, error, stream); !s.ok()) return s;
@@ -381,6 +407,27 @@ Status device_policy_linear_forward(Communicator& comm, const HeadInputs& inputs
   ForwardCall f = head_cuda::forward_call(comm, inputs, targets, shard, options, head, none, workspace);
   f.policy = &policy;
   return head_cuda::run_forward(f, local, a, LossOutputs{}, nullptr, 0.0f, nullptr);
+}
+
+Status device_policy_linear_forward_backward(Communicator& comm, const HeadInputs& inputs, const TensorView& targets,
+                                             const VocabShard& shard, const LossOptions& options,
+                                             const HeadOptions& head, const HeadGradients& gradients,
+                                             const PreparePolicy& prepare, Workspace* workspace, int64_t* collectives) {
+  if (collectives != nullptr) *collectives = 0;
+  HeadArgs a;
+  Status local = head_cuda::check_inputs(inputs, targets, nullptr, shard, options, head, &a);
+  PolicyForward policy;
+  local = prepare(local, a, &policy);
+  HeadGradientArgs g;
+  if (local.ok()) {
+    std::vector<NamedRegion> regions = input_regions(a);
+    regions.insert(regions.end(), policy.regions.begin(), policy.regions.end());
+    local = head_cuda::check_gradients(gradients, a, inputs.hidden.device, regions, &g);
+  }
+  const ForwardExtras none;
+  ForwardCall f = head_cuda::forward_call(comm, inputs, targets, shard, options, head, none, workspace);
+  f.policy = &policy;
+  return head_cuda::run_forward(f, local, a, LossOutputs{}, &g, 0.0f, collectives);
 }
 
 Status device_policy_linear_backward(const HeadInputs& inputs, const TensorView& targets, const VocabShard& shard,
