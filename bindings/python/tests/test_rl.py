@@ -1,13 +1,14 @@
-"""vpce.torch.log_probs_and_entropy, linear_log_probs_and_entropy (the fused head) and the RL drop-ins (vpce.verl, vpce.nemo_rl) against a
-float64 reference built from PyTorch's own operations (log_softmax of the logits / T over the
-whole vocabulary, the entropy -sum p log p, autograd's gradient of g_lp log p_y + g_H H with
+"""vpce.torch.log_probs_and_entropy, linear_log_probs_and_entropy and linear_policy_objective
+(the fused head's two modes) and the RL drop-ins (vpce.verl, vpce.nemo_rl) against a float64
+reference built from PyTorch's own operations (log_softmax of the logits / T over the whole
+vocabulary, the entropy -sum p log p, autograd's gradient of g_lp log p_y + g_H H with
 non-uniform upstream gradients): fp32 within 1e-6 (outputs) and 1e-5 (gradients), bf16 within
-its rounding; per-token and scalar temperatures, ignored tokens, padded vocabularies, on one
-rank and on gloo groups of 2 and 3 processes, the collectives counted (one all-gather per
-forward, none in the backward on logits, the hidden gradient's all-reduce in the head), the
-same outputs on every rank; against verl 0.9.1's own
-functions on the same inputs (where megatron-core and verl are installed); the custom ops
-under torch.compile(fullgraph=True) (PyTorch >= 2.4)."""
+its rounding; per-token and scalar temperatures, ignored tokens, padded vocabularies, a
+keep-mask as -inf logits, on one rank and on gloo groups of 2 and 3 processes, the collectives
+counted (one all-gather per forward, none in the backward on logits, the hidden gradient's
+all-reduce in the head), the same outputs on every rank, a rank's bad argument raised on every
+rank; against verl 0.9.1's own functions on the same inputs (where megatron-core and verl are
+installed); the custom ops under torch.compile(fullgraph=True) and opcheck (PyTorch >= 2.4)."""
 import importlib.util
 import os
 
@@ -394,6 +395,31 @@ def sequence_parallel_worker(rank, size, init_file):
 
 def test_head_with_sequence_parallelism():
     spawn(sequence_parallel_worker, 2)
+
+
+def failing_rank_worker(rank, size, init_file):
+    """One rank's bad argument to the head's RL functions (a weight of another shape, an
+    unknown option): every rank raises, naming it, and the group stays usable."""
+    group = init_group(rank, size, init_file)
+    generator = torch.Generator().manual_seed(41)
+    hidden = torch.randn(6, 16, generator=generator)
+    weight = torch.randn(100, 16, generator=generator)
+    target = torch.randint(0, 200, (6,), generator=generator)
+    weights = torch.ones(5 if rank == 1 else 6)
+    with pytest.raises(Exception, match="log_prob_weights.shape"):
+        vt.linear_policy_objective(hidden, weight, target, weights, tp_group=group)
+    options = {"not_an_option": 1} if rank == 1 else {}
+    for call in (lambda: vt.linear_policy_objective(hidden, weight, target, torch.ones(6), tp_group=group, **options),
+                 lambda: vt.linear_log_probs_and_entropy(hidden, weight, target, tp_group=group, **options)):
+        with pytest.raises(Exception, match="not_an_option"):
+            call()
+    log_prob, _ = vt.linear_log_probs_and_entropy(hidden, weight, target, tp_group=group)  # the group still works
+    assert torch.isfinite(log_prob).all()
+    dist.destroy_process_group()
+
+
+def test_a_rank_with_a_bad_argument_does_not_leave_the_others_waiting():
+    spawn(failing_rank_worker, 2)
 
 
 def load_verl():

@@ -332,15 +332,18 @@ def _head_forward(hidden, weight, bias, target, label_smoothing, tp_group, seque
 
 
 def _head_forward_with(kernel, hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel, options,
-                       need_hidden, need_weight):
+                       need_hidden, need_weight, check=None):
     """A recompute forward's scaffolding, for any operation of the head: the group, the
-    sequence-parallel gather, the checked operands, then kernel(args, targets, all hidden
-    states, weight, bias, shard, collective, rank, size) -> its outputs; every collective's
-    errors agreed across the group. Returns (outputs, shard)."""
+    operation's own argument check (check(), when given), the sequence-parallel gather, the
+    checked operands, then kernel(args, targets, all hidden states, weight, bias, shard,
+    collective, rank, size) -> its outputs; every error agreed across the group. Returns
+    (outputs, shard)."""
     group, rank, size = _group(tp_group)
     with _calling(group, size) as call:
         gather, collective = _forward_collectives(call, rank, size, sequence_parallel, need_hidden)
         try:
+            if check is not None:
+                check()
             args, y, total, w, b, shard = _forward_operands(
                 group, rank, size, gather, hidden, weight, bias, target, label_smoothing, options, sequence_parallel,
                 need_weight)
@@ -432,17 +435,20 @@ def _head_chunked(hidden, weight, bias, target, label_smoothing, tp_group, seque
 
 
 def _head_chunked_with(kernel, hidden, weight, bias, target, label_smoothing, tp_group, sequence_parallel, options,
-                       needs):
+                       needs, check=None):
     """A chunked forward's scaffolding, for any operation of the head: the group, the
-    sequence-parallel gather, the checked operands, float32 gradients (None where needs[i] is
-    false), then kernel(args, targets, all hidden states, weight, bias, shard, grad_hidden,
-    grad_weight, grad_bias or None for an empty slice, collective, rank, size) -> its outputs;
-    then the hidden gradient summed over the group (or reduce-scattered). Returns (outputs,
-    (grad_hidden, grad_weight, grad_bias))."""
+    operation's own argument check (check(), when given), the sequence-parallel gather, the
+    checked operands, float32 gradients (None where needs[i] is false), then kernel(args,
+    targets, all hidden states, weight, bias, shard, grad_hidden, grad_weight, grad_bias or
+    None for an empty slice, collective, rank, size) -> its outputs; then the hidden gradient
+    summed over the group (or reduce-scattered); every error agreed across the group. Returns
+    (outputs, (grad_hidden, grad_weight, grad_bias))."""
     group, rank, size = _group(tp_group)
     with _calling(group, size) as call:
         gather, collective = _forward_collectives(call, rank, size, sequence_parallel, needs[0])
         try:
+            if check is not None:
+                check()
             need_hidden, need_weight, need_bias = needs
             args, y, total, w, b, shard = _forward_operands(
                 group, rank, size, gather, hidden, weight, bias, target, label_smoothing, options, sequence_parallel,

@@ -34,8 +34,8 @@ def _temperature_value(temperatures, temperature):
 
 def _policy_head_forward(hidden, weight, bias, target, temperature, tp_group, sequence_parallel, options,
                          need_hidden, need_weight):
-    """(log_prob, entropy, lse, mean_logit, per-token temperatures or None)."""
-    _check_options(options)
+    """(log_prob, entropy, lse, mean_logit, per-token temperatures or None). Argument errors
+    are raised inside the scaffolding, where every rank of the group raises them alike."""
 
     def kernel(args, y, total, w, b, shard, collective, rank, size):
         scalar, t = _as_temperatures(temperature, total, y)
@@ -49,7 +49,7 @@ def _policy_head_forward(hidden, weight, bias, target, temperature, tp_group, se
         return log_prob, entropy, lse, mean, t
 
     outputs, _ = _head_forward_with(kernel, hidden, weight, bias, target, 0.0, tp_group, sequence_parallel, options,
-                                    need_hidden, need_weight)
+                                    need_hidden, need_weight, check=lambda: _check_options(options))
     return outputs
 
 
@@ -91,25 +91,28 @@ def _policy_head_chunked(hidden, weight, bias, target, log_prob_weights, entropy
                          sequence_parallel, options, needs):
     """The chunked mode: (objective, log_prob, entropy, grad_hidden, grad_weight, grad_bias),
     objective = sum(log_prob_weights * log_prob + entropy_weights * entropy) in float32, the
-    gradients its own (float32, None where not needed), the hidden one summed over the group."""
-    _check_options(options)
+    gradients its own (float32, None where not needed), the hidden one summed over the group.
+    Argument errors are raised inside the scaffolding, where every rank of the group raises them alike."""
 
     def kernel(args, y, total, w, b, shard, grad_hidden, grad_weight, grad_bias, collective, rank, size):
+        lp_weights = _token_weights(log_prob_weights, y, "log_prob_weights")
+        h_weights = _token_weights(entropy_weights, y, "entropy_weights")
         scalar, t = _as_temperatures(temperature, total, y)
         opts = _rl_options(scalar, args.loss_options)
         log_prob = torch.empty(y.shape, dtype=torch.float32, device=total.device)
         entropy = torch.empty(y.shape, dtype=torch.float32, device=total.device)
-        _vpce.rl_linear_forward_backward(total, w, _present(b), y, log_prob_weights, entropy_weights, *shard, opts, args.head,
+        _vpce.rl_linear_forward_backward(total, w, _present(b), y, lp_weights, h_weights, *shard, opts, args.head,
                                          log_prob, entropy, grad_hidden, grad_weight, grad_bias, temperatures=t,
                                          rank=rank, size=size, all_gather=collective)
         objective = torch.zeros((), dtype=torch.float64, device=total.device)
-        for weights, output in ((log_prob_weights, log_prob), (entropy_weights, entropy)):
+        for weights, output in ((lp_weights, log_prob), (h_weights, entropy)):
             if weights is not None:
                 objective += (weights.double() * output.double()).sum()
         return objective.float(), log_prob, entropy
 
     (objective, log_prob, entropy), grads = _head_chunked_with(kernel, hidden, weight, bias, target, 0.0, tp_group,
-                                                               sequence_parallel, options, needs)
+                                                               sequence_parallel, options, needs,
+                                                               check=lambda: _check_options(options))
     return (objective, log_prob, entropy, *grads)
 
 
@@ -269,7 +272,6 @@ def linear_log_probs_and_entropy(hidden, weight, target, temperature=1.0, tp_gro
     recompute mode: one all-gather in the forward (plus the sequence-parallel one of the
     hidden states), the hidden gradient's reduction in the backward.
     """
-    _check_options(options)
     args = (hidden, weight, bias, target, temperature, tp_group, sequence_parallel, options)
     if isinstance(sequence_parallel, bool) and _fits_rl_head_op(hidden, weight, bias, target, temperature, options):
         per_token = isinstance(temperature, torch.Tensor)
@@ -312,12 +314,10 @@ def linear_policy_objective(hidden, weight, target, log_prob_weights, entropy_we
     linear_log_probs_and_entropy's, and the head's chunk_tokens. One all-gather per chunk of
     tokens, then the hidden gradient's reduction, all in this call; one backward per call.
     """
-    _check_options(options)
-    log_prob_weights = _token_weights(log_prob_weights, target, "log_prob_weights")
-    entropy_weights = _token_weights(entropy_weights, target, "entropy_weights")
     # Eager calls take the autograd.Function, which scales the gradients in place (the op's
     # backward cannot change its outputs: a copy of each gradient).
-    if (_compiling() and isinstance(sequence_parallel, bool)
+    weights_fit = all(w is None or isinstance(w, torch.Tensor) for w in (log_prob_weights, entropy_weights))
+    if (_compiling() and weights_fit and isinstance(sequence_parallel, bool)
             and _fits_rl_head_op(hidden, weight, bias, target, temperature, options)):
         per_token = isinstance(temperature, torch.Tensor)
         objective, log_prob, entropy, *_ = torch.ops.vpce.rl_linear_chunked(
