@@ -398,8 +398,8 @@ def test_head_with_sequence_parallelism():
 
 
 def failing_rank_worker(rank, size, init_file):
-    """One rank's bad argument to the head's RL functions (a weight of another shape, an
-    unknown option): every rank raises, naming it, and the group stays usable."""
+    """One rank's bad argument to the RL functions (a weight of another shape, an unknown
+    option): every rank raises, naming it, and the group stays usable."""
     group = init_group(rank, size, init_file)
     generator = torch.Generator().manual_seed(41)
     hidden = torch.randn(6, 16, generator=generator)
@@ -409,8 +409,10 @@ def failing_rank_worker(rank, size, init_file):
     with pytest.raises(Exception, match="log_prob_weights.shape"):
         vt.linear_policy_objective(hidden, weight, target, weights, tp_group=group)
     options = {"not_an_option": 1} if rank == 1 else {}
+    logits = hidden @ weight.T
     for call in (lambda: vt.linear_policy_objective(hidden, weight, target, torch.ones(6), tp_group=group, **options),
-                 lambda: vt.linear_log_probs_and_entropy(hidden, weight, target, tp_group=group, **options)):
+                 lambda: vt.linear_log_probs_and_entropy(hidden, weight, target, tp_group=group, **options),
+                 lambda: vt.log_probs_and_entropy(logits, target, tp_group=group, **options)):
         with pytest.raises(Exception, match="not_an_option"):
             call()
     log_prob, _ = vt.linear_log_probs_and_entropy(hidden, weight, target, tp_group=group)  # the group still works
