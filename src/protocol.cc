@@ -150,6 +150,11 @@ void set_device_found_message(RankHeader& header, const VocabShard& shard, const
                 static_cast<long long>(options.ignore_index));
 }
 
+void set_device_found_message(RankHeader& header, const std::string& message) {
+  if (header.status != 0) return;
+  std::snprintf(header.message, sizeof(header.message), "%s", message.c_str());
+}
+
 Status check_group(const char* gathered, std::size_t stride, int ranks, int self) {
   std::vector<RankHeader> headers;
   headers.reserve(static_cast<std::size_t>(ranks));

@@ -93,6 +93,8 @@ RankHeader make_header(int rank, int num_ranks, int64_t num_tokens, int64_t stat
 // message the header carries (while its status is still 0) for the device to report, through
 // that status, if it finds a bad value. A header whose rank's own check failed keeps its error.
 void set_device_found_message(RankHeader& header, const VocabShard& shard, const LossOptions& options);
+// The same with an operation's own message (truncated to the header's).
+void set_device_found_message(RankHeader& header, const std::string& message);
 
 // Checks the gathered headers (`ranks` of them, `stride` bytes apart) for agreement and
 // returns the same Status on every rank that sees the same bytes. `self` is the calling

@@ -4,7 +4,6 @@
 // the engine's gradient rows with each token's policy_gradient_constants (token_math.h). On
 // the CPU, or on a CUDA device through cuda/dispatch.h (the loss's protocol and kernels with
 // the RL outputs' last stage and gradient constants).
-#include <cstdio>
 #include <vector>
 
 #include "../cpu/kernels.h"
@@ -69,9 +68,7 @@ Status device_forward(Communicator& comm, const LossInputs& in, const detail::Po
   engine::RankHeader header =
       engine::make_header(comm.rank(), comm.size(), n, width, shard, logits.dtype, loss, false, 0,
                           detail::policy_operation(options, temperatures != nullptr, "forward"), local);
-  if (header.status == 0) {  // the message the device reports if it finds a bad value
-    std::snprintf(header.message, sizeof(header.message), "%s", detail::device_found_message(params, options).c_str());
-  }
+  engine::set_device_found_message(header, detail::device_found_message(params, options));
   engine::DeviceForwardArgs args{in,
                                  engine::LossOutputs{},
                                  header,

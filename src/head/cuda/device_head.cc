@@ -193,7 +193,7 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   if (f.policy != nullptr) {
     mine = make_header(comm.rank(), comm.size(), n, width, *f.shard, f.dtype, options, false, 0, f.policy->operation,
                        local);
-    if (mine.status == 0) std::snprintf(mine.message, sizeof(mine.message), "%s", f.policy->found_message.c_str());
+    set_device_found_message(mine, f.policy->found_message);
   } else {
     mine = head_header(comm, n, width, local.ok() ? a.hidden_size() : f.hidden_size, *f.shard, f.dtype, options,
                        f.extras->weights != nullptr, g != nullptr, grad_loss, a.round_logits, local);
