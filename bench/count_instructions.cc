@@ -171,7 +171,7 @@ int run(const char* only) {
   std::vector<float> exp_x(4000), exp_y(4000);
   for (int64_t i = 0; i < 4000; ++i) exp_x[i] = -16.0f * static_cast<float>((i * 97) % 4000) / 4000;
   const TransformParams identity;
-  const GradientConstants constants{1.0f, 10.0f, 1.0f, 0.0f};
+  const GradientConstants constants = make_gradient_constants(1.0, 10.0, 1.0, 0.0);
   // The fourth row, on an AVX-512 CPU with AVX512-BF16, is bf16 with those instructions
   // turned off: the software rounding that AVX-512 CPUs without them run.
   const void* rows[4] = {f32.data(), bf16.data(), fp16.data(), bf16.data()};

@@ -158,6 +158,31 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
           (std::fabs(k) + static_cast<double>(std::fabs(u))) *
           std::max(std::fabs(static_cast<double>(t.scale)), std::fabs(static_cast<double>(t.slope_scale)));
       if (largest < 0x1p110) {
+        // A gradient k e^(z - lse) without a transform: where both vectors' results are normal
+        // (their z from NormalResultsFrom on: a logit 80 or more below the lse is rare), k e^r
+        // rounded to bf16 by Veltkamp's splitting, then its exponent added (exact between
+        // normal numbers; the bf16 logits' NaNs stay NaN): 5 vector operations fewer per pair
+        // than rounding after the exp, 3 fewer on the FMA ports.
+        if constexpr (kFolded && kKind == kIdentity) {
+          if (!subtract_first) {
+            const VF normal_results = hn::Set(d, NormalResultsFrom(shift, k));
+            const VF exponent_shift = hn::Set(d, kRoundingShift - static_cast<float>(shift.log2_reference));
+            auto rounded = [&](VF z) __attribute__((always_inline)) {
+              const auto [r, exponent] = ReduceForAddition(d, z, exponent_shift);
+              return AddExponent(d, RoundToBf16Normal(d, poly.Horner(r)), exponent);
+            };
+            for (; v + 2 * lanes <= cols; v += 2 * lanes) {
+              hwy::Prefetch(row + v + kAhead);
+              VF even, odd;
+              LoadTwo(d, row + v, even, odd);
+              if (HWY_LIKELY(hn::AllFalse(d, hn::Lt(hn::Min(even, odd), normal_results)))) {
+                StoreBf16PairsOfRounded(rounded(even), rounded(odd), grad + v);
+              } else {
+                StoreBf16PairsNearest(d, element(even), element(odd), grad + v);
+              }
+            }
+          }
+        }
         for (; v + 2 * lanes <= cols; v += 2 * lanes) {
           hwy::Prefetch(row + v + kAhead);
           VF even, odd;

@@ -12,6 +12,7 @@
 
 #include <hwy/highway.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -156,6 +157,38 @@ HWY_INLINE Reduced Reduce(DF d, VF x, const ScaledRange& range) {
   return {r, hn::Sub(hn::BitCast(di, shifted), range.exponent_bias)};
 }
 
+// Reduce with E in the rounding shift instead (`exponent_shift`, 1.5 x 2^23 + E, exact for
+// |E| < 2^22): bits(shifted) << 23 is then (n + E) << 23 (the shift's own bits, 0x4B400000,
+// leave nothing there), which AddExponent adds to k e^r's bits: 2^(n + E) without the biased
+// exponent's subtraction or a multiplication (one operation fewer, and one fewer on the FMA
+// ports).
+struct ReducedForAddition {
+  VF r;
+  VI exponent;  // (n + E) << 23
+};
+HWY_INLINE ReducedForAddition ReduceForAddition(DF d, VF x, VF exponent_shift) {
+  const DI di;
+  const VF shifted = hn::MulAdd(x, hn::Set(d, kLog2e), exponent_shift);
+  const VF n = hn::Sub(shifted, exponent_shift);
+  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), x);   // ln2 to 15 bits
+  r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);  // the rest of ln2
+  return {r, hn::ShiftLeft<23>(hn::BitCast(di, shifted))};
+}
+
+// value 2^(n + E) by adding the exponent's bits: exact where value and the result are normal
+// numbers. A NaN stays NaN where x's NaN had its low 9 bits 0, so that `exponent` is 0: a
+// widened bf16 logit's NaN has them (its payload is in the upper half), and so has the NaN
+// arithmetic makes; an fp32 logit's NaN need not (hence for bf16 logits only).
+HWY_INLINE VF AddExponent(DF d, VF value, VI exponent) {
+  const DI di;
+  return hn::BitCast(d, hn::Add(hn::BitCast(di, value), exponent));
+}
+
+// k e^r times 2^(n + E), for a biased exponent n + E + 127 in [1, 254] (a normal power of two).
+HWY_INLINE VF TimesPowerOfTwo(DF d, VF exp_r, VI biased) {
+  return hn::Mul(exp_r, hn::BitCast(d, hn::ShiftLeft<23>(biased)));
+}
+
 // result, or x where x is NaN: x86's MIN/MAX clamps keep a NaN on their own, Highway's
 // portable ones drop it.
 HWY_INLINE VF KeepNaN(VF x, VF result) {
@@ -190,7 +223,7 @@ HWY_INLINE VF ExponentialScaled(DF d, VF x, const ScaledRange& range, const Poly
   const VF exp_r = poly.Horner(r);
   VF result;
   if (HWY_LIKELY(normal)) {
-    result = hn::Mul(exp_r, hn::BitCast(d, hn::ShiftLeft<23>(biased)));
+    result = TimesPowerOfTwo(d, exp_r, biased);
   } else {
     const VI bias = hn::Set(di, 127);
     const VI n_int = hn::Sub(biased, bias);  // n + E
@@ -210,7 +243,7 @@ template <class Poly>
 HWY_INLINE VF ExponentialBelowShift(DF d, VF x, const ScaledRange& range, const Poly& poly) {
   const VF clamped = hn::Max(range.normal_low, x);  // (the bound first: NaN passes, as above)
   const auto [r, biased] = Reduce(d, clamped, range);
-  return KeepNaN(x, hn::Mul(poly.Horner(r), hn::BitCast(d, hn::ShiftLeft<23>(biased))));
+  return KeepNaN(x, TimesPowerOfTwo(d, poly.Horner(r), biased));
 }
 
 // k exp(x) (k as above).
@@ -268,6 +301,19 @@ HWY_INLINE LaneShift MakeLaneShift(DF d, double s) {
       {hn::Zero(d), MakeScaledRange(d, s, static_cast<int32_t>(exponent))}, -exponent, std::exp2(-exponent - s_log2)};
 #endif
 }
+
+#if HWY_TARGET != HWY_AVX3
+// The least fp32 z (rounded up) from which the lanes of `shift` with a polynomial's factor k,
+// k e^z 2^E, are at least 2^-125 (normal numbers, as AddExponent needs; so is 2^(n + E)):
+// (-E - 125) ln2 - ln min(1, |k|). For a shift whose lanes take z itself (not
+// subtract_first), where E = -log2_reference.
+inline float NormalResultsFrom(const LaneShift& shift, double k) {
+  constexpr double kLn2 = 0.6931471805599453;
+  const double z = (shift.log2_reference - 125.0) * kLn2 - std::log(std::min(1.0, std::fabs(k)));
+  const auto rounded = static_cast<float>(z);
+  return static_cast<double>(rounded) < z ? std::nextafter(rounded, std::numeric_limits<float>::infinity()) : rounded;
+}
+#endif
 
 // k e^(z - s) up to the factor shift.correction (k from the polynomial), from the shift's
 // lanes, with kSubtractFirst = shift.subtract_first known at compile time (for a loop that

@@ -171,6 +171,29 @@ HWY_INLINE void StoreBf16PairsNearest(DF d, VF even, VF odd, BFloat16* p) {
   hn::StoreU(packed, du, reinterpret_cast<uint32_t*>(p));
 }
 
+// v rounded to bf16 (to nearest even) in fp32, for values known to be normal numbers below
+// 2^111 (or 0, or NaN), by Veltkamp's splitting: c = v (2^16 + 1), then c - (c - v) is v
+// rounded to its upper 8 significant bits, to nearest even (seen for every fp32 value of a
+// binade, tests/simd_targets_test.cc, and the same in every binade where c neither overflows
+// nor leaves the normal numbers), with its lower half 0: 3 vector operations, where
+// StoreBf16PairsNearest's rounding takes 5. A subnormal would keep bits that bf16 has not,
+// and infinity would become NaN: the caller rules both out.
+HWY_INLINE VF RoundToBf16Normal(DF d, VF v) {
+  // c as one fused multiply-add (the same rounding of v (2^16 + 1)): a product written as
+  // such would be contracted into the subtraction below, which needs c rounded.
+  const VF c = hn::MulAdd(v, hn::Set(d, 65536.0f), v);
+  return hn::Sub(c, hn::Sub(c, v));
+}
+
+// Even- and odd-position values on bf16's grid with their lower halves 0 (RoundToBf16Normal;
+// NaNs too, if their lower halves are 0) -> 2 * lanes bf16 in order: 2 vector operations per
+// pair, no mask.
+HWY_INLINE void StoreBf16PairsOfRounded(VF even, VF odd, BFloat16* p) {
+  const hn::RebindToUnsigned<DF> du;
+  hn::StoreU(hn::Or(hn::BitCast(du, odd), hn::ShiftRight<16>(hn::BitCast(du, even))), du,
+             reinterpret_cast<uint32_t*>(p));
+}
+
 // fp32 -> bf16, rounding to nearest even; NaN stays a (quiet) NaN.
 HWY_INLINE void StoreFull(DF /* d */, VF v, BFloat16* p) {
   const hn::RebindToUnsigned<DF> du;
