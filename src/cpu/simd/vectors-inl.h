@@ -173,9 +173,9 @@ HWY_INLINE void StoreBf16PairsNearest(DF d, VF even, VF odd, BFloat16* p) {
 
 // v rounded to bf16 (to nearest even) in fp32, for values known to be normal numbers below
 // 2^111 (or 0, or NaN), by Veltkamp's splitting: c = v (2^16 + 1), then c - (c - v) is v
-// rounded to its upper 8 significant bits, to nearest even (seen for every fp32 value of a
-// binade, tests/simd_targets_test.cc, and the same in every binade where c neither overflows
-// nor leaves the normal numbers), with its lower half 0: 3 vector operations, where
+// rounded to its upper 8 significant bits, to nearest even (seen for every positive normal
+// fp32 value below 2^111 in a scalar scan, and symmetric in sign; tests/gradient_ulps_test.cc
+// checks the gradients that take it), with its lower half 0: 3 vector operations, where
 // StoreBf16PairsNearest's rounding takes 5. A subnormal would keep bits that bf16 has not,
 // and infinity would become NaN: the caller rules both out.
 HWY_INLINE VF RoundToBf16Normal(DF d, VF v) {
