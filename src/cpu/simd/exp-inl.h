@@ -147,13 +147,19 @@ struct Reduced {
   VF r;
   VI biased;
 };
-HWY_INLINE Reduced Reduce(DF d, VF x, const ScaledRange& range) {
-  const VF rounding_shift = hn::Set(d, kRoundingShift);
-  const DI di;
-  const VF shifted = hn::MulAdd(x, hn::Set(d, kLog2e), rounding_shift);
+// r = x - n ln2 for n = round(x log2 e), rounded by adding `rounding_shift` (1.5 x 2^23 plus
+// an integer below 2^22), which `shifted` keeps: its low bits hold n plus that integer.
+HWY_INLINE VF CodyWaite(DF d, VF x, VF rounding_shift, VF& shifted) {
+  shifted = hn::MulAdd(x, hn::Set(d, kLog2e), rounding_shift);
   const VF n = hn::Sub(shifted, rounding_shift);
-  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), x);   // ln2 to 15 bits
-  r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);  // the rest of ln2
+  const VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), x);  // ln2 to 15 bits
+  return hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);    // the rest of ln2
+}
+
+HWY_INLINE Reduced Reduce(DF d, VF x, const ScaledRange& range) {
+  const DI di;
+  VF shifted;
+  const VF r = CodyWaite(d, x, hn::Set(d, kRoundingShift), shifted);
   return {r, hn::Sub(hn::BitCast(di, shifted), range.exponent_bias)};
 }
 
@@ -168,10 +174,8 @@ struct ReducedForAddition {
 };
 HWY_INLINE ReducedForAddition ReduceForAddition(DF d, VF x, VF exponent_shift) {
   const DI di;
-  const VF shifted = hn::MulAdd(x, hn::Set(d, kLog2e), exponent_shift);
-  const VF n = hn::Sub(shifted, exponent_shift);
-  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), x);   // ln2 to 15 bits
-  r = hn::MulAdd(n, hn::Set(d, -1.4286068202862268e-6f), r);  // the rest of ln2
+  VF shifted;
+  const VF r = CodyWaite(d, x, exponent_shift, shifted);
   return {r, hn::ShiftLeft<23>(hn::BitCast(di, shifted))};
 }
 
