@@ -1,13 +1,9 @@
 #!/usr/bin/env python3
-"""Fits the polynomials of vpce's vectorised exp (src/cpu/simd_rows.cc).
+"""Fits the polynomial of vpce's vectorised exp (src/cpu/simd/exp-inl.h, kExpCoefficients):
+exp(r) = 1 + r + r^2 P(r) for |r| <= ln2 / 2 (plus slack for the rounding of n), P of
+degree 4, after Cody-Waite's reduction.
 
-- Exp2 (AVX-512): 2^f = 1 + f Q(f) for f in [0, 1] (f = t - floor(t)), Q of degree 5 (the
-  full exp) and 4 (the forward's sums over bf16 / fp16 logits).
-- Exponential (other targets): exp(r) = 1 + r + r^2 P(r) for |r| <= ln2 / 2 (plus slack
-  for the rounding of n), P of degree 4 (full) and 3 (the forward's sums over bf16 / fp16
-  logits).
-
-Each minimises the largest relative error of the exponential, by Lawson's iteratively
+It minimises the largest relative error of the exponential, by Lawson's iteratively
 reweighted least squares on Chebyshev points. Prints the fp32 coefficients (as C hex
 literals, highest degree first, the order of the Horner steps) and the error once they are
 rounded to fp32. Needs NumPy (for example the venv that bench/compare.sh makes).
@@ -35,17 +31,9 @@ def show(name, coefficients, worst, unit, unit_name):
     print(f"  largest relative error: {worst:.3g} ({worst / unit:.3f} ulp of {unit_name})")
 
 
-# Exp2: Q(f) = (2^f - 1) / f; an error in Q is a relative error of 2^f times f / 2^f.
-f = (np.cos(np.linspace(0.0, np.pi, 4001)) + 1.0) / 2.0
-f = f[f > 1e-7]
-for degree in (5, 4):
-    q, worst = minimax(f, np.expm1(f * np.log(2.0)) / f, f / np.exp2(f), degree)
-    show(f"Exp2, Q of degree {degree}", q, worst, 2.0**-23, "1 <= 2^f < 2")
-
 # Exponential: P(r) = (e^r - 1 - r) / r^2; an error in P is a relative error of e^r times r^2 / e^r.
 half_width = 0.3466 + 0.001
 r = np.cos(np.linspace(0.0, np.pi, 4001)) * half_width
 r = r[np.abs(r) > 1e-6]
-for degree in (4, 3):
-    p, worst = minimax(r, (np.expm1(r) - r) / r**2, r**2 / np.exp(r), degree)
-    show(f"Exponential, P of degree {degree}", p, worst, 2.0**-24, "1")
+p, worst = minimax(r, (np.expm1(r) - r) / r**2, r**2 / np.exp(r), 4)
+show("Exponential, P of degree 4", p, worst, 2.0**-24, "1")

@@ -57,24 +57,20 @@ float BlockMax(const T* row, int64_t cols, const TransformParams& t) {
 // kHardwareBf16: full vectors of a bf16 gradient are rounded by VCVTNEPS2BF16 (AVX3 only).
 // kFolded: no uniform term (u = 0), so the gradient is k e^(z - m), and k rides in the exp's
 // polynomial (ExpPolynomial).
-// kBinade (AVX3, bf16 in and out, kFolded, no AVX512-BF16): the gradient rounded to bf16
-// inside the exp with `binade_shift`, the caller's valid BinadeShift of m and its factor.
+// kRoundedInExp (AVX3, bf16 in and out, kFolded, no AVX512-BF16, a shift not
+// subtract_first): the gradient rounded to bf16 inside the exp (ExponentialScaledBf16).
 // kEntropy (not kFolded): the RL outputs' entropy term too, g = e^(z - m) (k + ke (z - mean))
 // - u, z - mean as token_math.h's entropy_offset takes it from the constants `c` (E_p[z] as two
 // floats, held above -2^64: 0 for a column of -inf).
-template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded, bool kBinade = false, bool kEntropy = false>
+template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded, bool kRoundedInExp = false,
+          bool kEntropy = false>
 void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t, const LaneShift& shift, double k,
-                  float u, [[maybe_unused]] const BinadeShift* binade_shift = nullptr, [[maybe_unused]] double ke = 0.0,
-                  [[maybe_unused]] const GradientConstants* c = nullptr) {
-  static_assert(!kBinade || (kFolded && !kHardwareBf16 && kKind == kIdentity && std::is_same_v<T, BFloat16> &&
-                             std::is_same_v<G, BFloat16> && HWY_TARGET == HWY_AVX3));
-  static_assert(!kEntropy || (!kFolded && !kBinade));
+                  float u, [[maybe_unused]] double ke = 0.0, [[maybe_unused]] const GradientConstants* c = nullptr) {
+  static_assert(!kRoundedInExp || (kFolded && !kHardwareBf16 && kKind == kIdentity && std::is_same_v<T, BFloat16> &&
+                                   std::is_same_v<G, BFloat16> && HWY_TARGET == HWY_AVX3));
+  static_assert(!kEntropy || (!kFolded && !kRoundedInExp));
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
-#if HWY_TARGET == HWY_AVX3
-  BinadeShift binade{};
-  if constexpr (kBinade) binade = *binade_shift;
-#endif
   // The shift's value and kind as locals, so that they stay in registers across the loops'
   // stores (after the fp16 store's asm the compiler would read a struct's fields again).
   const ShiftLanes lanes_shift = shift.lanes;
@@ -88,16 +84,16 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
   // Every gradient takes the full exp, also one rounded to bf16 or fp16 afterwards: a
   // cheaper exp's error, though within one unit of the dtype, leans one way and takes a
   // rounding the wrong way a hundred times as often (docs/design.md).
-  const ShiftedPolynomial<ExpPrecision::kFull, kFolded> poly(d, kFolded ? k : 1.0);
+  const ExpPolynomial<kFolded> poly(d, kFolded ? k : 1.0);
   // Inlined into each loop: an outlined call per vector made the fp16-to-fp32 gradient 1.6x
   // slower (GCC 12 stopped inlining it when the kernels moved into their own files).
   auto element = [&](VF x) __attribute__((always_inline)) {
     VF slope;
     const VF z = TransformWithSlope<kKind>(d, x, t, &slope);
     VF g;
-    if constexpr (kBinade) {
+    if constexpr (kRoundedInExp) {
 #if HWY_TARGET == HWY_AVX3
-      g = ExpShiftedBf16(d, z, binade, poly);
+      g = ExponentialScaledBf16(d, z, lanes_shift.range, poly);
 #endif
     } else {
       // (z is at most lse, or 88 above a wrong one, given to the staged API)
@@ -143,7 +139,7 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
         LoadTwo(d, row + v, even, odd);
         if constexpr (kHardwareBf16) {
           StoreBf16PairsHardware(element(even), element(odd), grad + v);
-        } else if constexpr (kBinade) {
+        } else if constexpr (kRoundedInExp) {
           StoreBf16PairsRounded(element(even), element(odd), grad + v);
         } else {
           StoreBf16PairsSoftware(element(even), element(odd), grad + v);
@@ -210,14 +206,13 @@ inline bool Foldable(double k) { return std::fabs(k) >= 0x1p-60 && std::fabs(k) 
 
 // The gradient of a block for the transform's kind: g = upstream (1 + 2 zl lse) e^(z - lse)
 // - upstream s / Vv, the first term's factor in fp64 once per block.
-//   With FMA, elsewhere than AVX-512 (kExactArgument), the lanes take e^(z - lse) with z
-//   itself as the exponential's argument (ExponentialScaled), so the result's error does not
-//   grow with |z - lse|.
-//   AVX-512 (Exp2: t = z log2(e) - c, whose rounding grows with |z - s|) and the targets
-//   without FMA shift by the block's max m instead of lse, e^(z - m) e^(m - lse): a pass over
-//   the block for its max (which then stays in cache for the next), the argument's rounding
-//   2^-24 |z - m| relative, no larger than in Megatron's exp(z - max), where |z - lse|
-//   exceeds |z - max| by up to log Vv.
+//   With FMA (AVX2, AVX-512: kExactArgument), the lanes take e^(z - lse) with z itself as the
+//   exponential's argument (ExponentialScaled), so the result's error does not grow with
+//   |z - lse|.
+//   The targets without FMA shift by the block's max m instead of lse, e^(z - m) e^(m - lse):
+//   a pass over the block for its max (which then stays in cache for the next), the
+//   argument's rounding 2^-24 |z - m| relative, no larger than in Megatron's exp(z - max),
+//   where |z - lse| exceeds |z - max| by up to log Vv.
 template <class T, class G, int kKind, bool kHardwareBf16>
 void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams& t, const GradientConstants& c) {
   const DF d;
@@ -227,10 +222,17 @@ void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams&
     const LaneShift shift = MakeLaneShift(d, c.exact_lse);
     const double k = upstream * shift.correction;
     if (c.exact_entropy != 0.0) {
-      return GradientLoop<T, G, kKind, kHardwareBf16, false, false, true>(row, grad, cols, t, shift, k, u, nullptr,
+      return GradientLoop<T, G, kKind, kHardwareBf16, false, false, true>(row, grad, cols, t, shift, k, u,
                                                                           c.exact_entropy * shift.correction, &c);
     }
     if (u == 0.0f && Foldable(k)) {
+#if HWY_TARGET == HWY_AVX3
+      if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16> && !kHardwareBf16 &&
+                    kKind == kIdentity) {
+        if (!shift.subtract_first)
+          return GradientLoop<T, G, kKind, false, true, true>(row, grad, cols, t, shift, k, 0.0f);
+      }
+#endif
       return GradientLoop<T, G, kKind, kHardwareBf16, true>(row, grad, cols, t, shift, k, 0.0f);
     }
     return GradientLoop<T, G, kKind, kHardwareBf16, false>(row, grad, cols, t, shift, k, u);
@@ -245,20 +247,10 @@ void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams&
     const double k = factor * shift.correction;
     if (c.exact_entropy != 0.0) {
       return GradientLoop<T, G, kKind, kHardwareBf16, false, false, true>(
-          row, grad, cols, t, shift, k, u, nullptr, c.exact_entropy * relative * shift.correction, &c);
+          row, grad, cols, t, shift, k, u, c.exact_entropy * relative * shift.correction, &c);
     }
-    if (u == 0.0f && Foldable(k)) {
-#if HWY_TARGET == HWY_AVX3
-      if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16> && !kHardwareBf16 &&
-                    kKind == kIdentity) {
-        if (const BinadeShift binade = MakeBinadeShift(d, m, factor); binade.valid) {
-          return GradientLoop<T, G, kKind, false, true, true>(row, grad, cols, t, binade.shift, binade.coefficient,
-                                                              0.0f, &binade);
-        }
-      }
-#endif
+    if (u == 0.0f && Foldable(k))
       return GradientLoop<T, G, kKind, kHardwareBf16, true>(row, grad, cols, t, shift, k, 0.0f);
-    }
     return GradientLoop<T, G, kKind, kHardwareBf16, false>(row, grad, cols, t, shift, k, u);
   }
 }

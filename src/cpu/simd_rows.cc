@@ -119,8 +119,7 @@ float SlopeOneImpl(float x, const TransformParams& t) {
 float ExpShiftedOneImpl(float x, float s) {
   const DF d;
   const LaneShift shift = MakeLaneShift(d, s);
-  return hn::GetLane(
-      ExpShifted(d, hn::Set(d, x), shift, ShiftedPolynomial<ExpPrecision::kFull, true>(d, shift.correction)));
+  return hn::GetLane(ExpShifted(d, hn::Set(d, x), shift, ExpPolynomial<true>(d, shift.correction)));
 }
 
 void ExpShiftedImpl(const float* x, float s, float* y, int64_t n) {
@@ -137,8 +136,8 @@ void ExpShiftedImpl(const float* x, float s, float* y, int64_t n) {
       StorePartial(d, ExpShifted(d, LoadPartial(d, x + v, tail), shift, poly), y + v, tail);
     }
   };
-  if (shift.correction == 1.0) return run(ShiftedPolynomial<ExpPrecision::kFull>(d));
-  run(ShiftedPolynomial<ExpPrecision::kFull, true>(d, shift.correction));
+  if (shift.correction == 1.0) return run(ExpPolynomial<>(d));
+  run(ExpPolynomial<true>(d, shift.correction));
 }
 
 // x: [n] fp32 -> out: [n] of `type`, through the kernels' stores of a gradient (full vectors

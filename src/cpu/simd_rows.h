@@ -52,7 +52,7 @@ void block_gradient(const void* row, StorageType in, void* grad, StorageType out
 // z and dz/dx of one logit, with the same arithmetic as the blocks.
 float transform_one(float x, const TransformParams& t);
 float slope_one(float x, const TransformParams& t);
-// e^(x - s) with the same arithmetic as the blocks (see Exp2 and ExpShifted in simd_rows.cc).
+// e^(x - s) with the same arithmetic as the blocks (ExpShifted in cpu/simd/exp-inl.h).
 float exp_shifted_one(float x, float s);
 // y[v] = e^(x[v] - s) for v in [0, n) (y may be x): the vectorised exp alone, for tests and
 // (with s = 0, as the blocks compute it) for `vpce perf`'s bound.

@@ -38,7 +38,7 @@ constexpr float kLogitSumScale = 0x1p-32f;
 constexpr int64_t kFoldVectors = 32;
 
 // row: [cols] of T -> BlockStats, a chunk of 256 vectors (in L1) at a time: the chunk's max,
-// then the sum of e^(z - m) with m the max so far (as 2^(z L - c), see ExpShifted), the
+// then the sum of e^(z - m) with m the max so far (as e^z 2^E 2^phi, see ExpShifted), the
 // earlier chunks' fp64 sum rescaled when m grows (rarely, after the first chunks). Each
 // exponent is exact before its one rounding, and the block is read from memory once, with
 // no store. (The argmax and the weighted sum take the two-pass
@@ -48,7 +48,7 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
   // bf16 and fp16 logits, untransformed: the max pass on their 16-bit patterns (RawMax16).
   constexpr bool kRawMax = kKind == kIdentity && !std::is_same_v<T, float> && HWY_TARGET != HWY_SCALAR;
   const DF d;
-  const ShiftedPolynomial<std::is_same_v<T, float> ? ExpPrecision::kFull : ExpPrecision::kSums> poly(d);
+  const ExpPolynomial<> poly(d);
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
   const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
   // 256 vectors: the per-chunk work (the max's and the sums' reductions across lanes) comes

@@ -1,6 +1,6 @@
 // cpu/simd/exp-inl.h: vpce's exponential for the SIMD kernels: e^(z - s) by range reduction
 // and a polynomial of the degree each use needs, the shift inside a fused multiply-add (in
-// base 2 on AVX-512), and bf16's rounding inside the exp (AVX-512's binade shift).
+// base 2 for AVX-512's sums), and bf16's rounding inside the exp (Veltkamp's splitting).
 // A Highway per-target header: included by each src/cpu/simd_*.cc after
 // <hwy/foreach_target.h>, once per target (the guard toggles with HWY_TARGET_TOGGLE).
 #if defined(VPCE_CPU_SIMD_EXP_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -24,65 +24,43 @@ namespace HWY_NAMESPACE {
 
 // ---- the exponential ------------------------------------------------------------------------
 
-// The kernels take e^(z - s), s the max (forward) or the lse (backward), in one of two ways:
-//
-// AVX-512: as 2^t, t = z L - c, with L = log2(e) in fp32 and c = s L rounded to fp32. The
-// subtraction rides in the fused multiply-add that scales the argument (exact before its one
-// rounding, so z near s loses nothing, whatever their size); VREDUCEPS gives t - floor(t)
-// exactly and VSCALEFPS takes floor(t) itself, so no Cody-Waite steps remain: 9 vector
-// instructions where the way below takes 13. The factor 2^(c - s L) that the rounding of c
-// leaves (exact in fp64, within 2^(+-ulp(c) / 2)) is folded into a per-row constant. The
-// rounding of t, 2^-24 |t| relative to the result, grows with |z - s|; the backward takes s
-// = the block's max (docs/design.md); (z - s)(log2(e) - L) in the exponent adds 1.3e-8
-// |z - s| relative.
-//
-// Other targets: e^z with a Cody-Waite reduction (Exponential) whose argument is z itself, not
-// z - s: n = round(z log2(e)), r = z - n ln2 exactly (ln2 in two parts), e^r by a polynomial,
-// and s only in the exponent: e^(z - s) = e^r 2^(n + E) 2^phi with -s log2(e) = E + phi, E an
-// integer, 2^phi in the per-row constant. So the result's error does not grow with |z - s|
-// (the fp32 rounding of z - s alone would cost 2^-24 |z - s| relative: 3 ulps of an fp32
-// gradient on average where the logits are close together). Without VREDUCEPS and VSCALEFPS,
-// base 2 needs a floor, a conversion and a NaN fix-up and is slower there.
+// The kernels take e^(z - s), s the max (forward) or the lse (backward), as e^z with a
+// Cody-Waite reduction whose argument is z itself, not z - s: n = round(z log2(e)), r = z -
+// n ln2 exactly (ln2 in two parts, exact with FMA), e^r by a polynomial, and s only in the
+// exponent: e^(z - s) = e^r 2^(n + E) 2^phi with -s log2(e) = E + phi, E an integer, 2^phi in
+// the per-row constant. So the result's error does not grow with |z - s| (the fp32 rounding
+// of z - s alone would cost 2^-24 |z - s| relative: 3 ulps of an fp32 gradient on average
+// where the logits are close together). The power of two is VSCALEFPS on AVX-512, one or two
+// exponent multiplications elsewhere. (Base 2 on AVX-512, 2^t with t = z L - c by VREDUCEPS
+// and VSCALEFPS, took 9 operations where this takes 13, but the rounding of t, 2^-24 |t|, and
+// L's, 1.3e-8 |z - s| always the same way, left its gradients 2-3 ulps off on average and
+// biased its sums: docs/design.md.)
 constexpr double kLog2eExact = 1.4426950408889634;        // log2(e) in fp64
 constexpr auto kLog2e = static_cast<float>(kLog2eExact);  // L
 
-// How exact an exponential must be, which sets its polynomial's degree:
-//   kFull: everything kept or rounded to a result (the gradients of every dtype, the
-//     bound's exp, the tests' exp).
-//   kSums: the forward's sums over bf16 or fp16 logits, where the arithmetic rather than the
-//     memory limits: on AVX-512 a polynomial of degree 5 (1.6 x 2^-24 relative against 0.22;
-//     a sum's terms are positive, so its relative error is at most its terms'; the loss keeps
-//     its 1e-6, docs/design.md); elsewhere kFull.
-enum class ExpPrecision { kFull, kSums };
-
-// The polynomials' coefficients, highest degree first, in one Horner sequence that ends with
-// the constant term(s) 1: minimax fits for the relative error (scripts/fit_exp_polynomial.py).
-//   Exp2 (AVX-512): 2^f = 1 + f Q(f), f in [0, 1): Q of degree 5 (0.22 x 2^-24 once rounded
-//   to fp32) or 4 (1.6 x 2^-24).
-//   Exponential (Cody-Waite): e^r = 1 + r (1 + r P(r)), |r| <= ln2 / 2: P of degree 4
-//   (0.07 ulp).
-constexpr float kExp2Full[] = {
-    0x1.c5417ap-13f, 0x1.46d64ap-10f, 0x1.3d0b92p-7f, 0x1.c68912p-5f, 0x1.ebfd58p-3f, 0x1.62e42cp-1f, 1.0f};
-constexpr float kExp2Sums[] = {0x1.e97502p-10f, 0x1.277852p-7f, 0x1.c91ce6p-5f, 0x1.ebdb56p-3f, 0x1.62e4bap-1f, 1.0f};
-constexpr float kExpFull[] = {
+// The polynomial's coefficients, highest degree first, in one Horner sequence that ends with
+// the constant terms 1: e^r = 1 + r (1 + r P(r)), |r| <= ln2 / 2, P of degree 4 (0.07 ulp), a
+// minimax fit for the relative error (scripts/fit_exp_polynomial.py). Every use takes it:
+// the lower degrees once used for sums and half-precision gradients biased them.
+constexpr float kExpCoefficients[] = {
     0x1.6a2164p-10f, 0x1.123b96p-7f, 0x1.5558fcp-5f, 0x1.55549p-3f, 0x1.fffffcp-2f, 1.0f, 1.0f};
 
 // The polynomial's coefficients as vectors, each times k: the polynomial then gives k times
 // the exponential, so that a gradient's factor rides in it (one multiplication fewer per
 // vector; each coefficient rounds once to fp32, and the terms being positive, that adds at
-// most 2^-24 relative). kBase2: Exp2's polynomial, else Exponential's. kCompensated: the
-// constant term's rounding, k - fl32(k), is added after the last step (one addition per
-// vector): it would make every result of a row err alike, by up to 2^-25 relative (a bias,
-// where the roundings of the others average out), which a gradient of a whole row carries.
-template <ExpPrecision kPrecision, bool kBase2, bool kCompensated = false>
+// most 2^-24 relative). kCompensated: the constant term's rounding, k - fl32(k), is added
+// after the last step (one addition per vector): it would make every result of a row err
+// alike, by up to 2^-25 relative (a bias, where the roundings of the others average out),
+// which a gradient of a whole row carries.
+template <bool kCompensated = false>
 struct ExpPolynomial {
-  static constexpr bool kSums = kBase2 && kPrecision == ExpPrecision::kSums;
-  static constexpr const float* Table() { return kBase2 ? (kSums ? kExp2Sums : kExp2Full) : kExpFull; }
-  static constexpr int kTerms = kSums ? 6 : 7;
+  static constexpr int kTerms = 7;
   VF c[kTerms];
   VF constant_residual;  // k - fl32(k) (kCompensated)
   explicit ExpPolynomial(DF d, double k = 1.0) {
-    for (int i = 0; i < kTerms; ++i) c[i] = hn::Set(d, static_cast<float>(k * static_cast<double>(Table()[i])));
+    for (int i = 0; i < kTerms; ++i) {
+      c[i] = hn::Set(d, static_cast<float>(k * static_cast<double>(kExpCoefficients[i])));
+    }
     // (The constant term is 1: it rounds to fl32(k).)
     constant_residual = hn::Set(d, static_cast<float>(k - static_cast<double>(static_cast<float>(k))));
   }
@@ -94,29 +72,11 @@ struct ExpPolynomial {
   }
 };
 
-// Which polynomial ExpShifted takes on this target.
-constexpr bool kShiftedBase2 = HWY_TARGET == HWY_AVX3;
-template <ExpPrecision kPrecision, bool kCompensated = false>
-using ShiftedPolynomial = ExpPolynomial<kPrecision, kShiftedBase2, kCompensated>;
-
-#if HWY_TARGET == HWY_AVX3
-// k 2^t in fp32 lanes (k from the polynomial, 1 unless a gradient's factor rides in it), 0
-// for t = -inf or below -150, +inf above 128, NaN for NaN (accuracy: tests/exp_test.cc
-// measures e^(x - s) on every target).
-//   t = n + f with n = floor(t) and f in [0, 1) (VREDUCEPS: exact; 0 for +-inf); k 2^f by
-//   Horner; times 2^n by VSCALEFPS (one rounding, into the subnormals too).
-template <class Poly>
-HWY_INLINE VF Exp2(VF t, const Poly& poly) {
-  const VF f{_mm512_reduce_ps(t.raw, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)};
-  return VF{_mm512_scalef_ps(poly.Horner(f).raw, t.raw)};  // times 2^floor(t)
-}
-#endif
-
-// Whether the exponential takes z itself as its argument (ExponentialScaled, with e^-s in its
-// exponent): Cody-Waite's n ln2 is then of any size, so r = z - n ln2 needs a fused
-// multiply-add to stay exact. AVX-512 (Exp2) and the targets without FMA (SSE4, SSSE3,
-// scalar) subtract the shift instead, and the backward shifts by the block's max there.
-constexpr bool kExactArgument = HWY_TARGET != HWY_AVX3 && HWY_NATIVE_FMA;
+// Whether the exponential takes z itself as its argument (ExponentialScaled, with e^-s in
+// its exponent): Cody-Waite's n ln2 is then of any size, so r = z - n ln2 needs a fused
+// multiply-add to stay exact. The targets without FMA (SSE4, SSSE3, scalar) subtract the
+// shift instead, and their backward shifts by the block's max.
+constexpr bool kExactArgument = HWY_NATIVE_FMA;
 
 using DI = hn::RebindToSigned<DF>;
 using VI = hn::Vec<DI>;
@@ -132,12 +92,14 @@ struct ScaledRange {
   VF normal_high;    // e^88 (and E)
   VF high;           // e^89 (and E)
   VI exponent_bias;  // bits of 1.5 x 2^23 minus E minus 127
+  VF scale_shift;    // 1.5 x 2^23 - E (exact, |E| < 2^22): the rounding shift minus it is n + E
 };
 
 HWY_INLINE ScaledRange MakeScaledRange(DF d, double s, int32_t exponent) {
-  return {hn::Set(d, static_cast<float>(s - 150.0)), hn::Set(d, static_cast<float>(s - 87.0)),
-          hn::Set(d, static_cast<float>(s + 88.0)), hn::Set(d, static_cast<float>(s + 89.0)),
-          hn::Set(DI(), kRoundingShiftBits - exponent - 127)};
+  return {
+      hn::Set(d, static_cast<float>(s - 150.0)),          hn::Set(d, static_cast<float>(s - 87.0)),
+      hn::Set(d, static_cast<float>(s + 88.0)),           hn::Set(d, static_cast<float>(s + 89.0)),
+      hn::Set(DI(), kRoundingShiftBits - exponent - 127), hn::Set(d, kRoundingShift - static_cast<float>(exponent))};
 }
 
 // Cody-Waite's reduction of x for ExponentialScaled and ExponentialBelowShift: r = x - n ln2
@@ -215,8 +177,30 @@ HWY_INLINE VF KeepNaN(VF x, VF result) {
 //   lse) costs 7 more operations; the test of the lanes, 4.
 // kNoneAbove: x is known to stay below range.normal_high (a gradient's z, at most its lse),
 // so only the lower end is tested (2 operations fewer).
+#if HWY_TARGET == HWY_AVX3
+// AVX-512: x clamped (below only, kNoneAbove), Cody-Waite's r and n + E (from the rounding
+// shift), and 2^(n + E) by VSCALEFPS, which rounds once into the subnormals and gives 0 far
+// below and +inf above: no test of the lanes. 13 vector operations with kNoneAbove, else 14.
+struct ScalefReduced {
+  VF r;
+  VF scale;  // n + E
+};
+template <bool kNoneAbove>
+HWY_INLINE ScalefReduced ReduceForScalef(DF d, VF x, const ScaledRange& range) {
+  // (the bound first: NaN passes the clamp, and the result is NaN)
+  const VF clamped = kNoneAbove ? hn::Max(range.low, x) : hn::Min(range.high, hn::Max(range.low, x));
+  VF shifted;
+  const VF r = CodyWaite(d, clamped, hn::Set(d, kRoundingShift), shifted);
+  return {r, hn::Sub(shifted, range.scale_shift)};
+}
+#endif
+
 template <bool kNoneAbove = false, class Poly>
 HWY_INLINE VF ExponentialScaled(DF d, VF x, const ScaledRange& range, const Poly& poly) {
+#if HWY_TARGET == HWY_AVX3
+  const auto [r, scale] = ReduceForScalef<kNoneAbove>(d, x, range);
+  return VF{_mm512_scalef_ps(poly.Horner(r).raw, scale.raw)};
+#else
   const DI di;
   const bool normal = kNoneAbove ? hn::AllFalse(d, hn::Lt(x, range.normal_low))
                                  : hn::AllFalse(d, hn::Or(hn::Lt(x, range.normal_low), hn::Gt(x, range.normal_high)));
@@ -237,7 +221,21 @@ HWY_INLINE VF ExponentialScaled(DF d, VF x, const ScaledRange& range, const Poly
     result = hn::Mul(hn::Mul(exp_r, scale_a), scale_b);
   }
   return KeepNaN(x, result);
+#endif
 }
+
+#if HWY_TARGET == HWY_AVX3
+// ExponentialScaled<true> rounded to bf16 on the way, for AVX-512 without AVX512-BF16: k e^r
+// (normal: |k| within 2^+-60) rounded by Veltkamp's splitting before VSCALEFPS, which keeps
+// its bits where the result is normal (a result below 2^-126 rounds again, into fp32's
+// subnormals, and StoreBf16PairsRounded then truncates it). 16 vector operations per vector
+// with the packing's share, where rounding the fp32 result in integers takes 19.
+template <class Poly>
+HWY_INLINE VF ExponentialScaledBf16(DF d, VF x, const ScaledRange& range, const Poly& poly) {
+  const auto [r, scale] = ReduceForScalef<true>(d, x, range);
+  return VF{_mm512_scalef_ps(RoundToBf16Normal(d, poly.Horner(r)).raw, scale.raw)};
+}
+#endif
 
 // ExponentialScaled for the forward's sums of e^(z - s), s their running max, so that every
 // z is at most s: z is clamped to range.normal_low (e^-87 then stands for every smaller
@@ -245,9 +243,13 @@ HWY_INLINE VF ExponentialScaled(DF d, VF x, const ScaledRange& range, const Poly
 // at most 2^1, so one power of two always does. 4 vector operations fewer.
 template <class Poly>
 HWY_INLINE VF ExponentialBelowShift(DF d, VF x, const ScaledRange& range, const Poly& poly) {
+#if HWY_TARGET == HWY_AVX3
+  return ExponentialScaled<true>(d, x, range, poly);  // (VSCALEFPS: no cheaper form)
+#else
   const VF clamped = hn::Max(range.normal_low, x);  // (the bound first: NaN passes, as above)
   const auto [r, biased] = Reduce(d, clamped, range);
   return KeepNaN(x, TimesPowerOfTwo(d, poly.Horner(r), biased));
+#endif
 }
 
 // k exp(x) (k as above).
@@ -256,14 +258,12 @@ HWY_INLINE VF Exponential(DF d, VF x, const Poly& poly) {
   return ExponentialScaled(d, x, MakeScaledRange(d, 0.0, 0), poly);
 }
 
-HWY_INLINE VF Exponential(DF d, VF x) { return Exponential(d, x, ExpPolynomial<ExpPrecision::kFull, false>(d)); }
+HWY_INLINE VF Exponential(DF d, VF x) { return Exponential(d, x, ExpPolynomial<>(d)); }
 
 // What the lanes need of a shift s, in vectors the loops keep in registers.
 struct ShiftLanes {
-  VF value;  // AVX-512: what the lanes subtract, c (or s, subtract_first); elsewhere s (subtract_first only)
-#if HWY_TARGET != HWY_AVX3
-  ScaledRange range;  // the exponential's clamp and E
-#endif
+  VF value;           // s (subtract_first only)
+  ScaledRange range;  // ExponentialScaled's clamp and E
 };
 
 // The shift s of e^(z - s) as the lanes take it.
@@ -276,34 +276,21 @@ struct LaneShift {
   bool subtract_first = false;
 };
 
+// The shift s as ExponentialScaled's lanes take it (z itself the argument, E = round(-s
+// log2(e)) in the exponent, 2^phi in the correction), or, without FMA or where |s| is beyond
+// 2^21, e^(z - fl32(s)) (subtract_first): the gradients' shift on every target, the
+// forward's too elsewhere than AVX-512.
 HWY_INLINE LaneShift MakeLaneShift(DF d, double s) {
-  const double s_log2 = s * kLog2eExact;
-#if HWY_TARGET == HWY_AVX3
-  const double s32_log2 = static_cast<double>(static_cast<float>(s)) * static_cast<double>(kLog2e);  // exact
-  const auto c = static_cast<float>(s32_log2);
-  const double residual = static_cast<double>(static_cast<float>(s)) - s;
-  // (e^(fl32(s) - s), 1 for an s of fp32 or one that is not finite)
-  const double s_factor = residual == 0.0 || !(residual - residual == 0.0) ? 1.0 : std::exp(residual);
-  // Beyond |s log2(e)| = 2^27 (|s| about 9.3e7), c can miss s log2(e) by half of fp32's
-  // spacing there (8 and more: 256 at 2^32), and 2^(z log2(e) - c), 2^(s log2(e) - c) for the
-  // max, would leave fp32's range (the loss -inf, NaN or wrong). Where the miss exceeds 8 the
-  // lanes subtract s first, exactly for the terms that count (Sterbenz), at one more operation
-  // per vector; every other row keeps the one fused multiply-subtract.
-  if (std::fabs(static_cast<double>(c) - s32_log2) > 8.0) {
-    return {{hn::Set(d, static_cast<float>(s))}, s32_log2, s_factor, true};
-  }
-  return {{hn::Set(d, c)}, static_cast<double>(c), std::exp2(static_cast<double>(c) - s32_log2) * s_factor};
-#else
   if (!kExactArgument || !(std::fabs(s) < 0x1p21)) {  // (and NaN, infinities): e^(z - fl32(s))
     const auto s32 = static_cast<float>(s);
     const double residual = static_cast<double>(s32) - s;
     const double factor = residual == 0.0 || !(residual - residual == 0.0) ? 1.0 : std::exp(residual);
     return {{hn::Set(d, s32), MakeScaledRange(d, 0.0, 0)}, static_cast<double>(s32) * kLog2eExact, factor, true};
   }
-  const double exponent = std::nearbyint(-s_log2);  // E
-  return {
-      {hn::Zero(d), MakeScaledRange(d, s, static_cast<int32_t>(exponent))}, -exponent, std::exp2(-exponent - s_log2)};
-#endif
+  const double exponent = std::nearbyint(-s * kLog2eExact);  // E
+  return {{hn::Zero(d), MakeScaledRange(d, s, static_cast<int32_t>(exponent))},
+          -exponent,
+          std::exp2(-exponent - s * kLog2eExact)};
 }
 
 #if HWY_TARGET != HWY_AVX3
@@ -327,14 +314,9 @@ inline float NormalResultsFrom(const LaneShift& shift, double k) {
 // (ExponentialScaled<true>).
 template <bool kSubtractFirst, bool kBelowShift = false, bool kAtMostShift = false, class Poly>
 HWY_INLINE VF ExpShiftedAs(DF d, VF z, const ShiftLanes& shift, const Poly& poly) {
-#if HWY_TARGET == HWY_AVX3
-  if constexpr (kSubtractFirst) return Exp2(hn::Mul(hn::Sub(z, shift.value), hn::Set(d, kLog2e)), poly);
-  return Exp2(hn::MulSub(z, hn::Set(d, kLog2e), shift.value), poly);
-#else
   const VF x = kSubtractFirst ? hn::Sub(z, shift.value) : z;
   if constexpr (kBelowShift) return ExponentialBelowShift(d, x, shift.range, poly);
   return ExponentialScaled<kAtMostShift>(d, x, shift.range, poly);
-#endif
 }
 
 // k e^(z - s) up to the factor shift.correction (k from the polynomial).
@@ -345,63 +327,7 @@ HWY_INLINE VF ExpShifted(DF d, VF z, const LaneShift& shift, const Poly& poly) {
 }
 
 // e^(z - s) up to the factor shift.correction.
-HWY_INLINE VF ExpShifted(DF d, VF z, const LaneShift& shift) {
-  return ExpShifted(d, z, shift, ShiftedPolynomial<ExpPrecision::kFull>(d));
-}
-
-#if HWY_TARGET == HWY_AVX3
-// A bf16 gradient K e^(z - s) rounded inside the exp, for AVX-512 without AVX512-BF16: the
-// shift c moved by the fraction of log2|K| (then rounded to fp32) makes the polynomial's
-// factor K 2^(c - s log2(e)) = +-2^e (1 + mu), |mu| <= kMaxExcess, so every value of the
-// polynomial, +-2^e (1 + mu) 2^f for f in [0, 1) with its error of 1.3e-8, lies within
-// 2^-9 of the binade [2^e, 2^(e+1)] in relative terms. Adding and subtracting 1.5 x 2^(e+16)
-// rounds it to nearest even on the grid 2^(e-7): bf16's 8 bits inside the binade, and the
-// end 2^e or 2^(e+1) for a value just outside it, which is what bf16 rounds it to as well
-// (it is nearer than half of bf16's spacing there). So the bits are those of rounding the
-// polynomial's fp32 value; VSCALEFPS's power of two keeps them (a result below 2^-126 rounds
-// again, into fp32's subnormals, and the packing then truncates it). Two vector operations
-// per 16 values instead of the integer rounding's five (StoreBf16PairsSoftware). `valid` is
-// false where the shift's fp32 rounding leaves too large a mu: |c| above 2^16 (logits beyond
-// about +-45000) may.
-struct BinadeShift {
-  static constexpr double kMaxExcess = 1.5e-3;  // + the polynomial's error < 2^-9
-  LaneShift shift;
-  double coefficient;  // K 2^(c - s log2(e)): +-2^e (1 + mu)
-  VF grid;             // +-1.5 x 2^(e+16), the sign of K
-  bool valid;
-};
-
-HWY_INLINE BinadeShift MakeBinadeShift(DF d, float s, double k) {
-  const double s_log2 = static_cast<double>(s) * static_cast<double>(kLog2e);  // exact
-  const double log2_k = std::log2(std::fabs(k));
-  const double e = std::ceil(log2_k);
-  const double target = s_log2 + (e - log2_k);
-  if (!(std::fabs(target) < 0x1p30)) return {MakeLaneShift(d, s), k, hn::Zero(d), false};  // (NaN, infinities)
-  const auto c = static_cast<float>(target);
-  const double correction = std::exp2(static_cast<double>(c) - s_log2);
-  const double coefficient = k * correction;
-  const double excess = std::fabs(coefficient) / std::exp2(e) - 1.0;
-  const bool valid = std::fabs(excess) <= BinadeShift::kMaxExcess;
-  const auto grid = static_cast<float>(std::copysign(1.5 * std::exp2(e + 16.0), k));
-  return {{{hn::Set(d, c)}, static_cast<double>(c), correction}, coefficient, hn::Set(d, grid), valid};
-}
-
-// k e^(z - s) as ExpShifted gives it, rounded to bf16 on the way (k and the shift from a
-// valid BinadeShift).
-template <class Poly>
-HWY_INLINE VF ExpShiftedBf16(DF d, VF z, const BinadeShift& binade, const Poly& poly) {
-  const VF t = hn::MulSub(z, hn::Set(d, kLog2e), binade.shift.lanes.value);
-  const VF f{_mm512_reduce_ps(t.raw, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)};
-  // With the rounding mode in the instructions: to nearest whatever MXCSR says, and never
-  // folded away (as fast-math may fold `(p + grid) - grid` written with + and -).
-  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512 sum = _mm512_add_round_ps(poly.Horner(f).raw, binade.grid.raw, kNearest);
-  const __m512 rounded = _mm512_sub_round_ps(sum, binade.grid.raw, kNearest);
-  return VF{_mm512_scalef_ps(rounded, t.raw)};  // times 2^floor(t)
-}
-#else
-struct BinadeShift {};  // (other targets round bf16 after the exp)
-#endif
+HWY_INLINE VF ExpShifted(DF d, VF z, const LaneShift& shift) { return ExpShifted(d, z, shift, ExpPolynomial<>(d)); }
 
 }  // namespace HWY_NAMESPACE
 }  // namespace vpce::detail

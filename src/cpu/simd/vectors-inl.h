@@ -120,7 +120,7 @@ HWY_INLINE void StoreBf16PairsHardware(VF even, VF odd, BFloat16* p) {
   _mm512_storeu_si512(p, _mm512_permutexvar_epi16(order, packed));
 }
 
-// Even- and odd-position values already on bf16's grid (BinadeShift, or rounded by
+// Even- and odd-position values already on bf16's grid (ExponentialScaledBf16, or rounded by
 // StoreBf16PairsSoftware): the odd values' upper halves and the even values' upper halves
 // shifted down, merged by one VPTERNLOGD, 2 vector operations per 32 values. (A result
 // below 2^-126, off the grid after VSCALEFPS, loses its lower half: truncated.)
