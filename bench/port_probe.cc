@@ -61,8 +61,7 @@ enum Probe : int {
   kCvtPs2PhRegister,  // fp32 -> fp16 into a register
   kCvtPs2PhStore,     // fp32 -> fp16 into memory, as the in-place fp16 gradient is written
   kCvtNePs2Bf16,      // fp32 -> bf16 (AVX512-BF16)
-  kReducePs,          // VREDUCEPS, the exp's f = t - floor(t)
-  kScalefPs,          // VSCALEFPS, the exp's 2^floor(t)
+  kScalefPs,          // VSCALEFPS, the exp's 2^(n + E)
   kCvtNe2Ps2Bf16,     // two fp32 vectors -> 32 bf16 (AVX512-BF16), the in-place bf16 gradient
   kPermW,             // VPERMW, which puts those 32 bf16 in order
   kTernLogD,          // VPTERNLOGD, the software bf16 rounding's packing
@@ -90,7 +89,6 @@ const char* const kNames[] = {"fma",
                               "vcvtps2ph_ymm",
                               "vcvtps2ph_m256",
                               "vcvtneps2bf16",
-                              "vreduceps",
                               "vscalefps",
                               "vcvtne2ps2bf16",
                               "vpermw",
@@ -119,7 +117,6 @@ void run(Probe probe, int64_t iterations, void* buffer) {
     case kCvtPs2PhRegister: VPCE_PROBE_LOOP(VPCE_FOUR("vcvtps2ph $8, %%zmm14, %%ymm15\n\t")); break;
     case kCvtPs2PhStore: VPCE_PROBE_LOOP(VPCE_FOUR("vcvtps2ph $8, %%zmm14, 128(%[buffer])\n\t")); break;
     case kCvtNePs2Bf16: VPCE_PROBE_LOOP(VPCE_FOUR("vcvtneps2bf16 %%zmm14, %%ymm15\n\t")); break;
-    case kReducePs: VPCE_PROBE_LOOP(VPCE_FOUR("vreduceps $9, %%zmm14, %%zmm15\n\t")); break;
     case kScalefPs: VPCE_PROBE_LOOP(VPCE_FOUR("vscalefps %%zmm14, %%zmm14, %%zmm15\n\t")); break;
     case kCvtNe2Ps2Bf16: VPCE_PROBE_LOOP(VPCE_FOUR("vcvtne2ps2bf16 %%zmm14, %%zmm12, %%zmm15\n\t")); break;
     case kPermW: VPCE_PROBE_LOOP(VPCE_FOUR("vpermw %%zmm14, %%zmm12, %%zmm15\n\t")); break;
