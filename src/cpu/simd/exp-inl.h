@@ -228,8 +228,8 @@ HWY_INLINE VF ExponentialScaled(DF d, VF x, const ScaledRange& range, const Poly
 // ExponentialScaled<true> rounded to bf16 on the way, for AVX-512 without AVX512-BF16: k e^r
 // (normal: |k| within 2^+-60) rounded by Veltkamp's splitting before VSCALEFPS, which keeps
 // its bits where the result is normal (a result below 2^-126 rounds again, into fp32's
-// subnormals, and StoreBf16PairsRounded then truncates it). 16 vector operations per vector
-// with the packing's share, where rounding the fp32 result in integers takes 19.
+// subnormals, and StoreBf16PairsRounded then truncates it): 3 vector operations where
+// rounding the fp32 result in integers takes 5 (StoreBf16PairsSoftware).
 template <class Poly>
 HWY_INLINE VF ExponentialScaledBf16(DF d, VF x, const ScaledRange& range, const Poly& poly) {
   const auto [r, scale] = ReduceForScalef<true>(d, x, range);
@@ -240,7 +240,8 @@ HWY_INLINE VF ExponentialScaledBf16(DF d, VF x, const ScaledRange& range, const 
 // ExponentialScaled for the forward's sums of e^(z - s), s their running max, so that every
 // z is at most s: z is clamped to range.normal_low (e^-87 then stands for every smaller
 // term, -inf's included: at most V x 1.6e-38 in a sum that is at least 1), and 2^(n + E) is
-// at most 2^1, so one power of two always does. 4 vector operations fewer.
+// at most 2^1, so one power of two always does: 4 vector operations fewer (AVX-512's
+// VSCALEFPS needs no test in any case).
 template <class Poly>
 HWY_INLINE VF ExponentialBelowShift(DF d, VF x, const ScaledRange& range, const Poly& poly) {
 #if HWY_TARGET == HWY_AVX3
@@ -278,8 +279,7 @@ struct LaneShift {
 
 // The shift s as ExponentialScaled's lanes take it (z itself the argument, E = round(-s
 // log2(e)) in the exponent, 2^phi in the correction), or, without FMA or where |s| is beyond
-// 2^21, e^(z - fl32(s)) (subtract_first): the gradients' shift on every target, the
-// forward's too elsewhere than AVX-512.
+// 2^21, e^(z - fl32(s)) (subtract_first): the forward's and the backward's on every target.
 HWY_INLINE LaneShift MakeLaneShift(DF d, double s) {
   if (!kExactArgument || !(std::fabs(s) < 0x1p21)) {  // (and NaN, infinities): e^(z - fl32(s))
     const auto s32 = static_cast<float>(s);
