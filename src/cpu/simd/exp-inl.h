@@ -1,6 +1,6 @@
-// cpu/simd/exp-inl.h: vpce's exponential for the SIMD kernels: e^(z - s) by range reduction
-// and a polynomial of the degree each use needs, the shift inside a fused multiply-add (in
-// base 2 for AVX-512's sums), and bf16's rounding inside the exp (Veltkamp's splitting).
+// cpu/simd/exp-inl.h: vpce's exponential for the SIMD kernels: e^(z - s) by Cody-Waite's
+// reduction of z itself and one polynomial, with e^-s in the exponent, and bf16's rounding
+// inside the exp (Veltkamp's splitting).
 // A Highway per-target header: included by each src/cpu/simd_*.cc after
 // <hwy/foreach_target.h>, once per target (the guard toggles with HWY_TARGET_TOGGLE).
 #if defined(VPCE_CPU_SIMD_EXP_INL_H_) == defined(HWY_TARGET_TOGGLE)
