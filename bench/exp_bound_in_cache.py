@@ -19,7 +19,10 @@ random interleaving; the table has a line per run, the medians of its repetition
 runs taken minutes apart can be read side by side (the machine is shared; docs/performance.md).
 
   python3 bench/exp_bound_in_cache.py [--bench build/bench/vpce_kernels_bench] [--runs 3]
-      [--core 1] [--repetitions 6]
+      [--core 1] [--repetitions 6] [--target AVX2]
+
+--target runs another Highway target's kernels than the CPU's best (AVX2 on an AVX-512 CPU:
+the AVX2 code, on this CPU's ports, not an AVX2-only CPU's).
 """
 import argparse
 import json
@@ -38,14 +41,14 @@ ROWS = [  # (row, statistics, gradient)
 ]
 
 
-def one_run(bench, core, repetitions):
+def one_run(bench, core, repetitions, target):
     """Median items per second (G/s) of each benchmark in one pinned process."""
     names = sorted({EXP} | {n for _, s, g in ROWS for n in (s, g)})
     pattern = "^(" + "|".join(n + "$" for n in names) + ")"
     out = subprocess.run(
         ["taskset", "-c", str(core), bench, "--benchmark_filter=" + pattern,
          f"--benchmark_repetitions={repetitions}", "--benchmark_enable_random_interleaving=true",
-         "--benchmark_min_time=0.2", "--benchmark_format=json"],
+         "--benchmark_min_time=0.2", "--benchmark_format=json"] + ([f"--target={target}"] if target else []),
         check=True, capture_output=True, text=True).stdout
     rates = {}
     for b in json.loads(out)["benchmarks"]:
@@ -63,13 +66,16 @@ def main():
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--core", type=int, default=1)
     parser.add_argument("--repetitions", type=int, default=6)
+    parser.add_argument("--target", help="a Highway target to force (AVX3, AVX2, ...); default the CPU's best")
     args = parser.parse_args()
+    if args.target:
+        print(f"# Highway target forced: {args.target}")
     print("# G logits/s (Exp: G exponentials/s), medians of each run's repetitions; %: the row's "
           "bound on an exp-bound machine, 2 / Exp / (1 / Stats + 1 / Grad); '>32': out of place")
     header = f"{'time':>8} {'Exp':>6}" + "".join(f" {'Stats/' + r:>13} {'Grad/' + r:>13}" for r, _, _ in ROWS)
     print(header + "".join(f" {r + ' %':>10}" for r, _, _ in ROWS))
     for _ in range(args.runs):
-        m = one_run(args.bench, args.core, args.repetitions)
+        m = one_run(args.bench, args.core, args.repetitions, args.target)
         line = f"{time.strftime('%H:%M:%S', time.gmtime()):>8} {m[EXP]:6.2f}"
         line += "".join(f" {m[s]:13.2f} {m[g]:13.2f}" for _, s, g in ROWS)
         line += "".join(f" {200.0 / m[EXP] / (1.0 / m[s] + 1.0 / m[g]):9.1f}%" for _, s, g in ROWS)
