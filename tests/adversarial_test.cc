@@ -5,6 +5,7 @@
 #include <hwy/targets.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -396,31 +397,38 @@ TEST(Adversarial, SmoothingWithLargeCloseTogetherLogitsKeepsItsAccuracy) {
 }
 
 // A NaN logit anywhere among the valid columns makes that token's loss NaN, on every target,
-// with and without the extras (two-pass statistics), whether or not the NaN lands in the max;
-// the other tokens stay exact.
+// with and without the extras (two-pass statistics), whether or not the NaN lands in the max,
+// whatever its sign and payload (the forward over 16-bit logits adds 2^n to e^r's exponent
+// bits, which a NaN must survive), with and without a logit scale; the other tokens stay exact.
 TEST(Adversarial, NanLogitMakesItsTokenNanOnEveryTarget) {
   constexpr int64_t kTokens = 5, kColumns = 3000;
   const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float payload_nan = std::bit_cast<float>(0xFFFFFFFFu);  // negative, every payload bit set
+  const float signalling_nan = std::bit_cast<float>(0x7F810001u);
   for (const SimdVariant& variant : simd_variants()) {
     use_simd_variant(variant);
-    for (DataType dtype : {kFloat32, kBFloat16}) {
+    for (DataType dtype : {kFloat32, kBFloat16, kFloat16}) {
       for (bool extras : {false, true}) {
         Problem p = random_problem(kTokens, kColumns, dtype, 41, 1.0f);
         p.targets = {7, 8, 9, 10, 11};
         p.set(0, 1234, nan);          // mid-row, in the first rank's shard
         p.set(1, kColumns - 1, nan);  // the last column: a partial vector
-        p.set(2, 0, nan);             // the first column, before any max
-        p.set(3, 2000, nan);          // the second rank's shard, after the max
+        p.set(2, 0, payload_nan);     // the first column, before any max
+        p.set(2, 17, signalling_nan);
+        p.set(3, 2000, signalling_nan);  // the second rank's shard, after the max
         p.set(3, 2001, 50.0f);
         const std::vector<double> x = p.as_double();
         RunOptions options;
         options.extras = extras;
+        options.loss.logit_scale = extras ? 1.0f : 0.75f;
         const RunResult result = run_ranks(p, shards_from_sizes({1500, 1500}), options);
         for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
         const std::string where = variant.name + " " + to_string(dtype) + (extras ? " extras" : "");
         for (int64_t i = 0; i < 4; ++i) EXPECT_TRUE(std::isnan(result.per_rank[0].loss[i])) << where << ", token " << i;
+        reference::Options scaled;
+        scaled.logit_scale = options.loss.logit_scale;
         const auto want = reference::cross_entropy(std::vector<double>(x.end() - kColumns, x.end()), 1, kColumns,
-                                                   {p.targets[4]}, 0.0, {1.0});
+                                                   {p.targets[4]}, {}, {1.0}, scaled);
         EXPECT_NEAR(result.per_rank[0].loss[4], want.loss[0], 1e-6 * want.loss[0]) << where;
       }
     }

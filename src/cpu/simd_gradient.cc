@@ -162,9 +162,8 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
         if constexpr (kFolded && kKind == kIdentity) {
           if (!subtract_first) {
             const VF normal_results = hn::Set(d, NormalResultsFrom(shift, k));
-            const VF exponent_shift = hn::Set(d, kRoundingShift - static_cast<float>(shift.log2_reference));
             auto rounded = [&](VF z) __attribute__((always_inline)) {
-              const auto [r, exponent] = ReduceForAddition(d, z, exponent_shift);
+              const auto [r, exponent] = ReduceForAddition(d, z, lanes_shift.range.exponent_shift);
               return AddExponent(d, RoundToBf16Normal(d, poly.Horner(r)), exponent);
             };
             for (; v + 2 * lanes <= cols; v += 2 * lanes) {

@@ -47,6 +47,8 @@ template <class T, int kKind>
 void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool with_sum_logits, BlockStats* out) {
   // bf16 and fp16 logits, untransformed: the max pass on their 16-bit patterns (RawMax16).
   constexpr bool kRawMax = kKind == kIdentity && !std::is_same_v<T, float> && HWY_TARGET != HWY_SCALAR;
+  // bf16 and fp16 logits, but soft-capped: NaNs with their low bits 0 (ExponentialBelowShift).
+  constexpr bool kHalfPrecisionLogits = !std::is_same_v<T, float> && kKind != kSoftCapped;
   const DF d;
   const ExpPolynomial<> poly(d);
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
@@ -129,14 +131,18 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
     auto sum_chunk = [&](auto subtract_first) {
       constexpr bool kSubtractFirst = decltype(subtract_first)::value;
       const ShiftLanes lanes_shift = shift.lanes;
+      // A term of the sum: e^(z - max) / shift.correction.
+      auto term = [&](VF z) __attribute__((always_inline)) {
+        return ExpShiftedAs<kSubtractFirst, true, false, kHalfPrecisionLogits>(d, z, lanes_shift, poly);
+      };
       // Two vectors into the accumulators `into` and `into + 1` (and `into / 2` of the logits).
       auto two = [&](int64_t at, int into) {
         hwy::Prefetch(row + at + ahead);  // spread over the exponentials, which leave time
         VF x0, x1;
         LoadTwo(d, row + at, x0, x1);
         const VF z0 = Transform<kKind>(d, x0, t), z1 = Transform<kKind>(d, x1, t);
-        sums[into] = hn::Add(sums[into], ExpShiftedAs<kSubtractFirst, true>(d, z0, lanes_shift, poly));
-        sums[into + 1] = hn::Add(sums[into + 1], ExpShiftedAs<kSubtractFirst, true>(d, z1, lanes_shift, poly));
+        sums[into] = hn::Add(sums[into], term(z0));
+        sums[into + 1] = hn::Add(sums[into + 1], term(z1));
         if (with_sum_logits) {
           sums_z[into / 2] =
               hn::Add(sums_z[into / 2], hn::Add(hn::MulSub(z0, scale, reference), hn::MulSub(z1, scale, reference)));
@@ -159,11 +165,11 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
       VF& sum_z = sums_z[0];
       if (v < full_end) {  // one vector left
         const VF z = Transform<kKind>(d, LoadFull(d, row + v), t);
-        sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst, true>(d, z, lanes_shift, poly));
+        sum_e = hn::Add(sum_e, term(z));
         sum_z = hn::Add(sum_z, hn::MulSub(z, scale, reference));
       }
       if (has_tail) {
-        sum_e = hn::Add(sum_e, ExpShiftedAs<kSubtractFirst, true>(d, z_tail, lanes_shift, poly));
+        sum_e = hn::Add(sum_e, term(z_tail));
         sum_z = hn::Add(sum_z, hn::IfThenElseZero(hn::FirstN(d, tail), hn::MulSub(z_tail, scale, reference)));
       }
     };

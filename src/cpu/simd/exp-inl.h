@@ -87,19 +87,23 @@ constexpr int32_t kRoundingShiftBits = 0x4B400000;
 // normal, and E (as the bits of 1.5 x 2^23 minus E - 127: bits(x + 1.5 x 2^23) minus it is
 // n + E + 127, the biased exponent of 2^(n + E)).
 struct ScaledRange {
-  VF low;            // e^(low) 2^E is e^-150 (times any k up to 2^60: below fp32's subnormals)
-  VF normal_low;     // between it and normal_high, 2^(n + E) is normal: e^-87 (and E)
-  VF normal_high;    // e^88 (and E)
-  VF high;           // e^89 (and E)
-  VI exponent_bias;  // bits of 1.5 x 2^23 minus E minus 127
-  VF scale_shift;    // 1.5 x 2^23 - E (exact, |E| < 2^22): the rounding shift minus it is n + E
+  VF low;             // e^(low) 2^E is e^-150 (times any k up to 2^60: below fp32's subnormals)
+  VF normal_low;      // between it and normal_high, 2^(n + E) is normal: e^-87 (and E)
+  VF normal_high;     // e^88 (and E)
+  VF high;            // e^89 (and E)
+  VI exponent_bias;   // bits of 1.5 x 2^23 minus E minus 127
+  VF scale_shift;     // 1.5 x 2^23 - E (exact, |E| < 2^22): the rounding shift minus it is n + E
+  VF exponent_shift;  // 1.5 x 2^23 + E: ReduceForAddition's rounding shift
 };
 
 HWY_INLINE ScaledRange MakeScaledRange(DF d, double s, int32_t exponent) {
-  return {
-      hn::Set(d, static_cast<float>(s - 150.0)),          hn::Set(d, static_cast<float>(s - 87.0)),
-      hn::Set(d, static_cast<float>(s + 88.0)),           hn::Set(d, static_cast<float>(s + 89.0)),
-      hn::Set(DI(), kRoundingShiftBits - exponent - 127), hn::Set(d, kRoundingShift - static_cast<float>(exponent))};
+  return {hn::Set(d, static_cast<float>(s - 150.0)),
+          hn::Set(d, static_cast<float>(s - 87.0)),
+          hn::Set(d, static_cast<float>(s + 88.0)),
+          hn::Set(d, static_cast<float>(s + 89.0)),
+          hn::Set(DI(), kRoundingShiftBits - exponent - 127),
+          hn::Set(d, kRoundingShift - static_cast<float>(exponent)),
+          hn::Set(d, kRoundingShift + static_cast<float>(exponent))};
 }
 
 // Cody-Waite's reduction of x for ExponentialScaled and ExponentialBelowShift: r = x - n ln2
@@ -242,12 +246,21 @@ HWY_INLINE VF ExponentialScaledBf16(DF d, VF x, const ScaledRange& range, const 
 // term, -inf's included: at most V x 1.6e-38 in a sum that is at least 1), and 2^(n + E) is
 // at most 2^1, so one power of two always does: 4 vector operations fewer (AVX-512's
 // VSCALEFPS needs no test in any case).
-template <class Poly>
+// kHalfPrecisionLogits: x from bf16 or fp16 logits (widened, maybe scaled), whose NaNs have
+// their low 9 bits 0: 2^(n + E) is then added to e^r's exponent (AddExponent; e^r in [0.7,
+// 1.5] and the result at least e^-87 are normal), not multiplied, so the sum's addition takes
+// the FADD ports where its multiply-add took an FMA port: as many operations, one fewer on
+// the FMA ports of the 13 to 14 there.
+template <bool kHalfPrecisionLogits = false, class Poly>
 HWY_INLINE VF ExponentialBelowShift(DF d, VF x, const ScaledRange& range, const Poly& poly) {
 #if HWY_TARGET == HWY_AVX3
   return ExponentialScaled<true>(d, x, range, poly);  // (VSCALEFPS: no cheaper form)
 #else
   const VF clamped = hn::Max(range.normal_low, x);  // (the bound first: NaN passes, as above)
+  if constexpr (kHalfPrecisionLogits) {
+    const auto [r, exponent] = ReduceForAddition(d, clamped, range.exponent_shift);
+    return KeepNaN(x, AddExponent(d, poly.Horner(r), exponent));
+  }
   const auto [r, biased] = Reduce(d, clamped, range);
   return KeepNaN(x, TimesPowerOfTwo(d, poly.Horner(r), biased));
 #endif
@@ -309,13 +322,14 @@ inline float NormalResultsFrom(const LaneShift& shift, double k) {
 // k e^(z - s) up to the factor shift.correction (k from the polynomial), from the shift's
 // lanes, with kSubtractFirst = shift.subtract_first known at compile time (for a loop that
 // tests it once, not at every vector). kBelowShift: every z is at most s and the results are
-// summed (ExponentialBelowShift).
+// summed (ExponentialBelowShift, kHalfPrecisionLogits as there).
 // kAtMostShift: every z is at most s (+ 88): a gradient's z and its lse
 // (ExponentialScaled<true>).
-template <bool kSubtractFirst, bool kBelowShift = false, bool kAtMostShift = false, class Poly>
+template <bool kSubtractFirst, bool kBelowShift = false, bool kAtMostShift = false, bool kHalfPrecisionLogits = false,
+          class Poly>
 HWY_INLINE VF ExpShiftedAs(DF d, VF z, const ShiftLanes& shift, const Poly& poly) {
   const VF x = kSubtractFirst ? hn::Sub(z, shift.value) : z;
-  if constexpr (kBelowShift) return ExponentialBelowShift(d, x, shift.range, poly);
+  if constexpr (kBelowShift) return ExponentialBelowShift<kHalfPrecisionLogits>(d, x, shift.range, poly);
   return ExponentialScaled<kAtMostShift>(d, x, shift.range, poly);
 }
 
