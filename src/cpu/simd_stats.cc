@@ -43,8 +43,10 @@ constexpr int64_t kFoldVectors = 32;
 // exponent is exact before its one rounding, and the block is read from memory once, with
 // no store. (The argmax and the weighted sum take the two-pass
 // route below.)
-template <class T, int kKind>
-void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool with_sum_logits, BlockStats* out) {
+// kWithSumLogits: the logits' sum too (label smoothing), fixed at compile time so that the
+// loop of the sums tests nothing per vector.
+template <class T, int kKind, bool kWithSumLogits>
+void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockStats* out) {
   // bf16 and fp16 logits, untransformed: the max pass on their 16-bit patterns (RawMax16).
   constexpr bool kRawMax = kKind == kIdentity && !std::is_same_v<T, float> && HWY_TARGET != HWY_SCALAR;
   // bf16 and fp16 logits, but soft-capped: NaNs with their low bits 0 (ExponentialBelowShift).
@@ -107,7 +109,7 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
     if (!(chunk_max <= max)) {
       const LaneShift grown = MakeLaneShift(d, chunk_max);
       if (sum_exp2 != 0.0) sum_exp2 *= std::exp2(shift.log2_reference - grown.log2_reference);
-      if (with_sum_logits) sum_logits = rebased_logit_sum(sum_logits, begin, max, chunk_max);
+      if constexpr (kWithSumLogits) sum_logits = rebased_logit_sum(sum_logits, begin, max, chunk_max);
       max = chunk_max;
       shift = grown;
     }
@@ -143,7 +145,7 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
         const VF z0 = Transform<kKind>(d, x0, t), z1 = Transform<kKind>(d, x1, t);
         sums[into] = hn::Add(sums[into], term(z0));
         sums[into + 1] = hn::Add(sums[into + 1], term(z1));
-        if (with_sum_logits) {
+        if constexpr (kWithSumLogits) {
           sums_z[into / 2] =
               hn::Add(sums_z[into / 2], hn::Add(hn::MulSub(z0, scale, reference), hn::MulSub(z1, scale, reference)));
         }
@@ -179,7 +181,7 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
       sum_chunk(std::false_type{});
     }
     fold_sums();
-    if (with_sum_logits) {
+    if constexpr (kWithSumLogits) {
       const VF all_z = hn::Add(hn::Add(sums_z[0], sums_z[1]), hn::Add(sums_z[2], sums_z[3]));
       sum_logits += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, all_z))) / static_cast<double>(kLogitSumScale);
     }
@@ -197,7 +199,10 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, bool wi
 template <class T, int kKind>
 void Stats(const T* row, int64_t cols, const TransformParams& t, bool with_sum_logits, bool with_weighted,
            BlockStats* out) {
-  if (!with_weighted) return StatsByChunks<T, kKind>(row, cols, t, with_sum_logits, out);
+  if (!with_weighted) {
+    return with_sum_logits ? StatsByChunks<T, kKind, true>(row, cols, t, out)
+                           : StatsByChunks<T, kKind, false>(row, cols, t, out);
+  }
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
   const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
