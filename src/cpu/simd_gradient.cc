@@ -166,6 +166,22 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
               const auto [r, exponent] = ReduceForAddition(d, z, lanes_shift.range.exponent_shift);
               return AddExponent(d, RoundToBf16Normal(d, poly.Horner(r)), exponent);
             };
+            // Two pairs a step, under one test of their four vectors (and one prefetch, a
+            // line): 4 instructions fewer a pair.
+            for (; v + 4 * lanes <= cols; v += 4 * lanes) {
+              hwy::Prefetch(row + v + kAhead);
+              VF even0, odd0, even1, odd1;
+              LoadTwo(d, row + v, even0, odd0);
+              LoadTwo(d, row + v + 2 * lanes, even1, odd1);
+              const VF least = hn::Min(hn::Min(even0, odd0), hn::Min(even1, odd1));
+              if (HWY_LIKELY(hn::AllFalse(d, hn::Lt(least, normal_results)))) {
+                StoreBf16PairsOfRounded(rounded(even0), rounded(odd0), grad + v);
+                StoreBf16PairsOfRounded(rounded(even1), rounded(odd1), grad + v + 2 * lanes);
+              } else {
+                StoreBf16PairsNearest(d, element(even0), element(odd0), grad + v);
+                StoreBf16PairsNearest(d, element(even1), element(odd1), grad + v + 2 * lanes);
+              }
+            }
             for (; v + 2 * lanes <= cols; v += 2 * lanes) {
               hwy::Prefetch(row + v + kAhead);
               VF even, odd;
