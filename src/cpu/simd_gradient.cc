@@ -111,6 +111,42 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
   };
   constexpr int64_t kAhead = 1024;  // elements prefetched ahead of the loads
   int64_t v = 0;
+  // 16-bit logits, a folded factor, no transform, z itself the argument (the FMA targets but
+  // AVX-512, whose VSCALEFPS takes 2^(n + E) in one operation): where every result of two
+  // vectors is normal (their z from NormalResultsFrom on: a logit 80 or more below the lse
+  // is rare), k e^r with 2^(n + E) added to its exponent bits (exact between normal numbers;
+  // the 16-bit logits' NaNs stay NaN, as in ExponentialBelowShift): the biased exponent's
+  // subtraction gone, the multiplication off the FMA ports, and one test for two vectors.
+  constexpr bool kExponentAdded =
+      kExactArgument && HWY_TARGET != HWY_AVX3 && kFolded && kKind == kIdentity && !std::is_same_v<T, float>;
+  const bool add_exponents = kExponentAdded && !subtract_first;
+  const VF normal_results = hn::Set(d, add_exponents ? NormalResultsFrom(shift, k) : 0.0f);
+  auto all_normal = [&](VF z0, VF z1) __attribute__((always_inline)) {
+    return hn::AllFalse(d, hn::Lt(hn::Min(z0, z1), normal_results));
+  };
+  // k e^(z - lse) so, e^r first rounded to bf16 by Veltkamp's splitting with kToBf16.
+  auto exponent_added = [&](VF z, auto to_bf16) __attribute__((always_inline)) {
+    const auto [r, exponent] = ReduceForAddition(d, z, lanes_shift.range.exponent_shift);
+    VF exp_r = poly.Horner(r);
+    if constexpr (decltype(to_bf16)::value) exp_r = RoundToBf16Normal(d, exp_r);
+    return AddExponent(d, exp_r, exponent);
+  };
+  // From v on, two vectors at a time, each g stored by store(g, at), exponent_added's where
+  // both are normal, element's elsewhere.
+  auto two_at_a_time = [&](auto store) __attribute__((always_inline)) {
+    if (!add_exponents) return;
+    for (; v + 2 * lanes <= cols; v += 2 * lanes) {
+      hwy::Prefetch(row + v + kAhead);
+      const VF z0 = LoadFull(d, row + v), z1 = LoadFull(d, row + v + lanes);
+      if (HWY_LIKELY(all_normal(z0, z1))) {
+        store(exponent_added(z0, std::false_type{}), v);
+        store(exponent_added(z1, std::false_type{}), v + lanes);
+      } else {
+        store(element(z0), v);
+        store(element(z1), v + lanes);
+      }
+    }
+  };
   // An fp32 gradient in its own buffer is written with non-temporal stores, which skip
   // reading each line before writing it; they need aligned addresses, so the first
   // elements up to an aligned one are stored normally (one partial vector at most). (In
@@ -125,9 +161,12 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
     if (peel > 0)
       StorePartial(d, element(LoadPartial(d, row, static_cast<size_t>(peel))), grad, static_cast<size_t>(peel));
     v = peel;
-    for (; v + lanes <= cols; v += lanes) {
-      hwy::Prefetch(row + v + kAhead);
-      if constexpr (std::is_same_v<G, float>) hn::Stream(element(LoadFull(d, row + v)), d, grad + v);
+    if constexpr (std::is_same_v<G, float>) {
+      two_at_a_time([&](VF g, int64_t at) __attribute__((always_inline)) { hn::Stream(g, d, grad + at); });
+      for (; v + lanes <= cols; v += lanes) {
+        hwy::Prefetch(row + v + kAhead);
+        hn::Stream(element(LoadFull(d, row + v)), d, grad + v);
+      }
     }
     hwy::FlushStream();
   } else {
@@ -154,43 +193,34 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
           (std::fabs(k) + static_cast<double>(std::fabs(u))) *
           std::max(std::fabs(static_cast<double>(t.scale)), std::fabs(static_cast<double>(t.slope_scale)));
       if (largest < 0x1p110) {
-        // A gradient k e^(z - lse) without a transform: where both vectors' results are normal
-        // (their z from NormalResultsFrom on: a logit 80 or more below the lse is rare), k e^r
-        // rounded to bf16 by Veltkamp's splitting, then its exponent added (exact between
-        // normal numbers; the bf16 logits' NaNs stay NaN): 5 vector operations fewer per pair
-        // than rounding after the exp, 3 fewer on the FMA ports.
-        if constexpr (kFolded && kKind == kIdentity) {
-          if (!subtract_first) {
-            const VF normal_results = hn::Set(d, NormalResultsFrom(shift, k));
-            auto rounded = [&](VF z) __attribute__((always_inline)) {
-              const auto [r, exponent] = ReduceForAddition(d, z, lanes_shift.range.exponent_shift);
-              return AddExponent(d, RoundToBf16Normal(d, poly.Horner(r)), exponent);
-            };
-            // Two pairs a step, under one test of their four vectors (and one prefetch, a
-            // line): 4 instructions fewer a pair.
-            for (; v + 4 * lanes <= cols; v += 4 * lanes) {
-              hwy::Prefetch(row + v + kAhead);
-              VF even0, odd0, even1, odd1;
-              LoadTwo(d, row + v, even0, odd0);
-              LoadTwo(d, row + v + 2 * lanes, even1, odd1);
-              const VF least = hn::Min(hn::Min(even0, odd0), hn::Min(even1, odd1));
-              if (HWY_LIKELY(hn::AllFalse(d, hn::Lt(least, normal_results)))) {
-                StoreBf16PairsOfRounded(rounded(even0), rounded(odd0), grad + v);
-                StoreBf16PairsOfRounded(rounded(even1), rounded(odd1), grad + v + 2 * lanes);
-              } else {
-                StoreBf16PairsNearest(d, element(even0), element(odd0), grad + v);
-                StoreBf16PairsNearest(d, element(even1), element(odd1), grad + v + 2 * lanes);
-              }
+        // The exponents added (above), after k e^r is rounded to bf16 by Veltkamp's
+        // splitting: 5 vector operations fewer per pair than rounding after the exp, 3 fewer
+        // on the FMA ports.
+        if (add_exponents) {
+          auto rounded = [&](VF z) __attribute__((always_inline)) { return exponent_added(z, std::true_type{}); };
+          // Two pairs a step, under one test of their four vectors (and one prefetch, a
+          // line): 4 instructions fewer a pair.
+          for (; v + 4 * lanes <= cols; v += 4 * lanes) {
+            hwy::Prefetch(row + v + kAhead);
+            VF even0, odd0, even1, odd1;
+            LoadTwo(d, row + v, even0, odd0);
+            LoadTwo(d, row + v + 2 * lanes, even1, odd1);
+            if (HWY_LIKELY(all_normal(hn::Min(even0, odd0), hn::Min(even1, odd1)))) {
+              StoreBf16PairsOfRounded(rounded(even0), rounded(odd0), grad + v);
+              StoreBf16PairsOfRounded(rounded(even1), rounded(odd1), grad + v + 2 * lanes);
+            } else {
+              StoreBf16PairsNearest(d, element(even0), element(odd0), grad + v);
+              StoreBf16PairsNearest(d, element(even1), element(odd1), grad + v + 2 * lanes);
             }
-            for (; v + 2 * lanes <= cols; v += 2 * lanes) {
-              hwy::Prefetch(row + v + kAhead);
-              VF even, odd;
-              LoadTwo(d, row + v, even, odd);
-              if (HWY_LIKELY(hn::AllFalse(d, hn::Lt(hn::Min(even, odd), normal_results)))) {
-                StoreBf16PairsOfRounded(rounded(even), rounded(odd), grad + v);
-              } else {
-                StoreBf16PairsNearest(d, element(even), element(odd), grad + v);
-              }
+          }
+          for (; v + 2 * lanes <= cols; v += 2 * lanes) {
+            hwy::Prefetch(row + v + kAhead);
+            VF even, odd;
+            LoadTwo(d, row + v, even, odd);
+            if (HWY_LIKELY(all_normal(even, odd))) {
+              StoreBf16PairsOfRounded(rounded(even), rounded(odd), grad + v);
+            } else {
+              StoreBf16PairsNearest(d, element(even), element(odd), grad + v);
             }
           }
         }
@@ -203,6 +233,8 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
       }
     }
 #endif
+    two_at_a_time([&](VF g, int64_t at)
+                      __attribute__((always_inline)) { StoreGradient<kHardwareBf16>(d, g, grad + at); });
     for (; v + lanes <= cols; v += lanes) {
       hwy::Prefetch(row + v + kAhead);
       StoreGradient<kHardwareBf16>(d, element(LoadFull(d, row + v)), grad + v);

@@ -306,7 +306,6 @@ HWY_INLINE LaneShift MakeLaneShift(DF d, double s) {
           std::exp2(-exponent - s * kLog2eExact)};
 }
 
-#if HWY_TARGET != HWY_AVX3
 // The least fp32 z (rounded up) from which the lanes of `shift` with a polynomial's factor k,
 // k e^z 2^E, are at least 2^-125 (normal numbers, as AddExponent needs; so is 2^(n + E)):
 // (-E - 125) ln2 - ln min(1, |k|). For a shift whose lanes take z itself (not
@@ -317,7 +316,6 @@ inline float NormalResultsFrom(const LaneShift& shift, double k) {
   const auto rounded = static_cast<float>(z);
   return static_cast<double>(rounded) < z ? std::nextafter(rounded, std::numeric_limits<float>::infinity()) : rounded;
 }
-#endif
 
 // k e^(z - s) up to the factor shift.correction (k from the polynomial), from the shift's
 // lanes, with kSubtractFirst = shift.subtract_first known at compile time (for a loop that
