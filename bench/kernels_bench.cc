@@ -8,7 +8,6 @@
 // --target runs the kernels of that Highway target (AVX3, AVX2, SSE4, ...) instead of the
 // best this CPU has: an AVX2-only CPU's code measured on an AVX-512 one (its own ports).
 #include <benchmark/benchmark.h>
-#include <hwy/targets.h>
 
 #include <cstdio>
 #include <cstring>
@@ -184,23 +183,15 @@ void BM_Gradient(benchmark::State& state) {
 BENCHMARK(BM_Gradient)->Args({1024, 32000, 0})->Args({1024, 32000, 1})->Unit(benchmark::kMillisecond);
 
 // Takes --target=NAME out of argv and restricts the kernels' dispatch to that target; false
-// (with a message) where this CPU cannot run it or no such target was compiled.
+// (with a message) where this CPU cannot run it or no such target was built.
 bool select_target(int* argc, char** argv) {
   const std::string flag = "--target=";
   for (int i = 1; i < *argc; ++i) {
     if (std::strncmp(argv[i], flag.c_str(), flag.size()) != 0) continue;
-    const char* name = argv[i] + flag.size();
-    int64_t chosen = 0;
-    for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-      if (std::strcmp(hwy::TargetName(target), name) == 0) chosen = target;
-    }
-    if (chosen == 0) {
-      std::fprintf(stderr, "vpce_kernels_bench: --target=%s: expected one of", name);
-      for (int64_t target : hwy::SupportedAndGeneratedTargets()) std::fprintf(stderr, " %s", hwy::TargetName(target));
-      std::fprintf(stderr, " (the targets built and supported by this CPU)\n");
+    if (const std::string error = use_simd_target(argv[i] + flag.size()); !error.empty()) {
+      std::fprintf(stderr, "vpce_kernels_bench: --target: %s\n", error.c_str());
       return false;
     }
-    hwy::SetSupportedTargetsForTest(chosen);
     std::memmove(argv + i, argv + i + 1, static_cast<size_t>(*argc - i) * sizeof(char*));  // (with argv's null)
     --*argc;
     return true;

@@ -288,6 +288,26 @@ TEST_F(Cli, PerfChecksItsOptionsBeforeRunning) {
   expect_usage_error(run_cli("perf -b 16 -e 16 -f nan", dir_), "a finite f > 1", dir_);
 }
 
+// --simd-target runs another target's kernels (SCALAR: every CPU has it), says so, and still
+// checks every row against the oracle; a target this CPU cannot run is refused by name.
+TEST_F(Cli, PerfRunsTheSimdTargetItIsGiven) {
+  const Command c = run_cli("perf --simd-target SCALAR -b 16 -e 16 -V 1000 -d all -n 1 -w 0", dir_);
+  ASSERT_EQ(c.status, 0) << c.err;
+  EXPECT_NE(c.out.find("Highway target SCALAR"), std::string::npos) << c.out;
+  int rows = 0;
+  std::istringstream lines(c.out);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    EXPECT_NE(line.find(" 0   [bound"), std::string::npos) << "a row with elements wrong: " << line;
+    ++rows;
+  }
+  EXPECT_EQ(rows, 3) << c.out;
+  const Command bad = run_cli("perf --simd-target AVX9 -b 16 -e 16", dir_);
+  expect_usage_error(bad, "--simd-target: expected one of ", dir_);
+  EXPECT_NE(bad.err.find("SCALAR"), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("got AVX9"), std::string::npos) << bad.err;
+}
+
 #if VPCE_WITH_HEAD
 TEST_F(Cli, PerfHeadPrintsItsTableWithNothingWrong) {
   const Command c = run_cli(

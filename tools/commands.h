@@ -69,6 +69,9 @@ struct PerfConfig {
   // --no-bf16-instructions: run as a CPU without AVX512-BF16 would (the kernels' software bf16
   // rounding; the head's bf16 operands widened to fp32 for its tiles).
   bool no_bf16_instructions = false;
+  // --simd-target: the kernels of this Highway target (AVX2 on an AVX-512 CPU) rather than the
+  // CPU's best; the bound's exp too.
+  std::string simd_target;
   // --bf16-logit-gradients: the head's bf16 rows with HeadOptions::bf16_logit_gradients.
   bool bf16_logit_gradients = false;
 };

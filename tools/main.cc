@@ -122,6 +122,9 @@ int main(int argc, char** argv) {
   perf_cmd->add_flag("--no-bf16-instructions", perf.no_bf16_instructions,
                      "run as a CPU without AVX512-BF16: software bf16 rounding, and the head's bf16 operands widened "
                      "to fp32 for its tiles");
+  perf_cmd->add_option("--simd-target", perf.simd_target,
+                       "run the kernels (and the bound's exp) of this Highway target, e.g. AVX2 on an AVX-512 CPU, "
+                       "instead of the CPU's best");
   perf_cmd->add_flag("--bf16-logit-gradients", perf.bf16_logit_gradients,
                      "--head: bf16 rows round the logit gradients to bf16 for the gradients' GEMMs "
                      "(HeadOptions::bf16_logit_gradients)");

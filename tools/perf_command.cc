@@ -332,6 +332,9 @@ Status check_perf_config(const PerfConfig& config) {
             "-t: expected 1 to " + std::to_string(kMaxRanks) + " ranks, got " + std::to_string(config.ranks)};
   }
   if (Status s = check_threads("--threads", config.threads); !s.ok()) return s;
+  if (const std::string error = detail::use_simd_target(config.simd_target); !error.empty()) {
+    return {Code::kInvalidArgument, "--simd-target: " + error};
+  }
   for (int64_t vocab : config.vocab) {
     LossOptions options;
     options.label_smoothing = config.label_smoothing;
@@ -450,6 +453,9 @@ std::string cpu_model_name() {
 
 std::string apply_bf16_instructions(const PerfConfig& config) {
   if (config.no_bf16_instructions) detail::set_bf16_instructions_allowed(false);
+  if (std::string(detail::simd_target_name()).rfind("AVX3", 0) != 0)
+    return std::string("bf16: software rounding, bf16 widened to fp32 (the ") + detail::simd_target_name() +
+           " target has no bf16 instructions)";
   if (!detail::cpu_has_avx512_bf16())
     return "bf16: this CPU has no AVX512-BF16 (software rounding, bf16 widened to fp32)";
   return config.no_bf16_instructions ? "bf16: this CPU's AVX512-BF16 turned off (--no-bf16-instructions): software "

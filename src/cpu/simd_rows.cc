@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 
 #include "cpu/simd/exp-inl.h"
@@ -299,6 +300,21 @@ void stream_copy(void* destination, const void* source, int64_t bytes) {
   HWY_DYNAMIC_DISPATCH(StreamCopyImpl)(destination, source, bytes);
 }
 const char* simd_target_name() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }
+std::string use_simd_target(const std::string& name) {
+  if (name.empty()) {
+    hwy::SetSupportedTargetsForTest(0);
+    return "";
+  }
+  std::string available;
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    if (name == hwy::TargetName(target)) {
+      hwy::SetSupportedTargetsForTest(target);
+      return "";
+    }
+    available += (available.empty() ? "" : ", ") + std::string(hwy::TargetName(target));
+  }
+  return "expected one of " + available + " (the targets built that this CPU runs), got " + name;
+}
 bool exp_argument_is_exact() { return HWY_DYNAMIC_DISPATCH(ExpArgumentIsExactImpl)(); }
 float row_max(const void* row, StorageType type, int64_t cols, float* widened) {
   return HWY_DYNAMIC_DISPATCH(RowMaxImpl)(row, static_cast<int32_t>(type), cols, widened);

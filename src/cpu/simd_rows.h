@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "../common/token_math.h"
 
@@ -78,6 +79,11 @@ float row_max(const void* row, StorageType type, int64_t cols, float* widened);
 double exp_row_in_place(float* row, int64_t cols, float shift);
 // The name of the SIMD target the kernels run on ("AVX3", "AVX2", ...).
 const char* simd_target_name();
+// Restricts the kernels to the SIMD target `name` (as simd_target_name gives it), to time one
+// target's code on a CPU that has a better one (`vpce perf --simd-target`,
+// bench/kernels_bench.cc --target); "" restores the best. Returns "" or, where this CPU cannot
+// run that target or it was not built, what the error names: the targets it can.
+std::string use_simd_target(const std::string& name);
 // Whether the AVX3 kernels may round bf16 gradients with AVX512-BF16's VCVTNE(2)PS2BF16 on a
 // CPU that has them (true by default). Tests and bench/count_instructions.cc turn it off so
 // that such a CPU also runs the software rounding that CPUs without them take.
