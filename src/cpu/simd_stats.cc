@@ -49,7 +49,7 @@ template <class T, int kKind, bool kWithSumLogits>
 void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockStats* out) {
   // bf16 and fp16 logits, untransformed: the max pass on their 16-bit patterns (RawMax16).
   constexpr bool kRawMax = kKind == kIdentity && !std::is_same_v<T, float> && HWY_TARGET != HWY_SCALAR;
-  // bf16 and fp16 logits, but soft-capped: NaNs with their low bits 0 (ExponentialBelowShift).
+  // bf16 and fp16 logits, unless soft-capped: NaNs with their low bits 0 (ExponentialBelowShift).
   constexpr bool kHalfPrecisionLogits = !std::is_same_v<T, float> && kKind != kSoftCapped;
   const DF d;
   const ExpPolynomial<> poly(d);

@@ -249,8 +249,9 @@ HWY_INLINE VF ExponentialScaledBf16(DF d, VF x, const ScaledRange& range, const 
 // kHalfPrecisionLogits: x from bf16 or fp16 logits (widened, maybe scaled), whose NaNs have
 // their low 9 bits 0: 2^(n + E) is then added to e^r's exponent (AddExponent; e^r in [0.7,
 // 1.5] and the result at least e^-87 are normal), not multiplied, so the sum's addition takes
-// the FADD ports where its multiply-add took an FMA port: as many operations, one fewer on
-// the FMA ports of the 13 to 14 there.
+// an FADD port where its multiply-add took an FMA port: as many operations, and 9 on the FMA
+// ports of a vector's 16 where there were 10 (2.3-2.7 % faster as AVX2 on an Emerald Rapids;
+// no change measured on a Zen 3: docs/performance.md, entries 52 and 54).
 template <bool kHalfPrecisionLogits = false, class Poly>
 HWY_INLINE VF ExponentialBelowShift(DF d, VF x, const ScaledRange& range, const Poly& poly) {
 #if HWY_TARGET == HWY_AVX3
