@@ -85,8 +85,8 @@ Status check_perf_config(const PerfConfig& config);
 Status perf_head_command(const PerfConfig& config);
 // The CPU's model name as /proc/cpuinfo gives it ("unknown CPU" where it does not).
 std::string cpu_model_name();
-// Applies --no-bf16-instructions; returns the header line that says whether this CPU has
-// AVX512-BF16 and whether the run uses it.
-std::string apply_bf16_instructions(const PerfConfig& config);
+// Applies --simd-target (as check_perf_config found it) and --no-bf16-instructions; returns
+// the header line that says how the run rounds bf16 (AVX512-BF16 or in software).
+std::string apply_cpu_options(const PerfConfig& config);
 
 }  // namespace vpce::tools

@@ -332,7 +332,7 @@ Status check_perf_config(const PerfConfig& config) {
             "-t: expected 1 to " + std::to_string(kMaxRanks) + " ranks, got " + std::to_string(config.ranks)};
   }
   if (Status s = check_threads("--threads", config.threads); !s.ok()) return s;
-  if (const std::string error = detail::use_simd_target(config.simd_target); !error.empty()) {
+  if (const std::string error = detail::simd_target_error(config.simd_target); !error.empty()) {
     return {Code::kInvalidArgument, "--simd-target: " + error};
   }
   for (int64_t vocab : config.vocab) {
@@ -355,7 +355,7 @@ Status check_perf_config(const PerfConfig& config) {
 namespace {
 
 Status sweep(const PerfConfig& config) {
-  const std::string bf16_line = apply_bf16_instructions(config);
+  const std::string bf16_line = apply_cpu_options(config);
   std::vector<DataType> dtypes;
   if (config.dtype == "fp32" || config.dtype == "all") dtypes.push_back(kFloat32);
   if (config.dtype == "bf16" || config.dtype == "all") dtypes.push_back(kBFloat16);
@@ -451,7 +451,8 @@ std::string cpu_model_name() {
   return "unknown CPU";
 }
 
-std::string apply_bf16_instructions(const PerfConfig& config) {
+std::string apply_cpu_options(const PerfConfig& config) {
+  detail::use_simd_target(config.simd_target);  // (checked by check_perf_config)
   if (config.no_bf16_instructions) detail::set_bf16_instructions_allowed(false);
   if (std::string(detail::simd_target_name()).rfind("AVX3", 0) != 0)
     return std::string("bf16: software rounding, bf16 widened to fp32 (the ") + detail::simd_target_name() +

@@ -309,7 +309,7 @@ Status perf_head_command(const PerfConfig& config) {
 namespace {
 
 Status sweep_head(const PerfConfig& config) {
-  const std::string bf16_line = apply_bf16_instructions(config);
+  const std::string bf16_line = apply_cpu_options(config);
   const int hardware = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   const int threads = config.threads > 0 ? config.threads : std::max(1, hardware / config.ranks);
   std::vector<DataType> dtypes;

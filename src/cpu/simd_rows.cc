@@ -300,20 +300,22 @@ void stream_copy(void* destination, const void* source, int64_t bytes) {
   HWY_DYNAMIC_DISPATCH(StreamCopyImpl)(destination, source, bytes);
 }
 const char* simd_target_name() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }
-std::string use_simd_target(const std::string& name) {
-  if (name.empty()) {
-    hwy::SetSupportedTargetsForTest(0);
-    return "";
-  }
+std::string simd_target_error(const std::string& name) {
   std::string available;
   for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    if (name == hwy::TargetName(target)) {
-      hwy::SetSupportedTargetsForTest(target);
-      return "";
-    }
+    if (name.empty() || name == hwy::TargetName(target)) return "";
     available += (available.empty() ? "" : ", ") + std::string(hwy::TargetName(target));
   }
   return "expected one of " + available + " (the targets built that this CPU runs), got " + name;
+}
+std::string use_simd_target(const std::string& name) {
+  if (std::string error = simd_target_error(name); !error.empty()) return error;
+  int64_t chosen = 0;  // (0 for "": every target, the best chosen)
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    if (name == hwy::TargetName(target)) chosen = target;
+  }
+  hwy::SetSupportedTargetsForTest(chosen);
+  return "";
 }
 bool exp_argument_is_exact() { return HWY_DYNAMIC_DISPATCH(ExpArgumentIsExactImpl)(); }
 float row_max(const void* row, StorageType type, int64_t cols, float* widened) {

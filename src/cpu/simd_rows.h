@@ -84,6 +84,8 @@ const char* simd_target_name();
 // bench/kernels_bench.cc --target); "" restores the best. Returns "" or, where this CPU cannot
 // run that target or it was not built, what the error names: the targets it can.
 std::string use_simd_target(const std::string& name);
+// use_simd_target's error for `name`, without selecting it ("" where it would succeed).
+std::string simd_target_error(const std::string& name);
 // Whether the AVX3 kernels may round bf16 gradients with AVX512-BF16's VCVTNE(2)PS2BF16 on a
 // CPU that has them (true by default). Tests and bench/count_instructions.cc turn it off so
 // that such a CPU also runs the software rounding that CPUs without them take.

@@ -168,11 +168,13 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
       if (v < full_end) {  // one vector left
         const VF z = Transform<kKind>(d, LoadFull(d, row + v), t);
         sum_e = hn::Add(sum_e, term(z));
-        sum_z = hn::Add(sum_z, hn::MulSub(z, scale, reference));
+        if constexpr (kWithSumLogits) sum_z = hn::Add(sum_z, hn::MulSub(z, scale, reference));
       }
       if (has_tail) {
         sum_e = hn::Add(sum_e, term(z_tail));
-        sum_z = hn::Add(sum_z, hn::IfThenElseZero(hn::FirstN(d, tail), hn::MulSub(z_tail, scale, reference)));
+        if constexpr (kWithSumLogits) {
+          sum_z = hn::Add(sum_z, hn::IfThenElseZero(hn::FirstN(d, tail), hn::MulSub(z_tail, scale, reference)));
+        }
       }
     };
     if (shift.subtract_first) {
