@@ -21,6 +21,10 @@ HWY_BEFORE_NAMESPACE();
 namespace vpce::detail {
 namespace HWY_NAMESPACE {
 
+// The largest transformed logit of a block: the transform of the logits' max (the logit
+// scale and the soft cap are increasing), -inf for none (every logit -inf, or NaN, which
+// x86's MAXPS drops: such a row's lse is NaN, and so is every gradient of it). bf16 and fp16
+// logits on their 16-bit patterns (RawMax16).
 template <class T, int kKind>
 float BlockMax(const T* row, int64_t cols, const TransformParams& t) {
   const DF d;

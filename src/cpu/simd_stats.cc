@@ -49,6 +49,11 @@ template <class T, int kKind, bool kWithSumLogits>
 void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockStats* out) {
   // bf16 and fp16 logits, untransformed: the max pass on their 16-bit patterns (RawMax16).
   constexpr bool kRawMax = kKind == kIdentity && !std::is_same_v<T, float> && HWY_TARGET != HWY_SCALAR;
+  // The raw max finds the lowest logit too, so that the sums leave the exp's clamp out where
+  // it would change nothing: on the FMA targets but AVX-512 (AVX2's forward over bf16 and
+  // fp16 7-10 % faster in cache, measured as AVX2 on an Emerald Rapids; AVX-512's no faster
+  // there, so it keeps the one integer max: docs/performance.md, entry 55).
+  constexpr bool kRawLowest = kRawMax && kExactArgument && HWY_TARGET != HWY_AVX3;
   // bf16 and fp16 logits, unless soft-capped: NaNs with their low bits 0 (ExponentialBelowShift).
   constexpr bool kHalfPrecisionLogits = !std::is_same_v<T, float> && kKind != kSoftCapped;
   const DF d;
@@ -80,9 +85,11 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
     VF max0 = z_tail, max1 = neg_inf, max2 = neg_inf, max3 = neg_inf;
     int64_t v = begin;
     float raw_max = -std::numeric_limits<float>::infinity();
+    float raw_lowest = -std::numeric_limits<float>::infinity();  // below every logit the raw max read
 #if HWY_TARGET != HWY_SCALAR
     if constexpr (kRawMax) {
-      v = begin + RawMax16(row + begin, (full_end - begin) / (4 * lanes), &raw_max) * 4 * lanes;
+      v = begin +
+          RawMax16<T, kRawLowest>(row + begin, (full_end - begin) / (4 * lanes), &raw_max, &raw_lowest) * 4 * lanes;
     } else
 #endif
     {
@@ -97,6 +104,8 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
       }
     }
     float chunk_max = raw_max;
+    // Whether the raw max read every whole vector of the chunk (its lowest then bounds them all).
+    const bool raw_read_all = v == full_end;
     if (!kRawMax || v < full_end || has_tail) {  // (the raw max took every vector of a whole chunk)
       for (; v < full_end; v += lanes) max0 = hn::Max(max0, Transform<kKind>(d, LoadFull(d, row + v), t));
       const VF vmax = hn::Max(hn::Max(max0, max1), hn::Max(max2, max3));
@@ -112,6 +121,13 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
       if constexpr (kWithSumLogits) sum_logits = rebased_logit_sum(sum_logits, begin, max, chunk_max);
       max = chunk_max;
       shift = grown;
+    }
+    // Every whole vector's logits at or above the exp's clamp, e^-87 (a NaN or -inf among them
+    // fails this): the sums' loops leave the clamp out. Almost every chunk of real logits,
+    // whose lowest lies less than 87 below the row's max.
+    bool unclamped = false;
+    if constexpr (kRawLowest) {
+      unclamped = raw_read_all && !shift.subtract_first && raw_lowest >= hn::GetLane(shift.lanes.range.normal_low);
     }
     VF sums[8] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d),
                   hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
@@ -130,12 +146,16 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
     const VF scale = hn::Set(d, kLogitSumScale);
     const VF reference = hn::Set(d, static_cast<float>(logit_reference(max) * static_cast<double>(kLogitSumScale)));
     // The chunk's sums, with the shift's kind fixed for its loops.
-    auto sum_chunk = [&](auto subtract_first) {
+    auto sum_chunk = [&](auto subtract_first, auto whole_vectors_unclamped) {
       constexpr bool kSubtractFirst = decltype(subtract_first)::value;
+      constexpr bool kUnclamped = decltype(whole_vectors_unclamped)::value;
       const ShiftLanes lanes_shift = shift.lanes;
-      // A term of the sum: e^(z - max) / shift.correction.
+      // A term of the sum: e^(z - max) / shift.correction (clamped: the tail's and the last vector's).
       auto term = [&](VF z) __attribute__((always_inline)) {
         return ExpShiftedAs<kSubtractFirst, true, false, kHalfPrecisionLogits>(d, z, lanes_shift, poly);
+      };
+      auto whole_term = [&](VF z) __attribute__((always_inline)) {
+        return ExpShiftedAs<kSubtractFirst, true, false, kHalfPrecisionLogits, kUnclamped>(d, z, lanes_shift, poly);
       };
       // Two vectors into the accumulators `into` and `into + 1` (and `into / 2` of the logits).
       auto two = [&](int64_t at, int into) {
@@ -143,8 +163,8 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
         VF x0, x1;
         LoadTwo(d, row + at, x0, x1);
         const VF z0 = Transform<kKind>(d, x0, t), z1 = Transform<kKind>(d, x1, t);
-        sums[into] = hn::Add(sums[into], term(z0));
-        sums[into + 1] = hn::Add(sums[into + 1], term(z1));
+        sums[into] = hn::Add(sums[into], whole_term(z0));
+        sums[into + 1] = hn::Add(sums[into + 1], whole_term(z1));
         if constexpr (kWithSumLogits) {
           sums_z[into / 2] =
               hn::Add(sums_z[into / 2], hn::Add(hn::MulSub(z0, scale, reference), hn::MulSub(z1, scale, reference)));
@@ -178,9 +198,11 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
       }
     };
     if (shift.subtract_first) {
-      sum_chunk(std::true_type{});
+      sum_chunk(std::true_type{}, std::false_type{});
+    } else if (unclamped) {
+      if constexpr (kRawLowest) sum_chunk(std::false_type{}, std::true_type{});
     } else {
-      sum_chunk(std::false_type{});
+      sum_chunk(std::false_type{}, std::false_type{});
     }
     fold_sums();
     if constexpr (kWithSumLogits) {

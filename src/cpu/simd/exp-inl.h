@@ -246,18 +246,23 @@ HWY_INLINE VF ExponentialScaledBf16(DF d, VF x, const ScaledRange& range, const 
 // term, -inf's included: at most V x 1.6e-38 in a sum that is at least 1), and 2^(n + E) is
 // at most 2^1, so one power of two always does: 4 vector operations fewer (AVX-512's
 // VSCALEFPS needs no test in any case).
+// kUnclamped (not AVX-512): every x is known to be at least range.normal_low (the forward's
+// chunks of 16-bit logits whose lowest allows it, RawMax16), where the clamp would change
+// nothing: it is left out (one operation a vector fewer, on the FMA ports of Intel's cores).
 // kHalfPrecisionLogits: x from bf16 or fp16 logits (widened, maybe scaled), whose NaNs have
 // their low 9 bits 0: 2^(n + E) is then added to e^r's exponent (AddExponent; e^r in [0.7,
 // 1.5] and the result at least e^-87 are normal), not multiplied, so the sum's addition takes
 // an FADD port where its multiply-add took an FMA port: as many operations, and 9 on the FMA
 // ports of a vector's 16 where there were 10 (2.3-2.7 % faster as AVX2 on an Emerald Rapids;
 // no change measured on a Zen 3: docs/performance.md, entries 52 and 54).
-template <bool kHalfPrecisionLogits = false, class Poly>
+template <bool kHalfPrecisionLogits = false, bool kUnclamped = false, class Poly>
 HWY_INLINE VF ExponentialBelowShift(DF d, VF x, const ScaledRange& range, const Poly& poly) {
 #if HWY_TARGET == HWY_AVX3
+  static_assert(!kUnclamped, "AVX-512's forward keeps its clamp (simd_stats.cc's kRawLowest)");
   return ExponentialScaled<true>(d, x, range, poly);  // (VSCALEFPS: no cheaper form)
 #else
-  const VF clamped = hn::Max(range.normal_low, x);  // (the bound first: NaN passes, as above)
+  // (the bound first: NaN passes, as above)
+  const VF clamped = kUnclamped ? x : hn::Max(range.normal_low, x);
   if constexpr (kHalfPrecisionLogits) {
     const auto [r, exponent] = ReduceForAddition(d, clamped, range.exponent_shift);
     return KeepNaN(x, AddExponent(d, poly.Horner(r), exponent));
@@ -323,12 +328,15 @@ inline float NormalResultsFrom(const LaneShift& shift, double k) {
 // tests it once, not at every vector). kBelowShift: every z is at most s and the results are
 // summed (ExponentialBelowShift, kHalfPrecisionLogits as there).
 // kAtMostShift: every z is at most s (+ 88): a gradient's z and its lse
-// (ExponentialScaled<true>).
+// (ExponentialScaled<true>). kUnclamped (kBelowShift only): as ExponentialBelowShift's.
 template <bool kSubtractFirst, bool kBelowShift = false, bool kAtMostShift = false, bool kHalfPrecisionLogits = false,
-          class Poly>
+          bool kUnclamped = false, class Poly>
 HWY_INLINE VF ExpShiftedAs(DF d, VF z, const ShiftLanes& shift, const Poly& poly) {
+  static_assert(!kUnclamped || kBelowShift);
   const VF x = kSubtractFirst ? hn::Sub(z, shift.value) : z;
-  if constexpr (kBelowShift) return ExponentialBelowShift<kHalfPrecisionLogits>(d, x, shift.range, poly);
+  if constexpr (kBelowShift) {
+    return ExponentialBelowShift<kHalfPrecisionLogits, kUnclamped>(d, x, shift.range, poly);
+  }
   return ExponentialScaled<kAtMostShift>(d, x, shift.range, poly);
 }
 

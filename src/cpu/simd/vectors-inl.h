@@ -249,10 +249,6 @@ HWY_INLINE void StoreGradient(DF d, VF v, G* p) {
   StoreFull(d, v, p);
 }
 
-// The largest transformed logit of a block: the transform of the logits' max (the logit
-// scale and the soft cap are increasing), -inf for none (every logit -inf, or NaN, which
-// x86's MAXPS drops: such a row's lse is NaN, and so is every gradient of it). bf16 and fp16
-
 // ---- the max of bf16 and fp16 logits on their bit patterns --------------------------------
 
 // The max of groups * 4 * lanes bf16 or fp16 values at p (2 * lanes per 16-bit vector), read
@@ -264,10 +260,15 @@ HWY_INLINE void StoreGradient(DF d, VF v, G* p) {
 // negative and the max is the smallest magnitude, the smallest integer (a second pass; a
 // NaN with the sign set has the largest magnitude and is never picked unless all are NaN).
 // Returns the groups read (all of them); *max the max as fp32, -inf for none.
+// kWithLowest: *lowest too, a bound below every value read: read as unsigned integers, the
+// largest pattern with the sign set is the most negative value (or a NaN with the sign set,
+// then *lowest is NaN), and with none set every value is at least +0 (one more integer max
+// per 2 * lanes logits).
 #if HWY_TARGET != HWY_SCALAR
-template <class T>
-int64_t RawMax16(const T* p, int64_t groups, float* max) {
+template <class T, bool kWithLowest = false>
+int64_t RawMax16(const T* p, int64_t groups, float* max, [[maybe_unused]] float* lowest = nullptr) {
   const hn::Repartition<int16_t, DF> d16;
+  const hn::Repartition<uint16_t, DF> du16;
   const auto lanes16 = static_cast<int64_t>(hn::Lanes(d16));
   const auto* bits = reinterpret_cast<const int16_t*>(p);
   auto decode = [](int16_t pattern) {
@@ -276,11 +277,22 @@ int64_t RawMax16(const T* p, int64_t groups, float* max) {
     return to_float(value);
   };
   if (groups == 0) return 0;
-  const auto lowest = hn::Set(d16, std::numeric_limits<int16_t>::min());
-  auto max0 = lowest, max1 = lowest;
+  const auto lowest_signed = hn::Set(d16, std::numeric_limits<int16_t>::min());
+  auto max0 = lowest_signed, max1 = lowest_signed;
+  auto unsigned0 = hn::Zero(du16), unsigned1 = hn::Zero(du16);
   for (int64_t g = 0; g < groups; ++g) {
-    max0 = hn::Max(max0, hn::LoadU(d16, bits + 2 * g * lanes16));
-    max1 = hn::Max(max1, hn::LoadU(d16, bits + (2 * g + 1) * lanes16));
+    const auto first = hn::LoadU(d16, bits + 2 * g * lanes16);
+    const auto second = hn::LoadU(d16, bits + (2 * g + 1) * lanes16);
+    max0 = hn::Max(max0, first);
+    max1 = hn::Max(max1, second);
+    if constexpr (kWithLowest) {
+      unsigned0 = hn::Max(unsigned0, hn::BitCast(du16, first));
+      unsigned1 = hn::Max(unsigned1, hn::BitCast(du16, second));
+    }
+  }
+  if constexpr (kWithLowest) {
+    const uint16_t most = hn::GetLane(hn::MaxOfLanes(du16, hn::Max(unsigned0, unsigned1)));
+    *lowest = most >= 0x8000 ? decode(static_cast<int16_t>(most)) : 0.0f;
   }
   const int16_t top = hn::GetLane(hn::MaxOfLanes(d16, hn::Max(max0, max1)));
   if (top >= 0) {
