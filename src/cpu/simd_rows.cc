@@ -300,21 +300,26 @@ void stream_copy(void* destination, const void* source, int64_t bytes) {
   HWY_DYNAMIC_DISPATCH(StreamCopyImpl)(destination, source, bytes);
 }
 const char* simd_target_name() { return HWY_DYNAMIC_DISPATCH(TargetNameImpl)(); }
+namespace {
+// The target built and run by this CPU that `name` names; 0 for none.
+int64_t target_named(const std::string& name) {
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    if (name == hwy::TargetName(target)) return target;
+  }
+  return 0;
+}
+}  // namespace
 std::string simd_target_error(const std::string& name) {
+  if (name.empty() || target_named(name) != 0) return "";
   std::string available;
   for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    if (name.empty() || name == hwy::TargetName(target)) return "";
     available += (available.empty() ? "" : ", ") + std::string(hwy::TargetName(target));
   }
   return "expected one of " + available + " (the targets built that this CPU runs), got " + name;
 }
 std::string use_simd_target(const std::string& name) {
   if (std::string error = simd_target_error(name); !error.empty()) return error;
-  int64_t chosen = 0;  // (0 for "": every target, the best chosen)
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    if (name == hwy::TargetName(target)) chosen = target;
-  }
-  hwy::SetSupportedTargetsForTest(chosen);
+  hwy::SetSupportedTargetsForTest(name.empty() ? 0 : target_named(name));  // (0: every target, the best chosen)
   return "";
 }
 bool exp_argument_is_exact() { return HWY_DYNAMIC_DISPATCH(ExpArgumentIsExactImpl)(); }
