@@ -297,5 +297,53 @@ TEST(Exp, HalfPrecisionGradientsOfLargeLogitsOnEveryTarget) {
   test::use_best_simd_variant();
 }
 
+// bf16 gradients in place around the least logit whose result is a normal number (AVX2
+// adds the exponent where every result of four vectors is one, and tests that on the logits'
+// bf16 patterns where that logit is negative). Rows of 64 logits, each at lse - 1 but one,
+// which takes every bf16 value from 100 below the lse to 60 below it, -inf and a NaN with
+// the sign set, at every position in turn: every element within one ulp of the fp64 value
+// correctly rounded (or flushed below 2^-126), for bounds below 0 and above it, and for
+// factors that move the bound (upstream of 3e-4) or not.
+TEST(Exp, HalfPrecisionGradientsAroundTheNormalResultsBoundOnEveryTarget) {
+  constexpr int64_t kCols = 64;
+  for (const test::SimdVariant& variant : test::simd_variants()) {
+    test::use_simd_variant(variant);
+    for (float lse : {0.0f, 7.25f, 40.0f, 150.0f}) {
+      for (float upstream : {1.0f, 3e-4f, -0.37f}) {
+        std::vector<float> swept;
+        for (BFloat16 z = from_float<BFloat16>(lse - 100.0f); to_float(z) <= lse - 60.0f;
+             z.bits = static_cast<uint16_t>(to_float(z) < 0.0f ? z.bits - 1 : z.bits + 1)) {
+          swept.push_back(to_float(z));
+        }
+        swept.push_back(-kInf);
+        const std::string where =
+            variant.name + ", lse " + std::to_string(lse) + ", upstream " + std::to_string(upstream);
+        HalfGradientResult r;
+        int nan_missed = 0;
+        const BFloat16 negative_nan{0xFFC1};
+        for (size_t i = 0; i <= swept.size(); ++i) {
+          std::vector<BFloat16> row(kCols, from_float<BFloat16>(lse - 1.0f));
+          const int64_t at = static_cast<int64_t>(i * 13) % kCols;
+          row[at] = i < swept.size() ? from_float<BFloat16>(swept[i]) : negative_nan;
+          std::vector<double> z(kCols);
+          for (int64_t v = 0; v < kCols; ++v) z[v] = static_cast<double>(to_float(row[v]));
+          block_gradient(row.data(), StorageType::kBFloat16, row.data(), StorageType::kBFloat16, kCols,
+                         TransformParams{}, make_gradient_constants(upstream, lse, 1.0, 0.0));
+          for (int64_t v = 0; v < kCols; ++v) {
+            if (std::isnan(z[v])) {
+              nan_missed += std::isnan(to_float(row[v])) ? 0 : 1;
+            } else {
+              tally(row[v], static_cast<double>(upstream) * std::exp(z[v] - static_cast<double>(lse)), z[v] - lse, r);
+            }
+          }
+        }
+        EXPECT_EQ(r.beyond, 0) << where << ", e.g. at z - lse = " << r.worst_at;
+        EXPECT_EQ(nan_missed, 0) << where;
+      }
+    }
+  }
+  test::use_best_simd_variant();
+}
+
 }  // namespace
 }  // namespace vpce::detail

@@ -203,20 +203,47 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
         if (add_exponents) {
           auto rounded = [&](VF z) __attribute__((always_inline)) { return exponent_added(z, std::true_type{}); };
           // Two pairs a step, under one test of their four vectors (and one prefetch, a
-          // line): 4 instructions fewer a pair.
-          for (; v + 4 * lanes <= cols; v += 4 * lanes) {
-            hwy::Prefetch(row + v + kAhead);
-            VF even0, odd0, even1, odd1;
-            LoadTwo(d, row + v, even0, odd0);
-            LoadTwo(d, row + v + 2 * lanes, even1, odd1);
-            if (HWY_LIKELY(all_normal(hn::Min(even0, odd0), hn::Min(even1, odd1)))) {
-              StoreBf16PairsOfRounded(rounded(even0), rounded(odd0), grad + v);
-              StoreBf16PairsOfRounded(rounded(even1), rounded(odd1), grad + v + 2 * lanes);
-            } else {
-              StoreBf16PairsNearest(d, element(even0), element(odd0), grad + v);
-              StoreBf16PairsNearest(d, element(even1), element(odd1), grad + v + 2 * lanes);
+          // line): 4 instructions fewer a pair. On AVX2 where the bound is below 0 (an lse
+          // below about 80, as almost always: kPatterns), the test reads the bf16 patterns:
+          // every z is at least the bound exactly where no pattern, read as an unsigned
+          // integer, exceeds `most`, the bound's own truncated to bf16 (a value at least the
+          // bound; the positive values' patterns lie below it, the negative ones' in the order
+          // of their magnitudes, and a NaN with the sign set fails, as -inf does): 3 integer
+          // operations for the four vectors where the values' test took 5, 4 of them on the
+          // FPU's ports (tests/exp_test.cc sweeps logits across the bound).
+          const hn::RebindToUnsigned<DF> du;
+          const uint32_t bound_pattern = hn::GetLane(hn::BitCast(du, normal_results)) >> 16;
+          [[maybe_unused]] const VU most = hn::Set(du, bound_pattern * 0x10001u);
+          auto two_pairs_at_a_time = [&](auto patterns) __attribute__((always_inline)) {
+            [[maybe_unused]] constexpr bool kPatterns = decltype(patterns)::value;
+            for (; v + 4 * lanes <= cols; v += 4 * lanes) {
+              hwy::Prefetch(row + v + kAhead);
+              const VU words0 = LoadBf16Words(row + v), words1 = LoadBf16Words(row + v + 2 * lanes);
+              VF even0, odd0, even1, odd1;
+              SplitBf16Words(d, words0, even0, odd0);
+              SplitBf16Words(d, words1, even1, odd1);
+              bool normal;
+#if HWY_TARGET == HWY_AVX2
+              if constexpr (kPatterns) {
+                normal = PatternsAtMost(words0, words1, most);
+              } else
+#endif
+              {
+                normal = all_normal(hn::Min(even0, odd0), hn::Min(even1, odd1));
+              }
+              if (HWY_LIKELY(normal)) {
+                StoreBf16PairsOfRounded(rounded(even0), rounded(odd0), grad + v);
+                StoreBf16PairsOfRounded(rounded(even1), rounded(odd1), grad + v + 2 * lanes);
+              } else {
+                StoreBf16PairsNearest(d, element(even0), element(odd0), grad + v);
+                StoreBf16PairsNearest(d, element(even1), element(odd1), grad + v + 2 * lanes);
+              }
             }
-          }
+          };
+#if HWY_TARGET == HWY_AVX2
+          if (hn::GetLane(normal_results) < 0.0f) two_pairs_at_a_time(std::true_type{});
+#endif
+          two_pairs_at_a_time(std::false_type{});  // (the rest, if the above did not run)
           for (; v + 2 * lanes <= cols; v += 2 * lanes) {
             hwy::Prefetch(row + v + kAhead);
             VF even, odd;
