@@ -34,12 +34,10 @@ namespace HWY_NAMESPACE {
 // then fit fp32's range whatever the logits (offsets up to 6.8e38).
 constexpr float kLogitSumScale = 0x1p-32f;
 
-// The forward's lanes of exponentials fold into their fp64 sum every this many vectors, its
-// lanes of logits every kLogitFoldVectors.
+// The forward's lanes of exponentials fold into their fp64 sum every this many vectors.
 constexpr int64_t kFoldVectors = 32;
-constexpr int64_t kLogitFoldVectors = 256;
 
-// row: [cols] of T -> BlockStats, a chunk of 16 KiB (in L1) at a time: the chunk's max,
+// row: [cols] of T -> BlockStats, a chunk of 256 vectors (in L1) at a time: the chunk's max,
 // then the sum of e^(z - m) with m the max so far (as e^z 2^E 2^phi, see ExpShifted), the
 // earlier chunks' fp64 sum rescaled when m grows (rarely, after the first chunks). Each
 // exponent is exact before its one rounding, and the block is read from memory once, with
@@ -62,15 +60,14 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
   const ExpPolynomial<> poly(d);
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
   const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
-  // 16 KiB of logits, in L1 on every x86 core (256 vectors of fp32 on AVX-512, up to 1024 of
-  // bf16 on AVX2), and the sums' prefetches as far ahead, so that the sums of one chunk bring
-  // in the next for its max pass: a chunk's own work (the raw max's call, the reductions
-  // across lanes, the loops' exits) then counts less, where 256 vectors of any type with 8 KiB
-  // ahead left the forward over bf16 from memory 2-3 % (AVX2) and 4-5 % (AVX-512) slower;
-  // 16 KiB with 8 KiB ahead left the next chunk's second half to its max pass and made it 18 %
-  // slower (docs/performance.md, entry 56).
-  const int64_t chunk = 16384 / static_cast<int64_t>(sizeof(T));
-  const int64_t ahead = chunk;
+  // 256 vectors: the per-chunk work (the max's and the sums' reductions across lanes) comes
+  // to 0.17 vector operations per 16 logits (0.6 with 64); eight accumulators keep each
+  // lane's fp32 sum of exponentials at about 32 terms, as 64 vectors over two did (and four
+  // keep the logits' sums at 32 pairs, as one did).
+  const int64_t chunk = 256 * lanes;
+  // The sums' prefetches, 8 KiB ahead: the next chunk of bf16 or fp16 as they pass this one
+  // (forward 22-27 % faster than 4 KiB, measured; fp32 stays at 8 KiB, 5 % slower at 16).
+  constexpr auto ahead = static_cast<int64_t>(8192 / sizeof(T));
   float max = -std::numeric_limits<float>::infinity();
   LaneShift shift = MakeLaneShift(d, 0.0);  // of max, once there is one
   double sum_exp2 = 0.0;                    // sum e^(z - max) / shift.correction
@@ -134,7 +131,6 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
     }
     VF sums[8] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d),
                   hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
-    VF sums_z[4] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
     // sum_exp2 += the accumulators' sum, and they start again from 0.
     auto fold_sums = [&] {
       const VF all = hn::Add(hn::Add(hn::Add(sums[0], sums[1]), hn::Add(sums[2], sums[3])),
@@ -142,12 +138,7 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
       sum_exp2 += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, all)));
       for (VF& sum : sums) sum = hn::Zero(d);
     };
-    // The same for sum_logits.
-    auto fold_logit_sums = [&] {
-      const VF all_z = hn::Add(hn::Add(sums_z[0], sums_z[1]), hn::Add(sums_z[2], sums_z[3]));
-      sum_logits += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, all_z))) / static_cast<double>(kLogitSumScale);
-      for (VF& sum : sums_z) sum = hn::Zero(d);
-    };
+    VF sums_z[4] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
     // The logits' sum relative to the max (so that it stays small where they are large and
     // close together), scaled by 2^-32 in the lanes (exactly, but for offsets below 2^-94) so
     // that no lane overflows where one logit is huge: a fused multiply-subtract per vector
@@ -180,9 +171,8 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
         }
       };
       // The exponentials' lanes fold into the fp64 sum every kFoldVectors vectors (4 terms a
-      // lane): summed over a chunk of 256 vectors (32 a lane), their fp32 roundings had cost
-      // the lse up to 3.5 x 2^-24, which the backward's p carries (docs/design.md). The
-      // logits' lanes every 256 vectors (32 pairs a lane).
+      // lane): summed over a whole chunk (32 a lane), their fp32 roundings had cost the lse up
+      // to 3.5 x 2^-24, which the backward's p carries (docs/design.md).
       for (v = begin; v + kFoldVectors * lanes <= full_end;) {
         for (const int64_t fold_end = v + kFoldVectors * lanes; v < fold_end; v += 8 * lanes) {
           two(v, 0);
@@ -191,9 +181,6 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
           two(v + 6 * lanes, 6);
         }
         fold_sums();
-        if constexpr (kWithSumLogits) {
-          if ((v - begin) % (kLogitFoldVectors * lanes) == 0) fold_logit_sums();
-        }
       }
       for (; v + 2 * lanes <= full_end; v += 2 * lanes) two(v, 0);
       VF& sum_e = sums[0];
@@ -218,7 +205,10 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
       sum_chunk(std::false_type{}, std::false_type{});
     }
     fold_sums();
-    if constexpr (kWithSumLogits) fold_logit_sums();
+    if constexpr (kWithSumLogits) {
+      const VF all_z = hn::Add(hn::Add(sums_z[0], sums_z[1]), hn::Add(sums_z[2], sums_z[3]));
+      sum_logits += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, all_z))) / static_cast<double>(kLogitSumScale);
+    }
   }
   BlockStats s;
   s.max = max;
