@@ -204,13 +204,13 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
           auto rounded = [&](VF z) __attribute__((always_inline)) { return exponent_added(z, std::true_type{}); };
           // Two pairs a step, under one test of their four vectors (and one prefetch, a
           // line): 4 instructions fewer a pair. On AVX2 where the bound is below 0 (an lse
-          // below about 80, as almost always: kPatterns), the test reads the bf16 patterns:
-          // every z is at least the bound exactly where no pattern, read as an unsigned
-          // integer, exceeds `most`, the bound's own truncated to bf16 (a value at least the
-          // bound; the positive values' patterns lie below it, the negative ones' in the order
-          // of their magnitudes, and a NaN with the sign set fails, as -inf does): 3 integer
-          // operations for the four vectors where the values' test took 5, 4 of them on the
-          // FPU's ports (tests/exp_test.cc sweeps logits across the bound).
+          // below 87 - ln(1 / |k|), as almost always: kPatterns), the test reads the bf16
+          // patterns: every z is at least the bound exactly where no pattern, read as an
+          // unsigned integer, exceeds `most`, the bound's own truncated to bf16 (a value at
+          // least the bound; the positive values' patterns lie below it, the negative ones'
+          // in the order of their magnitudes, and a NaN with the sign set fails, as -inf
+          // does): 3 integer operations for the four vectors where the values' test took 5,
+          // 4 of them on the FPU's ports (tests/exp_test.cc sweeps logits across the bound).
           const hn::RebindToUnsigned<DF> du;
           const uint32_t bound_pattern = hn::GetLane(hn::BitCast(du, normal_results)) >> 16;
           [[maybe_unused]] const VU most = hn::Set(du, bound_pattern * 0x10001u);
