@@ -202,6 +202,7 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
         // on the FMA ports.
         if (add_exponents) {
           auto rounded = [&](VF z) __attribute__((always_inline)) { return exponent_added(z, std::true_type{}); };
+#if HWY_TARGET == HWY_AVX2
           // Two pairs a step, under one test of their four vectors (and one prefetch, a
           // line): 4 instructions fewer a pair. On AVX2 where the bound is below 0 (an lse
           // below 87 - ln(1 / |k|), as almost always: kPatterns), the test reads the bf16
@@ -212,8 +213,8 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
           // does): 3 integer operations for the four vectors where the values' test took 5,
           // 4 of them on the FPU's ports (tests/exp_test.cc sweeps logits across the bound).
           const hn::RebindToUnsigned<DF> du;
-          const uint32_t bound_pattern = hn::GetLane(hn::BitCast(du, normal_results)) >> 16;
-          [[maybe_unused]] const VU most = hn::Set(du, bound_pattern * 0x10001u);
+          const VU most = hn::Set(du, (hn::GetLane(hn::BitCast(du, normal_results)) >> 16) * 0x10001u);
+#endif
           auto two_pairs_at_a_time = [&](auto patterns) __attribute__((always_inline)) {
             [[maybe_unused]] constexpr bool kPatterns = decltype(patterns)::value;
             for (; v + 4 * lanes <= cols; v += 4 * lanes) {
