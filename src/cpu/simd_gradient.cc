@@ -61,18 +61,13 @@ float BlockMax(const T* row, int64_t cols, const TransformParams& t) {
 // kHardwareBf16: full vectors of a bf16 gradient are rounded by VCVTNEPS2BF16 (AVX3 only).
 // kFolded: no uniform term (u = 0), so the gradient is k e^(z - m), and k rides in the exp's
 // polynomial (ExpPolynomial).
-// kRoundedInExp (AVX3, bf16 in and out, kFolded, no AVX512-BF16, a shift not
-// subtract_first): the gradient rounded to bf16 inside the exp (ExponentialScaledBf16).
 // kEntropy (not kFolded): the RL outputs' entropy term too, g = e^(z - m) (k + ke (z - mean))
 // - u, z - mean as token_math.h's entropy_offset takes it from the constants `c` (E_p[z] as two
 // floats, held above -2^64: 0 for a column of -inf).
-template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded, bool kRoundedInExp = false,
-          bool kEntropy = false>
+template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded, bool kEntropy = false>
 void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t, const LaneShift& shift, double k,
                   float u, [[maybe_unused]] double ke = 0.0, [[maybe_unused]] const GradientConstants* c = nullptr) {
-  static_assert(!kRoundedInExp || (kFolded && !kHardwareBf16 && kKind == kIdentity && std::is_same_v<T, BFloat16> &&
-                                   std::is_same_v<G, BFloat16> && HWY_TARGET == HWY_AVX3));
-  static_assert(!kEntropy || (!kFolded && !kRoundedInExp));
+  static_assert(!kEntropy || !kFolded);
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
   // The shift's value and kind as locals, so that they stay in registers across the loops'
@@ -94,21 +89,14 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
   auto element = [&](VF x) __attribute__((always_inline)) {
     VF slope;
     const VF z = TransformWithSlope<kKind>(d, x, t, &slope);
-    VF g;
-    if constexpr (kRoundedInExp) {
-#if HWY_TARGET == HWY_AVX3
-      g = ExponentialScaledBf16(d, z, lanes_shift.range, poly);
-#endif
-    } else {
-      // (z is at most lse, or 88 above a wrong one, given to the staged API)
-      g = HWY_UNLIKELY(subtract_first) ? ExpShiftedAs<true, false, true>(d, z, lanes_shift, poly)
-                                       : ExpShiftedAs<false, false, true>(d, z, lanes_shift, poly);
-      if constexpr (kEntropy) {
-        const VF offset = hn::Max(hn::Sub(hn::Sub(z, mean_logit_hi), mean_logit_lo), lowest_offset);
-        g = hn::MulSub(g, hn::MulAdd(offset, entropy_coefficient, scaled_coefficient), scaled_uniform);
-      } else if constexpr (!kFolded) {
-        g = hn::MulSub(g, scaled_coefficient, scaled_uniform);
-      }
+    // (z is at most lse, or 88 above a wrong one, given to the staged API)
+    VF g = HWY_UNLIKELY(subtract_first) ? ExpShiftedAs<true, false, true>(d, z, lanes_shift, poly)
+                                        : ExpShiftedAs<false, false, true>(d, z, lanes_shift, poly);
+    if constexpr (kEntropy) {
+      const VF offset = hn::Max(hn::Sub(hn::Sub(z, mean_logit_hi), mean_logit_lo), lowest_offset);
+      g = hn::MulSub(g, hn::MulAdd(offset, entropy_coefficient, scaled_coefficient), scaled_uniform);
+    } else if constexpr (!kFolded) {
+      g = hn::MulSub(g, scaled_coefficient, scaled_uniform);
     }
     if constexpr (kKind != kIdentity) g = hn::Mul(g, slope);
     return g;
@@ -175,18 +163,14 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
     hwy::FlushStream();
   } else {
 #if HWY_TARGET == HWY_AVX3
-    if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16>) {  // bf16 pairs in and out
+    // bf16 pairs in and out, rounded in integers (also where AVX512-BF16 is at hand: its
+    // VCVTNE2PS2BF16 and the VPERMW that orders its output cost more).
+    if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16>) {
       for (; v + 2 * lanes <= cols; v += 2 * lanes) {
         hwy::Prefetch(row + v + kAhead);
         VF even, odd;
         LoadTwo(d, row + v, even, odd);
-        if constexpr (kHardwareBf16) {
-          StoreBf16PairsHardware(element(even), element(odd), grad + v);
-        } else if constexpr (kRoundedInExp) {
-          StoreBf16PairsRounded(element(even), element(odd), grad + v);
-        } else {
-          StoreBf16PairsSoftware(element(even), element(odd), grad + v);
-        }
+        StoreBf16PairsHalfway(element(even), element(odd), grad + v);
       }
     }
 #else
@@ -301,19 +285,10 @@ void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams&
     const LaneShift shift = MakeLaneShift(d, c.exact_lse);
     const double k = upstream * shift.correction;
     if (c.exact_entropy != 0.0) {
-      return GradientLoop<T, G, kKind, kHardwareBf16, false, false, true>(row, grad, cols, t, shift, k, u,
-                                                                          c.exact_entropy * shift.correction, &c);
+      return GradientLoop<T, G, kKind, kHardwareBf16, false, true>(row, grad, cols, t, shift, k, u,
+                                                                   c.exact_entropy * shift.correction, &c);
     }
-    if (u == 0.0f && Foldable(k)) {
-#if HWY_TARGET == HWY_AVX3
-      if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16> && !kHardwareBf16 &&
-                    kKind == kIdentity) {
-        if (!shift.subtract_first)
-          return GradientLoop<T, G, kKind, false, true, true>(row, grad, cols, t, shift, k, 0.0f);
-      }
-#endif
-      return GradientLoop<T, G, kKind, kHardwareBf16, true>(row, grad, cols, t, shift, k, 0.0f);
-    }
+    if (u == 0.0f && Foldable(k)) return GradientLoop<T, G, kKind, kHardwareBf16, true>(row, grad, cols, t, shift, k, 0.0f);
     return GradientLoop<T, G, kKind, kHardwareBf16, false>(row, grad, cols, t, shift, k, u);
   } else {
     const float max = BlockMax<T, kKind>(row, cols, t);
@@ -325,8 +300,8 @@ void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams&
     const double factor = upstream * relative;
     const double k = factor * shift.correction;
     if (c.exact_entropy != 0.0) {
-      return GradientLoop<T, G, kKind, kHardwareBf16, false, false, true>(
-          row, grad, cols, t, shift, k, u, c.exact_entropy * relative * shift.correction, &c);
+      return GradientLoop<T, G, kKind, kHardwareBf16, false, true>(row, grad, cols, t, shift, k, u,
+                                                                   c.exact_entropy * relative * shift.correction, &c);
     }
     if (u == 0.0f && Foldable(k))
       return GradientLoop<T, G, kKind, kHardwareBf16, true>(row, grad, cols, t, shift, k, 0.0f);

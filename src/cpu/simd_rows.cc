@@ -155,11 +155,7 @@ void StoreBf16PairsImpl(const float* x, BFloat16* out, int64_t n) {
     for (int64_t i = 0; i < lanes; ++i) even[i] = x[v + 2 * i], odd[i] = x[v + 2 * i + 1];
     const VF e = hn::LoadU(d, even), o = hn::LoadU(d, odd);
 #if HWY_TARGET == HWY_AVX3
-    if (HasAvx512Bf16()) {
-      StoreBf16PairsHardware(e, o, out + v);
-    } else {
-      StoreBf16PairsSoftware(e, o, out + v);
-    }
+    StoreBf16PairsHalfway(e, o, out + v);
 #else
     StoreBf16PairsNearest(d, e, o, out + v);
 #endif

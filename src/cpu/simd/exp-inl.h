@@ -1,6 +1,5 @@
 // cpu/simd/exp-inl.h: vpce's exponential for the SIMD kernels: e^(z - s) by Cody-Waite's
-// reduction of z itself and one polynomial, with e^-s in the exponent, and bf16's rounding
-// inside the exp (Veltkamp's splitting).
+// reduction of z itself and one polynomial, with e^-s in the exponent.
 // A Highway per-target header: included by each src/cpu/simd_*.cc after
 // <hwy/foreach_target.h>, once per target (the guard toggles with HWY_TARGET_TOGGLE).
 #if defined(VPCE_CPU_SIMD_EXP_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -227,19 +226,6 @@ HWY_INLINE VF ExponentialScaled(DF d, VF x, const ScaledRange& range, const Poly
   return KeepNaN(x, result);
 #endif
 }
-
-#if HWY_TARGET == HWY_AVX3
-// ExponentialScaled<true> rounded to bf16 on the way, for AVX-512 without AVX512-BF16: k e^r
-// (normal: |k| within 2^+-60) rounded by Veltkamp's splitting before VSCALEFPS, which keeps
-// its bits where the result is normal (a result below 2^-126 rounds again, into fp32's
-// subnormals, and StoreBf16PairsRounded then truncates it): 3 vector operations where
-// rounding the fp32 result in integers takes 5 (StoreBf16PairsSoftware).
-template <class Poly>
-HWY_INLINE VF ExponentialScaledBf16(DF d, VF x, const ScaledRange& range, const Poly& poly) {
-  const auto [r, scale] = ReduceForScalef<true>(d, x, range);
-  return VF{_mm512_scalef_ps(RoundToBf16Normal(d, poly.Horner(r)).raw, scale.raw)};
-}
-#endif
 
 // ExponentialScaled for the forward's sums of e^(z - s), s their running max, so that every
 // z is at most s: z is clamped to range.normal_low (e^-87 then stands for every smaller

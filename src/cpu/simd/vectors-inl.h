@@ -119,45 +119,27 @@ HWY_INLINE void StoreBf16Hardware(VF v, BFloat16* p) {
   std::memcpy(p, &half, sizeof(half));
 }
 
-// Even- and odd-position fp32 values (as LoadTwo gives them) -> 2 * 16 bf16 in order: one
-// VCVTNE2PS2BF16 (even values in the low half, odd in the high) and one word permutation.
-HWY_INLINE void StoreBf16PairsHardware(VF even, VF odd, BFloat16* p) {
-  __m512i packed;
-  asm("vcvtne2ps2bf16 %[low], %[high], %[out]" : [out] "=v"(packed) : [high] "v"(odd.raw), [low] "v"(even.raw));
-  alignas(64) static constexpr uint16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
-                                                           21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
-                                                           11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i order = _mm512_load_si512(kInterleave);
-  _mm512_storeu_si512(p, _mm512_permutexvar_epi16(order, packed));
-}
-
-// Even- and odd-position values already on bf16's grid (ExponentialScaledBf16, or rounded by
-// StoreBf16PairsSoftware): the odd values' upper halves and the even values' upper halves
-// shifted down, merged by one VPTERNLOGD, 2 vector operations per 32 values. (A result
-// below 2^-126, off the grid after VSCALEFPS, loses its lower half: truncated.)
-HWY_INLINE void StoreBf16PairsRounded(VF even, VF odd, BFloat16* p) {
-  const __m512i e = _mm512_castps_si512(even.raw), o = _mm512_castps_si512(odd.raw);
+// Even- and odd-position fp32 values (as LoadTwo gives them) -> 2 * 16 bf16 in order, each
+// rounded to nearest in integer arithmetic: half a bf16 unit added to its bits, 0x8000 at the
+// even positions and 0x7FFF at the odd ones, then the odd values' upper halves and the even
+// values' upper halves shifted down, merged by one VPTERNLOGD. A value exactly halfway between
+// two bf16 (rare in a computed gradient) goes up at an even position and down at an odd one,
+// so that the ties do not lean one way, as rounding half up would; every other value rounds as
+// to nearest even. 4 integer vector operations per 32 values, where VCVTNE2PS2BF16 and the
+// VPERMW that orders its output take 5.4 slots of the FMA ports on Intel's cores
+// (bench/port_probe), and no AVX512-BF16 needed. Infinities stay infinite, a value past bf16's
+// largest becomes infinite (as to nearest even), subnormals round as normal numbers do; a NaN
+// stays NaN where its low 16 bits are 0, as those of bf16 logits' NaNs and of arithmetic's are
+// (a payload with all its upper bits set and its lower half from 0x8000 up would carry into
+// the sign).
+HWY_INLINE void StoreBf16PairsHalfway(VF even, VF odd, BFloat16* p) {
+  const __m512i e = _mm512_add_epi32(_mm512_castps_si512(even.raw), _mm512_set1_epi32(0x8000));
+  const __m512i o = _mm512_add_epi32(_mm512_castps_si512(odd.raw), _mm512_set1_epi32(0x7FFF));
   // (o & 0xFFFF0000) | (e >> 16): 0xE4 selects the first operand where the third has a 1
   // bit, the second elsewhere.
   const __m512i packed =
       _mm512_ternarylogic_epi32(o, _mm512_srli_epi32(e, 16), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)), 0xE4);
   _mm512_storeu_si512(p, packed);
-}
-
-// The same from any fp32 values, without AVX512-BF16 (Skylake-SP to Ice Lake), rounded in
-// integer arithmetic with the bits StoreFull gives: each value plus 0x7FFF plus its bit 16
-// (round to nearest even), except NaN lanes, which keep their upper half (a NaN from
-// arithmetic is quiet, so that half is a NaN); then packed as above. No shuffle: 12 vector
-// operations per 32 values, against about 22 for two StoreFull calls.
-HWY_INLINE void StoreBf16PairsSoftware(VF even, VF odd, BFloat16* p) {
-  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-  auto round = [&](VF v) __attribute__((always_inline)) {
-    const __m512i bits = _mm512_castps_si512(v.raw);
-    const __mmask16 ordered = _mm512_cmp_ps_mask(v.raw, v.raw, _CMP_ORD_Q);
-    const __m512i increment = _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one));
-    return VF{_mm512_castsi512_ps(_mm512_mask_add_epi32(bits, ordered, bits, increment))};
-  };
-  StoreBf16PairsRounded(round(even), round(odd), p);
 }
 
 inline bool HasAvx512Bf16() { return cpu_has_avx512_bf16() && bf16_instructions_allowed(); }
