@@ -152,7 +152,7 @@ TEST(SimdTargets, GradientStoresRoundLikeTheScalarConversions) {
     std::vector<detail::BFloat16> got(pairs_cases.size());
     detail::store_bf16_pairs(pairs_cases.data(), reinterpret_cast<uint16_t*>(got.data()),
                              static_cast<int64_t>(got.size()));
-    const bool avx512 = variant.name.starts_with("AVX3");  // (with and without AVX512-BF16)
+    const bool avx512 = variant.name.starts_with("AVX3");                  // (with and without AVX512-BF16)
     const size_t in_pairs = pairs_cases.size() - pairs_cases.size() % 32;  // (the rest: StorePartial's)
     int64_t wrong = 0, ties = 0;
     for (size_t i = 0; i < pairs_cases.size(); ++i) {

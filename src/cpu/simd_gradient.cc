@@ -288,7 +288,8 @@ void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams&
       return GradientLoop<T, G, kKind, kHardwareBf16, false, true>(row, grad, cols, t, shift, k, u,
                                                                    c.exact_entropy * shift.correction, &c);
     }
-    if (u == 0.0f && Foldable(k)) return GradientLoop<T, G, kKind, kHardwareBf16, true>(row, grad, cols, t, shift, k, 0.0f);
+    if (u == 0.0f && Foldable(k))
+      return GradientLoop<T, G, kKind, kHardwareBf16, true>(row, grad, cols, t, shift, k, 0.0f);
     return GradientLoop<T, G, kKind, kHardwareBf16, false>(row, grad, cols, t, shift, k, u);
   } else {
     const float max = BlockMax<T, kKind>(row, cols, t);
