@@ -64,10 +64,14 @@ float BlockMax(const T* row, int64_t cols, const TransformParams& t) {
 // kEntropy (not kFolded): the RL outputs' entropy term too, g = e^(z - m) (k + ke (z - mean))
 // - u, z - mean as token_math.h's entropy_offset takes it from the constants `c` (E_p[z] as two
 // floats, held above -2^64: 0 for a column of -inf).
-template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded, bool kEntropy = false>
+// kFactorInScale (AVX3, kFolded, a shift that FactorFitsInScale): the factor's rounding
+// undone in VSCALEFPS's scale rather than by an addition (ExponentialFactorInScale).
+template <class T, class G, int kKind, bool kHardwareBf16, bool kFolded, bool kEntropy = false,
+          bool kFactorInScale = false>
 void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t, const LaneShift& shift, double k,
                   float u, [[maybe_unused]] double ke = 0.0, [[maybe_unused]] const GradientConstants* c = nullptr) {
   static_assert(!kEntropy || !kFolded);
+  static_assert(!kFactorInScale || (kFolded && HWY_TARGET == HWY_AVX3));
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
   // The shift's value and kind as locals, so that they stay in registers across the loops'
@@ -83,15 +87,29 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
   // Every gradient takes the full exp, also one rounded to bf16 or fp16 afterwards: a
   // cheaper exp's error, though within one unit of the dtype, leans one way and takes a
   // rounding the wrong way a hundred times as often (docs/design.md).
-  const ExpPolynomial<kFolded> poly(d, kFolded ? k : 1.0);
+#if HWY_TARGET == HWY_AVX3
+  const FactorInScale in_scale = kFactorInScale ? MakeFactorInScale(shift, k) : FactorInScale{k, 0.0f};
+  const VF scale_offset = hn::Set(d, in_scale.offset);
+  const double polynomial_factor = in_scale.k;
+#else
+  const double polynomial_factor = k;
+#endif
+  const ExpPolynomial<kFolded && !kFactorInScale> poly(d, kFolded ? polynomial_factor : 1.0);
   // Inlined into each loop: an outlined call per vector made the fp16-to-fp32 gradient 1.6x
   // slower (GCC 12 stopped inlining it when the kernels moved into their own files).
   auto element = [&](VF x) __attribute__((always_inline)) {
     VF slope;
     const VF z = TransformWithSlope<kKind>(d, x, t, &slope);
     // (z is at most lse, or 88 above a wrong one, given to the staged API)
-    VF g = HWY_UNLIKELY(subtract_first) ? ExpShiftedAs<true, false, true>(d, z, lanes_shift, poly)
-                                        : ExpShiftedAs<false, false, true>(d, z, lanes_shift, poly);
+    VF g;
+    if constexpr (kFactorInScale) {
+#if HWY_TARGET == HWY_AVX3
+      g = ExponentialFactorInScale(d, z, lanes_shift.range.low, scale_offset, poly);
+#endif
+    } else {
+      g = HWY_UNLIKELY(subtract_first) ? ExpShiftedAs<true, false, true>(d, z, lanes_shift, poly)
+                                       : ExpShiftedAs<false, false, true>(d, z, lanes_shift, poly);
+    }
     if constexpr (kEntropy) {
       const VF offset = hn::Max(hn::Sub(hn::Sub(z, mean_logit_hi), mean_logit_lo), lowest_offset);
       g = hn::MulSub(g, hn::MulAdd(offset, entropy_coefficient, scaled_coefficient), scaled_uniform);
@@ -288,8 +306,15 @@ void GradientForKind(const T* row, G* grad, int64_t cols, const TransformParams&
       return GradientLoop<T, G, kKind, kHardwareBf16, false, true>(row, grad, cols, t, shift, k, u,
                                                                    c.exact_entropy * shift.correction, &c);
     }
-    if (u == 0.0f && Foldable(k))
+    if (u == 0.0f && Foldable(k)) {
+#if HWY_TARGET == HWY_AVX3
+      if constexpr (kKind == kIdentity) {  // (the transforms keep the compensated polynomial)
+        if (FactorFitsInScale(shift))
+          return GradientLoop<T, G, kKind, kHardwareBf16, true, false, true>(row, grad, cols, t, shift, k, 0.0f);
+      }
+#endif
       return GradientLoop<T, G, kKind, kHardwareBf16, true>(row, grad, cols, t, shift, k, 0.0f);
+    }
     return GradientLoop<T, G, kKind, kHardwareBf16, false>(row, grad, cols, t, shift, k, u);
   } else {
     const float max = BlockMax<T, kKind>(row, cols, t);
