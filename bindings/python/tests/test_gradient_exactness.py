@@ -51,9 +51,29 @@ def exact_gradient(logits, target, upstream):
     return p * upstream.double().unsqueeze(-1)
 
 
+def correctly_rounded(exact, dtype):
+    """exact (float64) rounded once to dtype, to nearest even. (PyTorch's float64 -> bfloat16
+    conversion goes through float32, rounding twice: a value within half an fp32 unit of a bf16
+    midpoint becomes the midpoint and then the even neighbour, whichever side it lay on, about
+    1 in 65536 values; an fp32 gradient rounded to nearest even meets the same midpoint and
+    agrees with that, while the exact value's own side is the correct rounding.)"""
+    rounded = exact.to(dtype).double()
+    if dtype != torch.bfloat16:
+        return rounded
+    single = exact.float()
+    bits = single.view(torch.int32).long() & 0xFFFFFFFF
+    midpoint = ((bits & 0xFFFF) == 0x8000) & (single.double() != exact)
+    toward_zero = (bits >> 16 << 16).to(torch.int64)
+    away = toward_zero + 0x10000  # (the larger magnitude: the sign is in the upper bits)
+    farther = exact.abs() > single.double().abs()
+    chosen = torch.where(farther, away, toward_zero)
+    as_float = torch.tensor(chosen.numpy().astype("uint32").view("float32"))
+    return torch.where(midpoint, as_float.double(), rounded)
+
+
 def errors(got, exact, dtype, target):
     """ulps (of dtype, at the exact value), elements off, bias: over the non-target columns."""
-    rounded = exact.to(dtype).double()
+    rounded = correctly_rounded(exact, dtype)
     got = got.double()
     spacing = torch.pow(2.0, torch.floor(torch.log2(exact.abs().clamp(min=torch.finfo(dtype).tiny))) - MANTISSA[dtype])
     keep = torch.ones_like(exact, dtype=torch.bool)
