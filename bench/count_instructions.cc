@@ -9,8 +9,6 @@
 // Intel's AVX-512 cores, as bench/port_probe.cc measured them (docs/performance.md, entry 31):
 // 1 for every vector operation but VCVTPH2PS (2, from memory too), VCVTPS2PH into a register
 // (2; into memory 1), VCVTNEPS2BF16 (3), VCVTNE2PS2BF16 (3.5) and VPERMW (2).
-// On a CPU with AVX512-BF16, a row bf16' counts bf16 once more with those instructions turned
-// off (vpce::detail::set_bf16_instructions_allowed), as AVX-512 CPUs without them run it.
 //
 // Built with the benchmarks (x86-64 Linux, linked -no-pie); run after scripts/build.sh:
 //   build/bench/vpce_count_instructions [AVX3,AVX2]    (the targets to count; all by default)
@@ -172,12 +170,9 @@ int run(const char* only) {
   for (int64_t i = 0; i < 4000; ++i) exp_x[i] = -16.0f * static_cast<float>((i * 97) % 4000) / 4000;
   const TransformParams identity;
   const GradientConstants constants = make_gradient_constants(1.0, 10.0, 1.0, 0.0);
-  // The fourth row, on an AVX-512 CPU with AVX512-BF16, is bf16 with those instructions
-  // turned off: the software rounding that AVX-512 CPUs without them run.
-  const void* rows[4] = {f32.data(), bf16.data(), fp16.data(), bf16.data()};
-  const StorageType types[4] = {StorageType::kFloat32, StorageType::kBFloat16, StorageType::kFloat16,
-                                StorageType::kBFloat16};
-  const char* names[4] = {"fp32", "bf16", "fp16", "bf16'"};
+  const void* rows[3] = {f32.data(), bf16.data(), fp16.data()};
+  const StorageType types[3] = {StorageType::kFloat32, StorageType::kBFloat16, StorageType::kFloat16};
+  const char* names[3] = {"fp32", "bf16", "fp16"};
   std::printf(
       "# per logit (forward = block_stats, backward = block_gradient, 16384 columns) and per element of the "
       "bound's exp (E): all instructions retired / vector operations (VEX or EVEX, not loads, stores or register "
@@ -197,11 +192,9 @@ int run(const char* only) {
     hwy::SetSupportedTargetsForTest(target);
     const Counts e = per_element([&] { exp_shifted_lanes(exp_x.data(), 0.0f, exp_y.data(), 4000); }, 4000,
                                  std::string(hwy::TargetName(target)) + "-exp");
-    for (int k = 0; k < 4; ++k) {
-      if (k == 3 && !(target == HWY_AVX3 && cpu_has_avx512_bf16())) continue;
-      set_bf16_instructions_allowed(k != 3);
+    for (int k = 0; k < 3; ++k) {
       const StorageType type = types[k];
-      const std::string name = std::string(hwy::TargetName(target)) + "-" + (k == 3 ? "bf16-software" : names[k]);
+      const std::string name = std::string(hwy::TargetName(target)) + "-" + names[k];
       const Counts fwd =
           per_element([&] { block_stats(rows[k], type, kCols, identity, false, false); }, kCols, name + "-forward");
       // With label smoothing the forward also sums z - max (scaled): not part of the bound's rows.
@@ -227,10 +220,7 @@ int run(const char* only) {
                   show(smoothed));
     }
   }
-  set_bf16_instructions_allowed(true);
   hwy::SetSupportedTargetsForTest(0);
-  if (cpu_has_avx512_bf16())
-    std::printf("# bf16': AVX512-BF16's instructions turned off (the rounding of AVX-512 CPUs without them)\n");
   return 0;
 }
 

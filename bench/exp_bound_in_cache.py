@@ -8,8 +8,7 @@ alone; a row's %bound on an exp-bound machine is then
 
 with each term in logits (or exponentials) per second: the bound counts two exponentials per
 logit, at the exp's throughput. In place (the gradient over the logits, in their dtype):
-fp32, bf16 (AVX512-BF16's rounding where the CPU has it), bf16' (its software rounding, as
-AVX-512 CPUs without AVX512-BF16 run it; the same code elsewhere) and fp16; out of place
+fp32, bf16 and fp16; out of place
 (bf16>32, fp16>32: the gradient into a separate fp32 buffer, which the kernels stream to
 memory with non-temporal stores and the benchmark writes with ordinary ones, so that it stays
 in cache).
@@ -36,7 +35,6 @@ EXP = "BM_Exp/0"
 ROWS = [  # (row, statistics, gradient)
     ("fp32", "BM_BlockStats/0/0", "BM_BlockGradient/0/0"),
     ("bf16", "BM_BlockStats/1/0", "BM_BlockGradient/1/1"),
-    ("bf16'", "BM_BlockStats/1/0", "BM_BlockGradientWithoutBf16Instructions/1/1"),
     ("fp16", "BM_BlockStats/2/0", "BM_BlockGradient/2/2"),
     ("bf16>32", "BM_BlockStats/1/0", "BM_BlockGradientInCache/1/0"),
     ("fp16>32", "BM_BlockStats/2/0", "BM_BlockGradientInCache/2/0"),
