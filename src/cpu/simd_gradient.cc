@@ -58,7 +58,8 @@ float BlockMax(const T* row, int64_t cols, const TransformParams& t) {
 
 // row: [cols] of T -> grad: [cols] of G, as g = k e^(z - m) - u with the shift m (whose
 // rounding's factor is in k already).
-// kHardwareBf16: full vectors of a bf16 gradient are rounded by VCVTNEPS2BF16 (AVX3 only).
+// kHardwareBf16: full vectors of a bf16 gradient are rounded by VCVTNEPS2BF16 (AVX3 only; bf16
+// logits' pairs are rounded in integers whatever the CPU: StoreBf16PairsHalfway).
 // kFolded: no uniform term (u = 0), so the gradient is k e^(z - m), and k rides in the exp's
 // polynomial (ExpPolynomial).
 // kEntropy (not kFolded): the RL outputs' entropy term too, g = e^(z - m) (k + ke (z - mean))

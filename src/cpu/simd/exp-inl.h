@@ -328,8 +328,9 @@ inline FactorInScale MakeFactorInScale(const LaneShift& shift, double k) {
   const double f = std::log1p((static_cast<double>(k32) - a) / a) / kLambda;
   return {static_cast<double>(k32), static_cast<float>(exponent + f)};
 }
-// k' e^(x - s) by that factor in the scale, for x at most s (+ 88), as ExponentialScaled<true>
-// takes it (the clamp below at range.low, the rounding shift, n): `offset`, E + f, as a vector.
+// k e^x 2^E, for x at most s (+ 88), by that factor in the scale: the polynomial made with
+// k' (MakeFactorInScale), `offset` its E + f as a vector, x clamped below at range.low as
+// ExponentialScaled<true> clamps it (NaN passes, -inf gives 0).
 template <class Poly>
 HWY_INLINE VF ExponentialFactorInScale(DF d, VF x, VF low, VF offset, const Poly& poly) {
   const VF clamped = hn::Max(low, x);  // (the bound first: NaN passes, as above)
