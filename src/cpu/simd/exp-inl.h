@@ -116,11 +116,16 @@ struct Reduced {
 // an integer below 2^22), which `shifted` keeps: its low bits hold n plus that integer.
 constexpr float kLn2High = 0.693145751953125f;     // ln2 to 15 bits: n times it is exact
 constexpr float kLn2Low = 1.4286068202862268e-6f;  // the rest of ln2, lambda
-HWY_INLINE VF CodyWaite(DF d, VF x, VF rounding_shift, VF& shifted) {
+// Its first step: n, and x - n kLn2High (exact), which the second step's n kLn2Low completes.
+HWY_INLINE VF CodyWaiteHigh(DF d, VF x, VF rounding_shift, VF& shifted, VF& n) {
   shifted = hn::MulAdd(x, hn::Set(d, kLog2e), rounding_shift);
-  const VF n = hn::Sub(shifted, rounding_shift);
-  const VF r = hn::MulAdd(n, hn::Set(d, -kLn2High), x);
-  return hn::MulAdd(n, hn::Set(d, -kLn2Low), r);
+  n = hn::Sub(shifted, rounding_shift);
+  return hn::MulAdd(n, hn::Set(d, -kLn2High), x);
+}
+HWY_INLINE VF CodyWaite(DF d, VF x, VF rounding_shift, VF& shifted) {
+  VF n;
+  const VF high = CodyWaiteHigh(d, x, rounding_shift, shifted, n);
+  return hn::MulAdd(n, hn::Set(d, -kLn2Low), high);
 }
 
 HWY_INLINE Reduced Reduce(DF d, VF x, const ScaledRange& range) {
@@ -334,11 +339,10 @@ inline FactorInScale MakeFactorInScale(const LaneShift& shift, double k) {
 template <class Poly>
 HWY_INLINE VF ExponentialFactorInScale(DF d, VF x, VF low, VF offset, const Poly& poly) {
   const VF clamped = hn::Max(low, x);  // (the bound first: NaN passes, as above)
-  const VF rounding_shift = hn::Set(d, kRoundingShift);
-  const VF shifted = hn::MulAdd(clamped, hn::Set(d, kLog2e), rounding_shift);
-  const VF n = hn::Sub(shifted, rounding_shift);
+  VF shifted, n;
+  const VF high = CodyWaiteHigh(d, clamped, hn::Set(d, kRoundingShift), shifted, n);
   const VF scale = hn::Add(n, offset);
-  const VF r = hn::MulAdd(scale, hn::Set(d, -kLn2Low), hn::MulAdd(n, hn::Set(d, -kLn2High), clamped));
+  const VF r = hn::MulAdd(scale, hn::Set(d, -kLn2Low), high);  // (n + E + f) in the second step
   return VF{_mm512_scalef_ps(poly.Horner(r).raw, scale.raw)};
 }
 #endif
