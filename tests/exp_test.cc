@@ -262,8 +262,8 @@ TEST(Exp, HalfPrecisionGradientsWithinOneUlpOnEveryTarget) {
   test::use_best_simd_variant();
 }
 
-// bf16 gradients of large logits, in place: AVX2 rounds them inside the exp (Veltkamp's
-// splitting before the power of two), where the lse's size sets E, and AVX-512 takes the
+// bf16 gradients of large logits, in place: AVX2 adds the power of two to k e^r's bits
+// before the rounding, where the lse's size sets E, and AVX-512 takes the
 // factor's rounding into the scale where |E| <= 1024 (docs/design.md: the logit 650, whose
 // lse's E crosses that limit, takes both ways). One bf16 logit z0 in a row of 64 and lse swept over z0 - u, u in
 // [-85, 0.5] (87 columns: two pairs of vectors, one vector and a partial one on AVX-512):

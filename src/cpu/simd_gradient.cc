@@ -135,12 +135,10 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
   auto all_normal = [&](VF z0, VF z1) __attribute__((always_inline)) {
     return hn::AllFalse(d, hn::Lt(hn::Min(z0, z1), normal_results));
   };
-  // k e^(z - lse) so, e^r first rounded to bf16 by Veltkamp's splitting with kToBf16.
-  auto exponent_added = [&](VF z, auto to_bf16) __attribute__((always_inline)) {
+  // k e^(z - lse) so.
+  auto exponent_added = [&](VF z) __attribute__((always_inline)) {
     const auto [r, exponent] = ReduceForAddition(d, z, lanes_shift.range.exponent_shift);
-    VF exp_r = poly.Horner(r);
-    if constexpr (decltype(to_bf16)::value) exp_r = RoundToBf16Normal(d, exp_r);
-    return AddExponent(d, exp_r, exponent);
+    return AddExponent(d, poly.Horner(r), exponent);
   };
   // From v on, two vectors at a time, each g stored by store(g, at), exponent_added's where
   // both are normal, element's elsewhere.
@@ -150,8 +148,8 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
       hwy::Prefetch(row + v + kAhead);
       const VF z0 = LoadFull(d, row + v), z1 = LoadFull(d, row + v + lanes);
       if (HWY_LIKELY(all_normal(z0, z1))) {
-        store(exponent_added(z0, std::false_type{}), v);
-        store(exponent_added(z1, std::false_type{}), v + lanes);
+        store(exponent_added(z0), v);
+        store(exponent_added(z1), v + lanes);
       } else {
         store(element(z0), v);
         store(element(z1), v + lanes);
@@ -181,10 +179,55 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
     }
     hwy::FlushStream();
   } else {
-#if HWY_TARGET == HWY_AVX3
     // bf16 pairs in and out, rounded in integers (also where AVX512-BF16 is at hand: its
     // VCVTNE2PS2BF16 and the VPERMW that orders its output cost more).
     if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16>) {
+      // The exponents added (above) where every result is normal.
+      if (add_exponents) {
+#if HWY_TARGET == HWY_AVX2
+        // Two pairs a step, under one test of their four vectors (and one prefetch, a
+        // line): 4 instructions fewer a pair. On AVX2 where the bound is below 0 (an lse
+        // below 87 - ln(1 / |k|), as almost always: kPatterns), the test reads the bf16
+        // patterns: every z is at least the bound exactly where no pattern, read as an
+        // unsigned integer, exceeds `most`, the bound's own truncated to bf16 (a value at
+        // least the bound; the positive values' patterns lie below it, the negative ones'
+        // in the order of their magnitudes, and a NaN with the sign set fails, as -inf
+        // does): 3 integer operations for the four vectors where the values' test took 5,
+        // 4 of them on the FPU's ports (tests/exp_test.cc sweeps logits across the bound).
+        const hn::RebindToUnsigned<DF> du;
+        const VU most = hn::Set(du, (hn::GetLane(hn::BitCast(du, normal_results)) >> 16) * 0x10001u);
+#endif
+        auto two_pairs_at_a_time = [&](auto patterns) __attribute__((always_inline)) {
+          [[maybe_unused]] constexpr bool kPatterns = decltype(patterns)::value;
+          for (; v + 4 * lanes <= cols; v += 4 * lanes) {
+            hwy::Prefetch(row + v + kAhead);
+            const VU words0 = LoadBf16Words(row + v), words1 = LoadBf16Words(row + v + 2 * lanes);
+            VF even0, odd0, even1, odd1;
+            SplitBf16Words(d, words0, even0, odd0);
+            SplitBf16Words(d, words1, even1, odd1);
+            bool normal;
+#if HWY_TARGET == HWY_AVX2
+            if constexpr (kPatterns) {
+              normal = PatternsAtMost(words0, words1, most);
+            } else
+#endif
+            {
+              normal = all_normal(hn::Min(even0, odd0), hn::Min(even1, odd1));
+            }
+            if (HWY_LIKELY(normal)) {
+              StoreBf16PairsHalfway(exponent_added(even0), exponent_added(odd0), grad + v);
+              StoreBf16PairsHalfway(exponent_added(even1), exponent_added(odd1), grad + v + 2 * lanes);
+            } else {
+              StoreBf16PairsHalfway(element(even0), element(odd0), grad + v);
+              StoreBf16PairsHalfway(element(even1), element(odd1), grad + v + 2 * lanes);
+            }
+          }
+        };
+#if HWY_TARGET == HWY_AVX2
+        if (hn::GetLane(normal_results) < 0.0f) two_pairs_at_a_time(std::true_type{});
+#endif
+        two_pairs_at_a_time(std::false_type{});  // (the rest, if the above did not run)
+      }
       for (; v + 2 * lanes <= cols; v += 2 * lanes) {
         hwy::Prefetch(row + v + kAhead);
         VF even, odd;
@@ -192,82 +235,6 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
         StoreBf16PairsHalfway(element(even), element(odd), grad + v);
       }
     }
-#else
-    // bf16 pairs in and out, rounded in the FPU where every gradient is below 2^111 (not
-    // bounded so with the entropy's term).
-    if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<G, BFloat16> && !kEntropy) {
-      const double largest =
-          (std::fabs(k) + static_cast<double>(std::fabs(u))) *
-          std::max(std::fabs(static_cast<double>(t.scale)), std::fabs(static_cast<double>(t.slope_scale)));
-      if (largest < 0x1p110) {
-        // The exponents added (above), after k e^r is rounded to bf16 by Veltkamp's
-        // splitting: 5 vector operations fewer per pair than rounding after the exp, 3 fewer
-        // on the FMA ports.
-        if (add_exponents) {
-          auto rounded = [&](VF z) __attribute__((always_inline)) { return exponent_added(z, std::true_type{}); };
-#if HWY_TARGET == HWY_AVX2
-          // Two pairs a step, under one test of their four vectors (and one prefetch, a
-          // line): 4 instructions fewer a pair. On AVX2 where the bound is below 0 (an lse
-          // below 87 - ln(1 / |k|), as almost always: kPatterns), the test reads the bf16
-          // patterns: every z is at least the bound exactly where no pattern, read as an
-          // unsigned integer, exceeds `most`, the bound's own truncated to bf16 (a value at
-          // least the bound; the positive values' patterns lie below it, the negative ones'
-          // in the order of their magnitudes, and a NaN with the sign set fails, as -inf
-          // does): 3 integer operations for the four vectors where the values' test took 5,
-          // 4 of them on the FPU's ports (tests/exp_test.cc sweeps logits across the bound).
-          const hn::RebindToUnsigned<DF> du;
-          const VU most = hn::Set(du, (hn::GetLane(hn::BitCast(du, normal_results)) >> 16) * 0x10001u);
-#endif
-          auto two_pairs_at_a_time = [&](auto patterns) __attribute__((always_inline)) {
-            [[maybe_unused]] constexpr bool kPatterns = decltype(patterns)::value;
-            for (; v + 4 * lanes <= cols; v += 4 * lanes) {
-              hwy::Prefetch(row + v + kAhead);
-              const VU words0 = LoadBf16Words(row + v), words1 = LoadBf16Words(row + v + 2 * lanes);
-              VF even0, odd0, even1, odd1;
-              SplitBf16Words(d, words0, even0, odd0);
-              SplitBf16Words(d, words1, even1, odd1);
-              bool normal;
-#if HWY_TARGET == HWY_AVX2
-              if constexpr (kPatterns) {
-                normal = PatternsAtMost(words0, words1, most);
-              } else
-#endif
-              {
-                normal = all_normal(hn::Min(even0, odd0), hn::Min(even1, odd1));
-              }
-              if (HWY_LIKELY(normal)) {
-                StoreBf16PairsOfRounded(rounded(even0), rounded(odd0), grad + v);
-                StoreBf16PairsOfRounded(rounded(even1), rounded(odd1), grad + v + 2 * lanes);
-              } else {
-                StoreBf16PairsNearest(d, element(even0), element(odd0), grad + v);
-                StoreBf16PairsNearest(d, element(even1), element(odd1), grad + v + 2 * lanes);
-              }
-            }
-          };
-#if HWY_TARGET == HWY_AVX2
-          if (hn::GetLane(normal_results) < 0.0f) two_pairs_at_a_time(std::true_type{});
-#endif
-          two_pairs_at_a_time(std::false_type{});  // (the rest, if the above did not run)
-          for (; v + 2 * lanes <= cols; v += 2 * lanes) {
-            hwy::Prefetch(row + v + kAhead);
-            VF even, odd;
-            LoadTwo(d, row + v, even, odd);
-            if (HWY_LIKELY(all_normal(even, odd))) {
-              StoreBf16PairsOfRounded(rounded(even), rounded(odd), grad + v);
-            } else {
-              StoreBf16PairsNearest(d, element(even), element(odd), grad + v);
-            }
-          }
-        }
-        for (; v + 2 * lanes <= cols; v += 2 * lanes) {
-          hwy::Prefetch(row + v + kAhead);
-          VF even, odd;
-          LoadTwo(d, row + v, even, odd);
-          StoreBf16PairsNearest(d, element(even), element(odd), grad + v);
-        }
-      }
-    }
-#endif
     two_at_a_time([&](VF g, int64_t at)
                       __attribute__((always_inline)) { StoreGradient<kHardwareBf16>(d, g, grad + at); });
     for (; v + lanes <= cols; v += lanes) {

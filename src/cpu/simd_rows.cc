@@ -141,11 +141,9 @@ void ExpShiftedImpl(const float* x, float s, float* y, int64_t n) {
   run(ExpPolynomial<true>(d, shift.correction));
 }
 
-// x: [n] fp32 -> out: [n] of `type`, through the kernels' stores of a gradient (full vectors
-// as the gradient loops write them, the last partial one as theirs).
 // x: [n] fp32 -> out: [n] bf16 through the in-place bf16 gradient's pair stores (the even and
 // the odd positions of each 2 * lanes as two vectors), the last elements through
-// StorePartial; |x| below 2^110, or NaN or inf.
+// StorePartial.
 void StoreBf16PairsImpl(const float* x, BFloat16* out, int64_t n) {
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
@@ -154,11 +152,7 @@ void StoreBf16PairsImpl(const float* x, BFloat16* out, int64_t n) {
   for (; v + 2 * lanes <= n; v += 2 * lanes) {
     for (int64_t i = 0; i < lanes; ++i) even[i] = x[v + 2 * i], odd[i] = x[v + 2 * i + 1];
     const VF e = hn::LoadU(d, even), o = hn::LoadU(d, odd);
-#if HWY_TARGET == HWY_AVX3
     StoreBf16PairsHalfway(e, o, out + v);
-#else
-    StoreBf16PairsNearest(d, e, o, out + v);
-#endif
   }
   for (; v < n; v += lanes) {
     const auto count = static_cast<size_t>(std::min(lanes, n - v));
@@ -166,6 +160,8 @@ void StoreBf16PairsImpl(const float* x, BFloat16* out, int64_t n) {
   }
 }
 
+// x: [n] fp32 -> out: [n] of `type`, through the kernels' stores of a gradient (full vectors
+// as the gradient loops write them, the last partial one as theirs).
 void StoreLanesImpl(const float* x, int32_t type, void* out, int64_t n) {
   const DF d;
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));

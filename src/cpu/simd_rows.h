@@ -64,8 +64,8 @@ bool exp_argument_is_exact();
 // x: [n] fp32 -> out: [n] of `type`, rounded as the kernels store a gradient (bf16 with
 // AVX512-BF16's instructions where they are used), for tests.
 void store_lanes(const float* x, StorageType type, void* out, int64_t n);
-// x: [n] fp32 -> out: [n] bf16 as the in-place bf16 gradient's loop stores pairs of vectors
-// (|x| below 2^110, NaN or inf), for tests.
+// x: [n] fp32 -> out: [n] bf16 as the in-place bf16 gradient's loop stores pairs of vectors,
+// for tests.
 void store_bf16_pairs(const float* x, uint16_t* out, int64_t n);
 // destination[0, bytes) = source[0, bytes) with non-temporal stores (the lines go to memory,
 // not to the caches, and are not read first), for `vpce perf`.

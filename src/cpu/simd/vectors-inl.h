@@ -119,72 +119,37 @@ HWY_INLINE void StoreBf16Hardware(VF v, BFloat16* p) {
   std::memcpy(p, &half, sizeof(half));
 }
 
-// Even- and odd-position fp32 values (as LoadTwo gives them) -> 2 * 16 bf16 in order, each
-// rounded to nearest in integer arithmetic: half a bf16 unit added to its bits, 0x8000 at the
-// even positions and 0x7FFF at the odd ones, then the odd values' upper halves and the even
-// values' upper halves shifted down, merged by one VPTERNLOGD. A value exactly halfway between
-// two bf16 (rare in a computed gradient) goes up at an even position and down at an odd one,
-// so that the ties do not lean one way, as rounding half up would; every other value rounds as
-// to nearest even. 4 integer vector operations per 32 values, where VCVTNE2PS2BF16 and the
-// VPERMW that orders its output take 5.4 slots of the FMA ports on Intel's cores
-// (bench/port_probe), and no AVX512-BF16 needed. Infinities stay infinite, a value past bf16's
-// largest becomes infinite (as to nearest even), subnormals round as normal numbers do; a NaN
-// stays NaN where its low 16 bits are 0, as those of bf16 logits' NaNs and of arithmetic's are
-// (a payload with all its upper bits set and its lower half from 0x8000 up would carry into
-// the sign).
-HWY_INLINE void StoreBf16PairsHalfway(VF even, VF odd, BFloat16* p) {
-  const __m512i e = _mm512_add_epi32(_mm512_castps_si512(even.raw), _mm512_set1_epi32(0x8000));
-  const __m512i o = _mm512_add_epi32(_mm512_castps_si512(odd.raw), _mm512_set1_epi32(0x7FFF));
-  // (o & 0xFFFF0000) | (e >> 16): 0xE4 selects the first operand where the third has a 1
-  // bit, the second elsewhere.
-  const __m512i packed =
-      _mm512_ternarylogic_epi32(o, _mm512_srli_epi32(e, 16), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)), 0xE4);
-  _mm512_storeu_si512(p, packed);
-}
-
 inline bool HasAvx512Bf16() { return cpu_has_avx512_bf16() && bf16_instructions_allowed(); }
 #endif
 
 // Even- and odd-position fp32 values (as LoadTwo gives them) -> 2 * lanes bf16 in order,
-// each rounded to nearest even in the FPU: (v + M) - M with M = 1.5 x 2^(e + 16), 2^e the
-// binade of v (2^-126's for a subnormal or 0), rounds v to bf16's spacing there, 2^(e - 7)
-// (2^-133 for bf16's subnormals; a value that rounds up to 2^(e + 1) takes it, as bf16
-// does); NaN and inf pass unchanged (M is then finite). For |v| below 2^111 only (M must
-// stay finite): the caller checks. Then the upper halves, packed: 5 vector operations per
-// vector and 3 per pair, where StoreFull takes about 11 per vector (integer rounding, a NaN
-// blend, a narrowing and a lane permutation).
-HWY_INLINE void StoreBf16PairsNearest(DF d, VF even, VF odd, BFloat16* p) {
+// each rounded to nearest in integer arithmetic: half a bf16 unit added to its bits, 0x8000
+// at the even positions and 0x7FFF at the odd ones, then the odd values' upper halves and the
+// even values' upper halves shifted down, merged by one blend of 16-bit words (VPBLENDW on
+// AVX2, VPBLENDMW on AVX-512). A value exactly halfway between two bf16 (rare in a computed
+// gradient) goes up at an even position and down at an odd one, so that the ties do not lean
+// one way, as rounding half up would; every other value rounds as to nearest even. 4 integer
+// vector operations per pair, none of them on the FPU's arithmetic: where AVX512-BF16's
+// VCVTNE2PS2BF16 and the VPERMW that orders its output take 5.4 slots of the FMA ports on
+// Intel's cores (bench/port_probe), and AVX2's rounding in the FPU took 8 operations a pair,
+// 6 of them floating-point (Veltkamp's splitting). Infinities stay infinite, a value past
+// bf16's largest becomes infinite (as to nearest even), subnormals round as normal numbers do,
+// zeros keep their sign; a NaN stays NaN where its low 16 bits are 0, as those of bf16
+// logits' NaNs and of arithmetic's are (a payload with all its upper bits set and its lower
+// half from 0x8000 up would carry into the sign).
+HWY_INLINE void StoreBf16PairsHalfway(VF even, VF odd, BFloat16* p) {
   const hn::RebindToUnsigned<DF> du;
-  auto round = [&](VF v) __attribute__((always_inline)) {
-    const auto binade = hn::Max(hn::And(hn::BitCast(du, v), hn::Set(du, 0x7F800000u)), hn::Set(du, 0x00800000u));
-    const VF m = hn::BitCast(d, hn::Add(binade, hn::Set(du, 0x08400000u)));  // + 16 in the exponent, mantissa 1.5
-    return hn::BitCast(du, hn::Sub(hn::Add(v, m), m));
-  };
-  const auto packed = hn::Or(hn::And(round(odd), hn::Set(du, 0xFFFF0000u)), hn::ShiftRight<16>(round(even)));
+  const auto e = hn::Add(hn::BitCast(du, even), hn::Set(du, 0x8000u));
+  const auto o = hn::Add(hn::BitCast(du, odd), hn::Set(du, 0x7FFFu));
+#if HWY_TARGET == HWY_SCALAR  // (one lane, no 16-bit view of it)
+  const auto packed = hn::Or(hn::And(o, hn::Set(du, 0xFFFF0000u)), hn::ShiftRight<16>(e));
   hn::StoreU(packed, du, reinterpret_cast<uint32_t*>(p));
-}
-
-// v rounded to bf16 (to nearest even) in fp32, for values known to be normal numbers below
-// 2^111 (or 0, or NaN), by Veltkamp's splitting: c = v (2^16 + 1), then c - (c - v) is v
-// rounded to its upper 8 significant bits, to nearest even (seen for every positive normal
-// fp32 value below 2^111 in a scalar scan, and symmetric in sign; tests/gradient_ulps_test.cc
-// checks the gradients that take it), with its lower half 0: 3 vector operations, where
-// StoreBf16PairsNearest's rounding takes 5. A subnormal would keep bits that bf16 has not,
-// and infinity would become NaN: the caller rules both out.
-HWY_INLINE VF RoundToBf16Normal(DF d, VF v) {
-  // c as one fused multiply-add (the same rounding of v (2^16 + 1)): a product written as
-  // such would be contracted into the subtraction below, which needs c rounded.
-  const VF c = hn::MulAdd(v, hn::Set(d, 65536.0f), v);
-  return hn::Sub(c, hn::Sub(c, v));
-}
-
-// Even- and odd-position values on bf16's grid with their lower halves 0 (RoundToBf16Normal;
-// NaNs too, if their lower halves are 0) -> 2 * lanes bf16 in order: 2 vector operations per
-// pair, no mask.
-HWY_INLINE void StoreBf16PairsOfRounded(VF even, VF odd, BFloat16* p) {
-  const hn::RebindToUnsigned<DF> du;
-  hn::StoreU(hn::Or(hn::BitCast(du, odd), hn::ShiftRight<16>(hn::BitCast(du, even))), du,
-             reinterpret_cast<uint32_t*>(p));
+#else
+  // The odd 16-bit words (the upper halves) from o, the even ones from e's shifted down.
+  const hn::Repartition<uint16_t, DF> du16;
+  const auto packed = hn::OddEven(hn::BitCast(du16, o), hn::BitCast(du16, hn::ShiftRight<16>(e)));
+  hn::StoreU(packed, du16, reinterpret_cast<uint16_t*>(p));
+#endif
 }
 
 // fp32 -> bf16, rounding to nearest even; NaN stays a (quiet) NaN.
