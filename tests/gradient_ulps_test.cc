@@ -8,10 +8,11 @@
 // z-loss, logit scale, soft cap.
 // Prints a table (docs/design.md quotes it beside Megatron's figures, which
 // bindings/python/tests/test_gradient_exactness.py measures against megatron-core's helpers)
-// and holds every target to bars: no bias beyond 1e-6 relative in fp32 and, where the exponential's
-// argument is exact (exp_argument_is_exact: AVX2, AVX-512), fp32 within 0.6 ulp on average and 4 at
-// most (megatron-core: 0.59-2.8 and 4-20), bf16 and fp16 off their correct rounding at most
-// 2 in 10^4 elements (1 in 10^3 elsewhere; untransformed, without smoothing: see below).
+// and holds every target to bars: no bias beyond 1e-6 relative in fp32 and, where the
+// exponential's argument is exact (exp_argument_is_exact: AVX2, AVX-512), fp32 within 0.5 ulp
+// on average (0.7 in any one case of 16 rows) and 4 at most (megatron-core: 0.59-2.8 and
+// 4-20), bf16 and fp16 off their correct rounding at most 2 in 10^4 elements (1 in 10^3
+// elsewhere; untransformed, without smoothing: see below).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -134,7 +135,7 @@ TEST(GradientUlps, EveryElementAgainstItsCorrectRoundingOnEveryTarget) {
     use_simd_variant(variant);
     const bool exact_argument = detail::exp_argument_is_exact();
     for (const Layout& layout : layouts) {
-      UlpStats plain_total, untransformed_total;
+      UlpStats plain_total, untransformed_total, exact_argument_total;
       for (const Option& option : options()) {
         for (const Input& input : inputs) {
           // fp16 holds neither 1e4 + 3 sigma with its detail nor 1e4 itself once scaled.
@@ -170,8 +171,9 @@ TEST(GradientUlps, EveryElementAgainstItsCorrectRoundingOnEveryTarget) {
           // g (test_gradient_exactness.py compares it with Megatron's).
           if (option.loss.label_smoothing != 0.0f) continue;
           if (layout.logits == kFloat32 && out == kFloat32 && exact_argument) {
-            EXPECT_LE(s.mean(), 0.6) << where << ": mean ulps";
+            EXPECT_LE(s.mean(), 0.7) << where << ": mean ulps";
             EXPECT_LE(s.worst_ulps, 4.0) << where << ": largest ulps";
+            exact_argument_total.add(s);
           }
           // (1e-3 without FMA, where the argument z - max is rounded.)
           if (out != kFloat32) {
@@ -187,6 +189,13 @@ TEST(GradientUlps, EveryElementAgainstItsCorrectRoundingOnEveryTarget) {
       // one-sided 1 % off, the exp of low degree this replaced, was 1e-2 ulp).
       if ((layout.in_place ? layout.logits : layout.gradient) == kFloat32) {
         EXPECT_LE(std::fabs(untransformed_total.bias()), 1e-6) << variant.name << ", " << layout.name << ": the bias";
+      }
+      // fp32 from fp32 logits, where the argument is exact: the mean over the plain and z-loss
+      // cases (192 rows). One case's 16 rows move with their lse's rounding: over twelve other
+      // seeds one case reached 0.61 (0.67 with the forward's folds summed across the lanes in
+      // fp32), and the mean over the cases 0.47 at most (0.52).
+      if (exact_argument_total.count > 0) {
+        EXPECT_LE(exact_argument_total.mean(), 0.5) << variant.name << ", " << layout.name << ": mean ulps";
       }
       std::printf("%-26s %-14s plain: mean %.3f ulp, largest %.0f, %.5f %% off (%lld up, %lld down), bias %+.1e\n",
                   variant.name.c_str(), layout.name, plain_total.mean(), plain_total.worst_ulps,
