@@ -117,7 +117,7 @@ BENCHMARK(BM_BlockGradientSoftCapped);
 // The same with AVX512-BF16's instructions turned off: a bf16 gradient of fp32 logits rounded
 // in software, as AVX-512 CPUs without them do, timed on a CPU that has them (elsewhere the
 // same code as BM_BlockGradient). (bf16 gradients of bf16 logits are rounded in integers on
-// every AVX-512 CPU.)
+// every target.)
 void BM_BlockGradientWithoutBf16Instructions(benchmark::State& state) {
   set_bf16_instructions_allowed(false);
   BM_BlockGradient(state);

@@ -64,7 +64,7 @@ enum Probe : int {
   kScalefPs,          // VSCALEFPS, the exp's 2^(n + E)
   kCvtNe2Ps2Bf16,     // two fp32 vectors -> 32 bf16 (AVX512-BF16), the in-place bf16 gradient
   kPermW,             // VPERMW, which puts those 32 bf16 in order
-  kTernLogD,          // VPTERNLOGD, the software bf16 rounding's packing
+  kTernLogD,          // VPTERNLOGD, a bitwise select of three vectors
   kMaxSw,             // VPMAXSW, the max of 32 fp16 or bf16 logits on their bit patterns
   // ymm (AVX2): what the AVX2 target's loops are made of
   kFmaYmm,       // the yardstick

@@ -135,7 +135,7 @@ void GradientLoop(const T* row, G* grad, int64_t cols, const TransformParams& t,
   auto all_normal = [&](VF z0, VF z1) __attribute__((always_inline)) {
     return hn::AllFalse(d, hn::Lt(hn::Min(z0, z1), normal_results));
   };
-  // k e^(z - lse) so.
+  // k e^(z - lse) as k e^r with 2^(n + E) added to its exponent bits (AddExponent).
   auto exponent_added = [&](VF z) __attribute__((always_inline)) {
     const auto [r, exponent] = ReduceForAddition(d, z, lanes_shift.range.exponent_shift);
     return AddExponent(d, poly.Horner(r), exponent);

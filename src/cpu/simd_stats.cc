@@ -61,9 +61,9 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
   const auto lanes = static_cast<int64_t>(hn::Lanes(d));
   const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
   // 256 vectors: the per-chunk work (the max's and the sums' reductions across lanes) comes
-  // to 0.17 vector operations per 16 logits (0.6 with 64); eight accumulators keep each
-  // lane's fp32 sum of exponentials at about 32 terms, as 64 vectors over two did (and four
-  // keep the logits' sums at 32 pairs, as one did).
+  // to 0.17 vector operations per 16 logits (0.6 with 64); eight accumulators, folded every
+  // 32 vectors (below), keep each lane's fp32 sum of exponentials at 4 terms (and four keep
+  // the logits' sums at 32 pairs, as one did).
   const int64_t chunk = 256 * lanes;
   // The sums' prefetches, 8 KiB ahead: the next chunk of bf16 or fp16 as they pass this one
   // (forward 22-27 % faster than 4 KiB, measured; fp32 stays at 8 KiB, 5 % slower at 16).
@@ -130,9 +130,9 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
       unclamped = raw_read_all && !shift.subtract_first && raw_lowest >= hn::GetLane(shift.lanes.range.normal_low);
     }
     VF sums[8];
-    // The chunk's fp64 sum of the accumulators' folds, in lanes: the fold takes two widenings
-    // and two additions where a sum across the lanes took about ten operations (the chunk's
-    // own sum across them is taken once, at its end).
+    // The chunk's fp64 sum of the accumulators' folds, in lanes: the fold takes an extraction
+    // of the upper half, two widenings and two additions where a sum across the lanes took
+    // about ten operations (the chunk's own sum across them is taken once, at its end).
 #if HWY_TARGET == HWY_SCALAR
     double folded = 0.0;
     auto add_folded = [&](VF all) { folded += static_cast<double>(hn::GetLane(all)); };
@@ -148,7 +148,7 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
     auto folded_sum = [&] { return hn::GetLane(hn::SumOfLanes(dd, hn::Add(folded_low, folded_high))); };
 #endif
     // The accumulators' sum into the chunk's fp64 lanes (the next terms assigned to them).
-    auto fold_sums = [&] __attribute__((always_inline)) {
+    auto fold_sums = [&]() __attribute__((always_inline)) {
       add_folded(hn::Add(hn::Add(hn::Add(sums[0], sums[1]), hn::Add(sums[2], sums[3])),
                          hn::Add(hn::Add(sums[4], sums[5]), hn::Add(sums[6], sums[7]))));
     };
@@ -186,9 +186,9 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
               hn::Add(sums_z[into / 2], hn::Add(hn::MulSub(z0, scale, reference), hn::MulSub(z1, scale, reference)));
         }
       };
-      // The exponentials' lanes fold into the fp64 sum every kFoldVectors vectors (4 terms a
-      // lane): summed over a whole chunk (32 a lane), their fp32 roundings had cost the lse up
-      // to 3.5 x 2^-24, which the backward's p carries (docs/design.md).
+      // The exponentials' lanes fold into the chunk's fp64 lanes every kFoldVectors vectors (4
+      // terms a lane): summed over a whole chunk (32 a lane), their fp32 roundings had cost the
+      // lse up to 3.5 x 2^-24, which the backward's p carries (docs/design.md).
       auto eight = [&](int64_t at, auto first) __attribute__((always_inline)) {
         two(at, 0, first);
         two(at + 2 * lanes, 2, first);

@@ -129,14 +129,16 @@ inline bool HasAvx512Bf16() { return cpu_has_avx512_bf16() && bf16_instructions_
 // AVX2, VPBLENDMW on AVX-512). A value exactly halfway between two bf16 (rare in a computed
 // gradient) goes up at an even position and down at an odd one, so that the ties do not lean
 // one way, as rounding half up would; every other value rounds as to nearest even. 4 integer
-// vector operations per pair, none of them on the FPU's arithmetic: where AVX512-BF16's
+// vector operations per pair on AVX2 and AVX-512 (about 6 on SSSE3, whose 16-bit blend is a
+// mask and a select), none of them on the FPU's arithmetic: where AVX512-BF16's
 // VCVTNE2PS2BF16 and the VPERMW that orders its output take 5.4 slots of the FMA ports on
 // Intel's cores (bench/port_probe), and AVX2's rounding in the FPU took 8 operations a pair,
 // 6 of them floating-point (Veltkamp's splitting). Infinities stay infinite, a value past
 // bf16's largest becomes infinite (as to nearest even), subnormals round as normal numbers do,
 // zeros keep their sign; a NaN stays NaN where its low 16 bits are 0, as those of bf16
-// logits' NaNs and of arithmetic's are (a payload with all its upper bits set and its lower
-// half from 0x8000 up would carry into the sign).
+// logits' NaNs and of arithmetic's are (fp32 NaNs with other payloads are not promised: one
+// whose upper mantissa bits are 0 would truncate to infinity, and one with all its upper bits
+// set and a lower half past the halfway constant would carry into the sign).
 HWY_INLINE void StoreBf16PairsHalfway(VF even, VF odd, BFloat16* p) {
   const hn::RebindToUnsigned<DF> du;
   const auto e = hn::Add(hn::BitCast(du, even), hn::Set(du, 0x8000u));
