@@ -129,7 +129,8 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
     if constexpr (kRawLowest) {
       unclamped = raw_read_all && !shift.subtract_first && raw_lowest >= hn::GetLane(shift.lanes.range.normal_low);
     }
-    VF sums[8];
+    VF sums[8] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d),
+                  hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
     // The chunk's fp64 sum of the accumulators' folds, in lanes: the fold takes an extraction
     // of the upper half, two widenings and two additions where a sum across the lanes took
     // about ten operations (the chunk's own sum across them is taken once, at its end).
@@ -141,16 +142,17 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
     const hn::Repartition<double, DF> dd;
     const hn::Half<DF> dh;
     auto folded_low = hn::Zero(dd), folded_high = hn::Zero(dd);
-    auto add_folded = [&](VF all) __attribute__((always_inline)) {
+    auto add_folded = [&](VF all) {
       folded_low = hn::Add(folded_low, hn::PromoteTo(dd, hn::LowerHalf(dh, all)));
       folded_high = hn::Add(folded_high, hn::PromoteTo(dd, hn::UpperHalf(dh, all)));
     };
     auto folded_sum = [&] { return hn::GetLane(hn::SumOfLanes(dd, hn::Add(folded_low, folded_high))); };
 #endif
-    // The accumulators' sum into the chunk's fp64 lanes (the next terms assigned to them).
-    auto fold_sums = [&]() __attribute__((always_inline)) {
+    // The accumulators' sum into the chunk's fp64 lanes, and they start again from 0.
+    auto fold_sums = [&] {
       add_folded(hn::Add(hn::Add(hn::Add(sums[0], sums[1]), hn::Add(sums[2], sums[3])),
                          hn::Add(hn::Add(sums[4], sums[5]), hn::Add(sums[6], sums[7]))));
+      for (VF& sum : sums) sum = hn::Zero(d);
     };
     VF sums_z[4] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
     // The logits' sum relative to the max (so that it stays small where they are large and
@@ -171,16 +173,14 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
       auto whole_term = [&](VF z) __attribute__((always_inline)) {
         return ExpShiftedAs<kSubtractFirst, true, false, kHalfPrecisionLogits, kUnclamped>(d, z, lanes_shift, poly);
       };
-      // Two vectors into the accumulators `into` and `into + 1` (and `into / 2` of the logits);
-      // kFirst: the first terms after a fold, assigned.
-      auto two = [&](int64_t at, int into, auto first) __attribute__((always_inline)) {
-        constexpr bool kFirst = decltype(first)::value;
+      // Two vectors into the accumulators `into` and `into + 1` (and `into / 2` of the logits).
+      auto two = [&](int64_t at, int into) {
         hwy::Prefetch(row + at + ahead);  // spread over the exponentials, which leave time
         VF x0, x1;
         LoadTwo(d, row + at, x0, x1);
         const VF z0 = Transform<kKind>(d, x0, t), z1 = Transform<kKind>(d, x1, t);
-        sums[into] = kFirst ? whole_term(z0) : hn::Add(sums[into], whole_term(z0));
-        sums[into + 1] = kFirst ? whole_term(z1) : hn::Add(sums[into + 1], whole_term(z1));
+        sums[into] = hn::Add(sums[into], whole_term(z0));
+        sums[into + 1] = hn::Add(sums[into + 1], whole_term(z1));
         if constexpr (kWithSumLogits) {
           sums_z[into / 2] =
               hn::Add(sums_z[into / 2], hn::Add(hn::MulSub(z0, scale, reference), hn::MulSub(z1, scale, reference)));
@@ -189,20 +189,16 @@ void StatsByChunks(const T* row, int64_t cols, const TransformParams& t, BlockSt
       // The exponentials' lanes fold into the chunk's fp64 lanes every kFoldVectors vectors (4
       // terms a lane): summed over a whole chunk (32 a lane), their fp32 roundings had cost the
       // lse up to 3.5 x 2^-24, which the backward's p carries (docs/design.md).
-      auto eight = [&](int64_t at, auto first) __attribute__((always_inline)) {
-        two(at, 0, first);
-        two(at + 2 * lanes, 2, first);
-        two(at + 4 * lanes, 4, first);
-        two(at + 6 * lanes, 6, first);
-      };
       for (v = begin; v + kFoldVectors * lanes <= full_end;) {
-        const int64_t fold_end = v + kFoldVectors * lanes;
-        eight(v, std::true_type{});
-        for (v += 8 * lanes; v < fold_end; v += 8 * lanes) eight(v, std::false_type{});
+        for (const int64_t fold_end = v + kFoldVectors * lanes; v < fold_end; v += 8 * lanes) {
+          two(v, 0);
+          two(v + 2 * lanes, 2);
+          two(v + 4 * lanes, 4);
+          two(v + 6 * lanes, 6);
+        }
         fold_sums();
       }
-      for (VF& sum : sums) sum = hn::Zero(d);
-      for (; v + 2 * lanes <= full_end; v += 2 * lanes) two(v, 0, std::false_type{});
+      for (; v + 2 * lanes <= full_end; v += 2 * lanes) two(v, 0);
       VF& sum_e = sums[0];
       VF& sum_z = sums_z[0];
       if (v < full_end) {  // one vector left
