@@ -12,7 +12,8 @@
 // is per loop iteration; run pinned to one core, interleaved and repeated, and take the
 // ratios within one run. The zmm rows need AVX-512 (VCVTNEPS2BF16 also AVX512-BF16), the
 // ymm rows (what the AVX2 target runs: its bf16 widening and rounding, F16C's conversions,
-// the exp's rounding and blends) AVX2 with FMA; elsewhere a row reports an error.
+// the exp's rounding, blends and tests, the maxima on values and on bit patterns) AVX2 with
+// FMA; elsewhere a row reports an error. bench/cpu_check.py turns the rows into slots.
 #include <benchmark/benchmark.h>
 
 #include <hwy/targets.h>
@@ -80,6 +81,14 @@ enum Probe : int {
   kPermQYmm,     // VPERMQ: their lanes in order
   kCvtPh2PsYmm,  // F16C fp16 -> fp32
   kCvtPs2PhYmm,  // F16C fp32 -> fp16
+  kMaxPsYmm,     // VMAXPS: the running max of fp32 logits, the exp's clamp
+  kCmpPsYmm,     // VCMPPS: the exp's test of its lanes
+  kMaxUwYmm,     // VPMAXUW: the lowest 16-bit logit on its bit pattern (the clamp's test)
+  kMaxSwYmm,     // VPMAXSW: the max of 16-bit logits on their bit patterns
+  kBlendWYmm,    // VPBLENDW: the integer-rounded bf16 pairs merged
+  kSubUsWYmm,    // VPSUBUSW: the in-place bf16 gradient's test of normal results
+  kTestYmm,      // VPTEST: the same test's mask
+  kZxWdYmm,      // VPMOVZXWD: 16-bit logits widened into 32-bit lanes
 };
 
 const char* const kNames[] = {"fma",
@@ -106,7 +115,15 @@ const char* const kNames[] = {"fma",
                               "vpackusdw_ymm",
                               "vpermq_ymm",
                               "vcvtph2ps_xmm_ymm",
-                              "vcvtps2ph_ymm_xmm"};
+                              "vcvtps2ph_ymm_xmm",
+                              "vmaxps_ymm",
+                              "vcmpps_ymm",
+                              "vpmaxuw_ymm",
+                              "vpmaxsw_ymm",
+                              "vpblendw_ymm",
+                              "vpsubusw_ymm",
+                              "vptest_ymm",
+                              "vpmovzxwd_ymm"};
 
 void run(Probe probe, int64_t iterations, void* buffer) {
   switch (probe) {
@@ -137,6 +154,14 @@ void run(Probe probe, int64_t iterations, void* buffer) {
     case kPermQYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpermq $0xD8, %%ymm14, %%ymm15\n\t")); break;
     case kCvtPh2PsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcvtph2ps %%xmm14, %%ymm15\n\t")); break;
     case kCvtPs2PhYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcvtps2ph $8, %%ymm14, %%xmm15\n\t")); break;
+    case kMaxPsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vmaxps %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kCmpPsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vcmpltps %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kMaxUwYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpmaxuw %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kMaxSwYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpmaxsw %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kBlendWYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpblendw $0xAA, %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kSubUsWYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpsubusw %%ymm12, %%ymm14, %%ymm15\n\t")); break;
+    case kTestYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vptest %%ymm12, %%ymm14\n\t")); break;
+    case kZxWdYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpmovzxwd %%xmm14, %%ymm15\n\t")); break;
   }
 }
 
@@ -157,7 +182,7 @@ void BM_Probe(benchmark::State& state) {
   for (auto _ : state) run(probe, kIterations, buffer);
   state.SetItemsProcessed(state.iterations() * kIterations);
 }
-BENCHMARK(BM_Probe)->DenseRange(kFma, kCvtPs2PhYmm);
+BENCHMARK(BM_Probe)->DenseRange(kFma, kZxWdYmm);
 
 }  // namespace
 
