@@ -13,7 +13,8 @@
 // Built with the benchmarks (x86-64 Linux, linked -no-pie); run after scripts/build.sh:
 //   build/bench/vpce_count_instructions [AVX3,AVX2]    (the targets to count; all by default)
 // With VPCE_COUNT_TRACE=DIR each pass's instruction trace goes to DIR, for bench/mca_trace.py
-// (llvm-mca's CPU models; docs/performance.md says how far to trust them).
+// (llvm-mca's CPU models; docs/performance.md, Method, says how far to trust them), and for
+// bench/cpu_check.py, which weighs them by the port probe's slots on the CPU it runs on.
 #include <hwy/targets.h>
 #include <signal.h>
 #include <sys/ptrace.h>
