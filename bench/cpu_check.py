@@ -92,8 +92,11 @@ def port_slots(build):
     for name, (index, t) in sorted(medians.items(), key=lambda item: item[1][0]):
         yardstick = medians.get("fma_ymm" if index >= first_ymm else "fma")
         if yardstick and name not in ("fma", "fma_ymm"):
-            slots[name] = 12 * (t / yardstick[1] - 1) / 4
+            slots[name] = max(0.0, 12 * (t / yardstick[1] - 1) / 4)  # (noise puts some a little below 0)
     print("# ports: slots of the FMA ports per instruction, 12 (t / t_fma - 1) / 4 (vmulps: the check, 1)")
+    for check in ("vmulps", "vmulps_ymm"):
+        if check in slots and not 0.8 <= slots[check] <= 1.2:
+            print(f"# warning: {check} took {slots[check]:.2f} slots where it takes 1: the probe ran on a busy core")
     for name, s in slots.items():
         print(f"  {name:<20} {s:5.2f}")
     return slots
@@ -104,20 +107,26 @@ PROBE_OF = {
     "vmulps": "vmulps", "vaddps": "vaddps", "vsubps": "vaddps", "vaddpd": "vaddps",
     "vpslld": "vpslld", "vpsrld": "vpslld", "vpsrad": "vpslld", "vpsrlw": "vpslld",
     "vpand": "vpand", "vpandn": "vpand", "vpor": "vpand", "vpxor": "vpand", "vandps": "vpand", "vorps": "vpand",
-    "vandnps": "vpand", "vpaddd": "vpaddd", "vpsubd": "vpaddd", "vpaddw": "vpaddd",
-    "vblendvps": "vblendvps", "vroundps": "vroundps", "vcvtps2dq": "vcvtps2dq", "vpackusdw": "vpackusdw",
+    "vandnps": "vpand", "vxorps": "vpand", "vpandd": "vpand", "vpandq": "vpand", "vpord": "vpand", "vporq": "vpand",
+    "vpxord": "vpand", "vpxorq": "vpand", "vpaddd": "vpaddd", "vpsubd": "vpaddd", "vpaddw": "vpaddd",
+    "vblendvps": "vblendvps", "vroundps": "vroundps", "vcvtps2dq": "vcvtps2dq", "vcvttps2dq": "vcvtps2dq",
+    "vpackusdw": "vpackusdw",
     "vpermq": "vpermq", "vpermd": "vpermq", "vpermps": "vpermq", "vmaxps": "vmaxps", "vminps": "vmaxps",
     "vpmaxuw": "vpmaxuw", "vpminuw": "vpmaxuw", "vpmaxsw": "vpmaxsw", "vpminsw": "vpmaxsw",
     "vpblendw": "vpblendw", "vpblendd": "vpblendw", "vpsubusw": "vpsubusw", "vptest": "vptest",
     "vpmovzxwd": "vpmovzxwd", "vscalefps": "vscalefps", "vcvtneps2bf16": "vcvtneps2bf16",
     "vcvtne2ps2bf16": "vcvtne2ps2bf16", "vpermw": "vpermw", "vpternlogd": "vpternlogd",
+    "vpternlogq": "vpternlogd", "vmovmskps": "vmovmskps",
 }
-MOVES = re.compile(r"^v(mov|broadcast|pbroadcast|zeroupper|insert)")
+# Register moves and loads: no slot (VMOVMSKPS is an operation; a broadcast from a register and
+# an insertion, shuffles, count 1 for want of a probe).
+MOVES = re.compile(r"^v(mov(?!msk)|zeroupper)")
+LOADS = re.compile(r"^vp?broadcast\S*\s+[^%]*\(")
 
 
 def instruction_slots(text, slots, unknown, weight):
     mnemonic = text.split()[0]
-    if not mnemonic.startswith("v") or MOVES.match(mnemonic):
+    if not mnemonic.startswith("v") or MOVES.match(mnemonic) or LOADS.match(text):
         return 0.0
     if re.match(r"^vf(n?)m(add|sub)", mnemonic):
         return 1.0
@@ -142,7 +151,9 @@ def weighed(build, trace_dir, slots):
     unknown = collections.defaultdict(collections.Counter)  # target -> mnemonic -> per logit, summed over passes
     for file in sorted(os.listdir(trace_dir)):
         target, _, key = file[:-4].partition("-")
-        lines, _, _ = mca_trace.trace_text(os.path.join(trace_dir, file), table)
+        lines, outside, total = mca_trace.trace_text(os.path.join(trace_dir, file), table)
+        if outside > total // 20:
+            sys.exit(f"{file}: {outside} of {total} addresses are not in vpce_count_instructions (linked -no-pie?)")
         elements = mca_trace.ELEMENTS.get(key, mca_trace.DEFAULT_ELEMENTS)
         per[(target, key)] = sum(instruction_slots(t, slots, unknown[target], 1 / elements) for t in lines) / elements
     print("# each pass's FMA-port slots per logit (the exp: per element), weighed by this CPU's probes; "
@@ -182,7 +193,7 @@ def parse_rows(text):
     return rows
 
 
-def bar(build, runs, extra):
+def bar(build, runs, extra, note=""):
     results = collections.defaultdict(list)
     for k in range(runs):
         for vocab, ranks in BAR_COMMANDS:
@@ -211,30 +222,35 @@ def bar(build, runs, extra):
         met &= wrong == ["0"]
         print(f"  V {vocab:>6}, R {ranks}  {dtype}  {cells[0]:>22} / {cells[1]:>22}  {','.join(limits):<12} "
               f"wrong {','.join(wrong)}")
-    print(f"# every row's median at {BAR_PERCENT:.0f} % or more, 0 wrong: {'met' if met else 'NOT met'}")
+    met &= len(results) == 3 * len(BAR_COMMANDS)
+    print(f"# every row's median at {BAR_PERCENT:.0f} % or more, 0 wrong: {'met' if met else 'NOT met'}{note}")
     return met
 
 
 def exactness(build, targets, python, root):
     r = run([f"{build}/tests/vpce_tests", "--gtest_filter=GradientUlps.*"], check=False)
+    seen = set()
     for line in r.stdout.splitlines():
         name = line.split("  ")[0].strip()
         if name in targets:
+            seen.add(name)
             print(line)
-    passed = r.returncode == 0
+    passed = r.returncode == 0 and seen == set(targets)  # (a filter that matched nothing passes too)
     print(f"# GradientUlps: {'passed' if passed else 'FAILED'}")
     if python:
-        t = run([python, "-m", "pytest", "-q", "-s", f"{root}/bindings/python/tests/test_gradient_exactness.py"],
-                check=False)
+        test = f"{root}/bindings/python/tests/test_gradient_exactness.py"
+        t = run([python, "-m", "pytest", "-q", "-s", "-rs", test], check=False)
         print("\n".join(line for line in t.stdout.splitlines() if line.strip()))
-        passed &= t.returncode == 0
+        ran = re.search(r"(\d+) passed", t.stdout) and "skipped" not in t.stdout  # (no megatron-core: all skipped)
+        passed &= t.returncode == 0 and bool(ran)
     return passed
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--build", default="build")
-    p.add_argument("--runs", type=int, default=3, help="runs of each bar command (default 3)")
+    p.add_argument("--runs", type=int, default=3, choices=range(1, 101), metavar="1..100",
+                   help="runs of each bar command (default 3)")
     p.add_argument("--python", help="an interpreter with this build's vpce, torch and megatron-core")
     p.add_argument("--quick", action="store_true", help="one run of everything (a check of the script)")
     a = p.parse_args()
@@ -250,7 +266,7 @@ def main():
             counts(a.build, trace_dir, targets)
             weighed(a.build, trace_dir, port_slots(a.build))
     in_cache(root, a.build, 1 if a.quick else 2, [None] + (["AVX2"] if native == "AVX3" else []))
-    met = bar(a.build, runs, [])
+    met = bar(a.build, runs, [], " (--quick: one run, a check of the script, not the bar)" if a.quick else "")
     if native == "AVX3" and not a.quick:
         bar(a.build, 1, ["--simd-target", "AVX2"])  # the AVX2 code here: a proxy, not the bar
     passed = exactness(a.build, targets, a.python, root)

@@ -35,7 +35,7 @@ namespace {
 
 // A loop of `iterations` (>= 1) times the FMAs and `probe`, on registers of width R. R12
 // holds 1.0 and R13 0, so the FMAs keep their 1.0; R14 holds 1.0 too (ymm14: fp16 values
-// from `buffer` for the zmm conversions) and the probes write R15 (renamed at each write: no
+// from `buffer` for the zmm conversions) and the probes write R15 or EAX (renamed at each write: no
 // dependency between the copies); `buffer` holds 256 bytes in L1 that the memory forms read
 // and write.
 #define VPCE_PROBE_LOOP_OF(R, probe)                                                                                \
@@ -45,8 +45,8 @@ namespace {
                            VPCE_ONE(R, 15) "1:\n\t" VPCE_FMAS(R) probe "dec %[n]\n\t jnz 1b\n\t vzeroupper\n\t"     \
                : [n] "+r"(iterations)                                                                               \
                : [one] "r"(&kOne), [buffer] "r"(buffer)                                                             \
-               : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",    \
-                 "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
+               : "memory", "cc", "rax", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",     \
+                 "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
 #define VPCE_PROBE_LOOP(probe) VPCE_PROBE_LOOP_OF("z", probe)
 #define VPCE_PROBE_LOOP_YMM(probe) VPCE_PROBE_LOOP_OF("y", probe)
 
@@ -89,6 +89,7 @@ enum Probe : int {
   kSubUsWYmm,    // VPSUBUSW: the in-place bf16 gradient's test of normal results
   kTestYmm,      // VPTEST: the same test's mask
   kZxWdYmm,      // VPMOVZXWD: 16-bit logits widened into 32-bit lanes
+  kMovMskPsYmm,  // VMOVMSKPS: the exp's test of its lanes, into a general register
 };
 
 const char* const kNames[] = {"fma",
@@ -123,7 +124,9 @@ const char* const kNames[] = {"fma",
                               "vpblendw_ymm",
                               "vpsubusw_ymm",
                               "vptest_ymm",
-                              "vpmovzxwd_ymm"};
+                              "vpmovzxwd_ymm",
+                              "vmovmskps_ymm"};
+static_assert(sizeof(kNames) / sizeof(kNames[0]) == kMovMskPsYmm + 1, "a name for every probe");
 
 void run(Probe probe, int64_t iterations, void* buffer) {
   switch (probe) {
@@ -162,6 +165,7 @@ void run(Probe probe, int64_t iterations, void* buffer) {
     case kSubUsWYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpsubusw %%ymm12, %%ymm14, %%ymm15\n\t")); break;
     case kTestYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vptest %%ymm12, %%ymm14\n\t")); break;
     case kZxWdYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vpmovzxwd %%xmm14, %%ymm15\n\t")); break;
+    case kMovMskPsYmm: VPCE_PROBE_LOOP_YMM(VPCE_FOUR("vmovmskps %%ymm14, %%eax\n\t")); break;
   }
 }
 
@@ -182,7 +186,7 @@ void BM_Probe(benchmark::State& state) {
   for (auto _ : state) run(probe, kIterations, buffer);
   state.SetItemsProcessed(state.iterations() * kIterations);
 }
-BENCHMARK(BM_Probe)->DenseRange(kFma, kZxWdYmm);
+BENCHMARK(BM_Probe)->DenseRange(kFma, kMovMskPsYmm);
 
 }  // namespace
 
