@@ -22,7 +22,8 @@ In order (each step's raw output is printed too, for the docs' tables):
      place, the limits seen, #wrong;
   6. exactness: GradientUlps (every gradient element against its correct rounding) for the
      CPU's best target and AVX2; with --python, test_gradient_exactness.py against
-     megatron-core in that interpreter (its vpce must be this build's: docs/python.md).
+     megatron-core in that interpreter (its vpce must be this build's: scripts/python-test.sh
+     installs it into build/venv-torch2.15).
 The exit status is 1 where a row's median is under 80 %, an element is wrong or a test fails.
 """
 import argparse
