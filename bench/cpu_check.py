@@ -10,7 +10,7 @@ AVX2-only AMD EPYC for issue 35): run it there after scripts/build.sh, keep the 
 In order (each step's raw output is printed too, for the docs' tables):
   1. the machine: CPU model, family and model, the instruction sets that choose vpce's
      kernels, cores, memory, the commit;
-  2. counts: build/bench/vpce_count_instructions on every target this CPU runs;
+  2. counts: build/bench/vpce_count_instructions on the CPU's best target and AVX2;
   3. ports: build/bench/vpce_port_probe pinned to one core, as slots of the ports the FMAs use,
      12 (t / t_fma - 1) / 4 (bench/port_probe.cc), and from them each pass's slots per logit
      over its instruction trace, weighed by what this CPU measured (a prediction of the
