@@ -21,7 +21,10 @@
 //  - one call: forward() (one all-gather through a Communicator) and backward() (none);
 //  - staged, for frameworks that run their own collective (Megatron's static helpers):
 //      calculate_local_stats -> all-gather the [N, W] stats yourself -> merge_stats ->
-//      calculate_loss, and later calculate_gradients.
+//      calculate_loss, and later calculate_gradients. The stages trust one another: give
+//      each the same targets, options, vocabulary size and shards (the statistics do not
+//      record them; forward() checks them across ranks, the stages cannot: a mismatch gives a
+//      wrong loss with success, docs/reliability.md).
 //
 // Every function validates all of its arguments first and returns kInvalidArgument naming
 // the argument, the expected and the actual value; on any error nothing is written.
