@@ -135,23 +135,91 @@ def test_bad_arguments_are_named():
         vt.log_probs_and_entropy(logits, target[:3])
 
 
+# Temperatures for targets [2, 4] as users give them: one per token, one per sequence ([2]
+# and [2, 1], verl's form), one for all (0-d), and a number.
+TEMPERATURE_FORMS = {
+    "per_token": lambda: torch.rand(2, 4, generator=torch.Generator().manual_seed(5)) + 0.5,
+    "per_sequence": lambda: torch.tensor([0.7, 1.3]),
+    "per_sequence_column": lambda: torch.tensor([[0.7], [1.3]]),
+    "zero_dimensional": lambda: torch.tensor(0.8),
+    "number": lambda: 0.8,
+}
+
+
 @needs_custom_ops
-def test_compiles_without_a_graph_break():
+@pytest.mark.parametrize("form", sorted(TEMPERATURE_FORMS))
+def test_compiles_without_a_graph_break(form):
     generator = torch.Generator().manual_seed(9)
-    logits = torch.randn(8, 300, generator=generator, requires_grad=True)
-    target = torch.randint(0, 300, (8,), generator=generator)
-    temperature = torch.full((8,), 0.8)
+    logits = torch.randn(2, 4, 300, generator=generator, requires_grad=True)
+    target = torch.randint(0, 300, (2, 4), generator=generator)
+    temperature = TEMPERATURE_FORMS[form]()
+    g_lp, g_h = upstream((2, 4), 10), upstream((2, 4), 11)
 
     def step(x, y, t):
         log_prob, entropy = vt.log_probs_and_entropy(x, y, temperature=t)
-        return (log_prob - 0.01 * entropy).sum()
+        return (log_prob * g_lp + entropy * g_h).sum(), log_prob, entropy
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    compiled(logits, target, temperature).backward()
+    objective, log_prob, entropy = compiled(logits, target, temperature)
+    objective.backward()
+    check(log_prob, entropy, logits.grad, reference(logits, target, temperature, g_lp, g_h))
     got = logits.grad.clone()
     logits.grad = None
-    step(logits, target, temperature).backward()
+    step(logits, target, temperature)[0].backward()
     assert torch.equal(got, logits.grad)
+
+
+@needs_custom_ops
+@pytest.mark.parametrize("form", ["per_sequence", "zero_dimensional"])
+def test_head_compiles_without_a_graph_break_with_broadcast_temperatures(form):
+    generator = torch.Generator().manual_seed(23)
+    hidden = torch.randn(2, 4, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(200, 16, generator=generator, requires_grad=True)
+    target = torch.randint(0, 200, (2, 4), generator=generator)
+    temperature = TEMPERATURE_FORMS[form]()
+    g_lp, g_h = upstream((2, 4), 12), upstream((2, 4), 13)
+
+    def step(h, w, y, t):
+        log_prob, entropy = vt.linear_log_probs_and_entropy(h, w, y, t)
+        return (log_prob * g_lp + entropy * g_h).sum(), log_prob, entropy
+
+    objective, log_prob, entropy = torch.compile(step, fullgraph=True, backend="aot_eager")(
+        hidden, weight, target, temperature)
+    objective.backward()
+    want_lp, want_h, want_dh, want_dw, _ = head_reference(hidden, weight, torch.zeros(200), target, temperature, g_lp,
+                                                          g_h)
+    assert (log_prob.double() - want_lp).abs().max() <= 1e-5 * max(1.0, want_lp.abs().max().item())
+    assert (entropy.double() - want_h).abs().max() <= 1e-5 * max(1.0, want_h.abs().max().item())
+    assert (hidden.grad.double() - want_dh).abs().max() <= 1e-4 * want_dh.abs().max()
+    assert (weight.grad.double() - want_dw).abs().max() <= 1e-4 * want_dw.abs().max()
+
+    def objective_step(h, w, y, t):
+        return vt.linear_policy_objective(h, w, y, g_lp, g_h, t)[0]
+
+    hidden.grad = weight.grad = None
+    torch.compile(objective_step, fullgraph=True, backend="aot_eager")(hidden, weight, target, temperature).backward()
+    assert (hidden.grad.double() - want_dh).abs().max() <= 1e-4 * want_dh.abs().max()
+    assert (weight.grad.double() - want_dw).abs().max() <= 1e-4 * want_dw.abs().max()
+
+
+def test_an_integer_temperature_tensor_is_refused_in_every_shape():
+    logits, target = torch.randn(2, 4, 50), torch.randint(0, 50, (2, 4))
+    for temperature in (torch.ones(2, 4, dtype=torch.int64), torch.ones(2, dtype=torch.int64)):
+        with pytest.raises(TypeError, match="temperature.dtype: expected a floating-point tensor"):
+            vt.log_probs_and_entropy(logits, target, temperature=temperature)
+
+
+def test_a_temperature_that_requires_grad_is_refused_rather_than_left_without_one():
+    logits = torch.randn(2, 4, 50, requires_grad=True)
+    target = torch.randint(0, 50, (2, 4))
+    hidden, weight = torch.randn(2, 4, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
+    for temperature in (torch.full((2, 4), 0.7, requires_grad=True), torch.full((2,), 0.7, requires_grad=True)):
+        for call in (lambda t: vt.log_probs_and_entropy(logits, target, temperature=t),
+                     lambda t: vt.log_probs_and_entropy(logits, target, temperature=t, inplace_backward=True),
+                     lambda t: vt.linear_log_probs_and_entropy(hidden, weight, target, t),
+                     lambda t: vt.linear_policy_objective(hidden, weight, target, torch.ones(2, 4), None, t)):
+            with pytest.raises(ValueError, match="temperature: expected a tensor that does not require grad"):
+                call(temperature)
 
 
 def head_reference(hidden, weight, bias, target, temperature, g_lp, g_h):

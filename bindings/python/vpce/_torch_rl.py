@@ -35,27 +35,49 @@ def _rl_options(temperature, options):
     return result
 
 
+def _temperatures_broadcast(shape, target_shape):
+    """Whether temperatures of `shape` broadcast to the target's: one per token, or fewer
+    dimensions, padded with 1 at the end (one per row of [b, s] targets, as verl's per-sequence
+    temperatures; a 0-d tensor for all)."""
+    padded = tuple(shape) + (1,) * (len(target_shape) - len(shape))
+    return len(shape) <= len(target_shape) and all(a in (1, b) for a, b in zip(padded, target_shape))
+
+
+def _broadcast_temperatures(temperature, target):
+    """A temperature tensor as float32 contiguous of the target's shape (_temperatures_broadcast's
+    rule): what the custom ops and the autograd.Functions take."""
+    if not _temperatures_broadcast(temperature.shape, target.shape):
+        raise ValueError(f"temperature.shape: expected one per token {tuple(target.shape)} or broadcastable to it, "
+                         f"got {tuple(temperature.shape)}")
+    t = temperature.to(torch.float32)
+    return t.reshape(tuple(t.shape) + (1,) * (target.dim() - t.dim())).expand(target.shape).contiguous()
+
+
+def _op_takes_temperature(temperature, target):
+    """Whether the custom ops take this temperature: a number, or a floating-point tensor on
+    the target's device that broadcasts to it (else the autograd.Function, whose checks
+    raise)."""
+    if isinstance(temperature, torch.Tensor):
+        return (isinstance(target, torch.Tensor) and temperature.device == target.device
+                and temperature.is_floating_point() and not temperature.requires_grad
+                and _temperatures_broadcast(temperature.shape, target.shape))
+    return isinstance(temperature, (float, int)) and not isinstance(temperature, bool)
+
+
 def _as_temperatures(temperature, logits, target):
-    """(scalar, per-token tensor): a number gives (T, None); a tensor one per token (or one
-    per row of [b, s] targets broadcast, as verl's per-sequence temperatures) gives (None,
-    float32 contiguous [tokens])."""
+    """(scalar, per-token tensor): a number gives (T, None); a tensor one per token (or
+    broadcastable to the target) gives (None, float32 contiguous of the target's shape). The
+    temperature takes no gradient: a tensor that requires one is refused."""
     if not isinstance(temperature, torch.Tensor):
         return _real(temperature, "temperature"), None
     if temperature.device != logits.device:
         raise ValueError(f"temperature.device: expected the logits' device {logits.device}, got {temperature.device}")
     if not temperature.is_floating_point():
         raise TypeError(f"temperature.dtype: expected a floating-point tensor, got {temperature.dtype}")
-    t = temperature.to(torch.float32)
-    if t.dim() == 0:
-        t = t.expand(target.shape)
-    while t.dim() < target.dim():
-        t = t.unsqueeze(-1)
-    try:
-        t = t.expand(target.shape)
-    except RuntimeError:
-        raise ValueError(f"temperature.shape: expected one per token {tuple(target.shape)} or broadcastable to it, "
-                         f"got {tuple(temperature.shape)}") from None
-    return None, t.contiguous()
+    if temperature.requires_grad:  # (rather than a gradient of None, silently)
+        raise ValueError("temperature: expected a tensor that does not require grad (no gradient flows to the "
+                         "temperature: detach it), got one that requires grad")
+    return None, _broadcast_temperatures(temperature, target)
 
 
 def _policy(collective, rank, size, logits, target, temperature, options, inplace):
@@ -199,13 +221,11 @@ if _CUSTOM_OPS:
 
 def _fits_rl_op(logits, target, temperature, options):
     """Whether the custom op takes these arguments (the loss's op's rule, a target of the
-    logits' leading shape, a number or one temperature per token); else the autograd.Function,
-    whose checks raise."""
+    logits' leading shape, a temperature _op_takes_temperature takes); else the
+    autograd.Function, whose checks raise."""
     if not _fits_op(logits, target, 0.0, options) or tuple(target.shape) != tuple(logits.shape[:-1]):
         return False
-    if isinstance(temperature, torch.Tensor):
-        return temperature.shape == target.shape and temperature.device == logits.device
-    return isinstance(temperature, (float, int)) and not isinstance(temperature, bool)
+    return _op_takes_temperature(temperature, target)
 
 
 def log_probs_and_entropy(logits, target, temperature=1.0, tp_group=None, inplace_backward=False, **options):
@@ -221,7 +241,7 @@ def log_probs_and_entropy(logits, target, temperature=1.0, tp_group=None, inplac
     """
     compiling = _CUSTOM_OPS and (_compiling() or _without_data(logits))
     if _CUSTOM_OPS and (compiling or not inplace_backward) and _fits_rl_op(logits, target, temperature, options):
-        temperatures = temperature.to(torch.float32) if isinstance(temperature, torch.Tensor) else None
+        temperatures = _broadcast_temperatures(temperature, target) if isinstance(temperature, torch.Tensor) else None
         scalar = 1.0 if temperatures is not None else float(temperature)
         log_prob, entropy, _, _ = torch.ops.vpce.rl_forward(logits, target, temperatures, scalar,
                                                              _group_key(tp_group), _encode_options(options))

@@ -15,7 +15,7 @@ from ._torch_head import (_HEAD_OPTION_NAMES, _Arguments, _check_head_op, _chunk
                           _head_backward_with, _head_chunked_with, _head_forward_with, _keep_chunked, _needs,
                           _nothing, _present, _register_chunked_autograd)
 from ._torch_ops import _decode_options, _encode_options, _group_key, _keyed_group
-from ._torch_rl import _RL_OPTION_NAMES, _as_temperatures, _rl_options
+from ._torch_rl import _RL_OPTION_NAMES, _as_temperatures, _broadcast_temperatures, _op_takes_temperature, _rl_options
 
 _HEAD_RL_OPTION_NAMES = set(_RL_OPTION_NAMES) | set(_HEAD_OPTION_NAMES) | {"gradient_accumulation_fusion",
                                                                              "vocab_range"}
@@ -275,7 +275,7 @@ def linear_log_probs_and_entropy(hidden, weight, target, temperature=1.0, tp_gro
     args = (hidden, weight, bias, target, temperature, tp_group, sequence_parallel, options)
     if isinstance(sequence_parallel, bool) and _fits_rl_head_op(hidden, weight, bias, target, temperature, options):
         per_token = isinstance(temperature, torch.Tensor)
-        temperatures = temperature.to(torch.float32) if per_token else None
+        temperatures = _broadcast_temperatures(temperature, target) if per_token else None
         log_prob, entropy, _, _ = torch.ops.vpce.rl_linear_forward(
             hidden, weight, bias, target, temperatures, 1.0 if per_token else float(temperature),
             _group_key(tp_group), sequence_parallel, _encode_options(options), _needs(hidden, weight, bias)[0])
@@ -286,11 +286,8 @@ def linear_log_probs_and_entropy(hidden, weight, target, temperature=1.0, tp_gro
 def _fits_rl_head_op(hidden, weight, bias, target, temperature, options):
     """Whether the head's RL custom ops take these arguments (else the autograd.Functions,
     whose checks raise the same error on every rank)."""
-    per_token = isinstance(temperature, torch.Tensor)
-    fits = (per_token and isinstance(target, torch.Tensor) and temperature.shape == target.shape
-            and temperature.device == target.device) or (
-        not per_token and isinstance(temperature, (float, int)) and not isinstance(temperature, bool))
-    return _CUSTOM_OPS and fits and _fits_head_op(hidden, weight, bias, target, 0.0, options)
+    return (_CUSTOM_OPS and _op_takes_temperature(temperature, target)
+            and _fits_head_op(hidden, weight, bias, target, 0.0, options))
 
 
 def linear_policy_objective(hidden, weight, target, log_prob_weights, entropy_weights=None, temperature=1.0,
@@ -320,9 +317,10 @@ def linear_policy_objective(hidden, weight, target, log_prob_weights, entropy_we
     if (_compiling() and weights_fit and isinstance(sequence_parallel, bool)
             and _fits_rl_head_op(hidden, weight, bias, target, temperature, options)):
         per_token = isinstance(temperature, torch.Tensor)
+        temperatures = _broadcast_temperatures(temperature, target) if per_token else None
         objective, log_prob, entropy, *_ = torch.ops.vpce.rl_linear_chunked(
             hidden, weight, bias, target, log_prob_weights, entropy_weights,
-            temperature.to(torch.float32) if per_token else None, 1.0 if per_token else float(temperature),
+            temperatures, 1.0 if per_token else float(temperature),
             _group_key(tp_group), sequence_parallel, _encode_options(options), *_needs(hidden, weight, bias))
         return objective, log_prob.detach(), entropy.detach()
     return _LinearPolicyObjective.apply(hidden, weight, bias, target, log_prob_weights, entropy_weights, temperature,
