@@ -95,8 +95,9 @@ vpce::detail::OperationBlock policy_operation(const Options& options, bool per_t
                                               int64_t hidden_size, bool round_logits, int64_t head_tokens,
                                               uint64_t upstream_hash) {
   return engine::operation_block("RL outputs", mode,
-                                 {engine::float_value("options.temperature", options.temperature),
+                                 {// (first: a rank with per-token temperatures has options.temperature 1)
                                   {"whether temperatures are given per token", per_token ? 1 : 0},
+                                  engine::float_value("options.temperature", options.temperature),
                                   {"the hidden size of the fused head", hidden_size},
                                   {"head.round_logits", round_logits ? 1 : 0},
                                   {"the number of tokens", head_tokens},

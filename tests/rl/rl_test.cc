@@ -470,6 +470,27 @@ TEST(RlOutputs, BadArgumentsAreNamed) {
     EXPECT_NE(st.message().find("options.temperature"), std::string::npos) << st.message();
   }
 
+  // A number on rank 0, per-token temperatures on rank 1: named as that, not as rank 1's
+  // options.temperature (1 where per-token temperatures are given).
+  const std::vector<Status> mixed = group->run([&](Communicator& c) {
+    const VocabShard half{c.rank() * 50, c.rank() * 50 + 50, 100};
+    std::vector<float> per_token(4, 0.7f);
+    const TensorView t = TensorView::contiguous(per_token.data(), kFloat32, {4});
+    rl::Options mine;
+    if (c.rank() == 0) mine.temperature = 0.7f;
+    std::vector<float> out(4);
+    std::vector<double> l(4);
+    const TensorView o1 = TensorView::contiguous(out.data(), kFloat32, {4});
+    const TensorView o2 = TensorView::contiguous(l.data(), kFloat64, {4});
+    return rl::forward(c, p.shard_view(half), y, half, mine, {&o1, nullptr, &o2, nullptr},
+                       c.rank() == 1 ? &t : nullptr);
+  });
+  for (const Status& st : mixed) {
+    EXPECT_FALSE(st.ok());
+    EXPECT_NE(st.message().find("ranks disagree on whether temperatures are given per token"), std::string::npos)
+        << st.message();
+  }
+
   // Per-token temperatures: a bad one on rank 1 only, then ranks given different values: every
   // rank fails alike, naming them.
   for (int variant = 0; variant < 2; ++variant) {
