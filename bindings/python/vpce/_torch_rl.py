@@ -64,6 +64,14 @@ def _op_takes_temperature(temperature, target):
     return isinstance(temperature, (float, int)) and not isinstance(temperature, bool)
 
 
+def _op_temperature_arguments(temperature, target):
+    """The custom ops' (temperatures, scalar) for a temperature _op_takes_temperature takes: a
+    tensor as (float32 of the target's shape, 1.0), a number as (None, T)."""
+    if isinstance(temperature, torch.Tensor):
+        return _broadcast_temperatures(temperature, target), 1.0
+    return None, float(temperature)
+
+
 def _as_temperatures(temperature, logits, target):
     """(scalar, per-token tensor): a number gives (T, None); a tensor one per token (or
     broadcastable to the target) gives (None, float32 contiguous of the target's shape). The
@@ -241,8 +249,7 @@ def log_probs_and_entropy(logits, target, temperature=1.0, tp_group=None, inplac
     """
     compiling = _CUSTOM_OPS and (_compiling() or _without_data(logits))
     if _CUSTOM_OPS and (compiling or not inplace_backward) and _fits_rl_op(logits, target, temperature, options):
-        temperatures = _broadcast_temperatures(temperature, target) if isinstance(temperature, torch.Tensor) else None
-        scalar = 1.0 if temperatures is not None else float(temperature)
+        temperatures, scalar = _op_temperature_arguments(temperature, target)
         log_prob, entropy, _, _ = torch.ops.vpce.rl_forward(logits, target, temperatures, scalar,
                                                              _group_key(tp_group), _encode_options(options))
         return log_prob, entropy

@@ -15,7 +15,7 @@ from ._torch_head import (_HEAD_OPTION_NAMES, _Arguments, _check_head_op, _chunk
                           _head_backward_with, _head_chunked_with, _head_forward_with, _keep_chunked, _needs,
                           _nothing, _present, _register_chunked_autograd)
 from ._torch_ops import _decode_options, _encode_options, _group_key, _keyed_group
-from ._torch_rl import _RL_OPTION_NAMES, _as_temperatures, _broadcast_temperatures, _op_takes_temperature, _rl_options
+from ._torch_rl import _RL_OPTION_NAMES, _as_temperatures, _op_takes_temperature, _op_temperature_arguments, _rl_options
 
 _HEAD_RL_OPTION_NAMES = set(_RL_OPTION_NAMES) | set(_HEAD_OPTION_NAMES) | {"gradient_accumulation_fusion",
                                                                              "vocab_range"}
@@ -274,10 +274,9 @@ def linear_log_probs_and_entropy(hidden, weight, target, temperature=1.0, tp_gro
     """
     args = (hidden, weight, bias, target, temperature, tp_group, sequence_parallel, options)
     if isinstance(sequence_parallel, bool) and _fits_rl_head_op(hidden, weight, bias, target, temperature, options):
-        per_token = isinstance(temperature, torch.Tensor)
-        temperatures = _broadcast_temperatures(temperature, target) if per_token else None
+        temperatures, scalar = _op_temperature_arguments(temperature, target)
         log_prob, entropy, _, _ = torch.ops.vpce.rl_linear_forward(
-            hidden, weight, bias, target, temperatures, 1.0 if per_token else float(temperature),
+            hidden, weight, bias, target, temperatures, scalar,
             _group_key(tp_group), sequence_parallel, _encode_options(options), _needs(hidden, weight, bias)[0])
         return log_prob, entropy
     return _LinearLogProbs.apply(*args)
@@ -316,11 +315,9 @@ def linear_policy_objective(hidden, weight, target, log_prob_weights, entropy_we
     weights_fit = all(w is None or isinstance(w, torch.Tensor) for w in (log_prob_weights, entropy_weights))
     if (_compiling() and weights_fit and isinstance(sequence_parallel, bool)
             and _fits_rl_head_op(hidden, weight, bias, target, temperature, options)):
-        per_token = isinstance(temperature, torch.Tensor)
-        temperatures = _broadcast_temperatures(temperature, target) if per_token else None
+        temperatures, scalar = _op_temperature_arguments(temperature, target)
         objective, log_prob, entropy, *_ = torch.ops.vpce.rl_linear_chunked(
-            hidden, weight, bias, target, log_prob_weights, entropy_weights,
-            temperatures, 1.0 if per_token else float(temperature),
+            hidden, weight, bias, target, log_prob_weights, entropy_weights, temperatures, scalar,
             _group_key(tp_group), sequence_parallel, _encode_options(options), *_needs(hidden, weight, bias))
         return objective, log_prob.detach(), entropy.detach()
     return _LinearPolicyObjective.apply(hidden, weight, bias, target, log_prob_weights, entropy_weights, temperature,
