@@ -42,8 +42,9 @@
 namespace vpce::rl {
 
 struct Options {
-  // The sampling temperature T (finite, > 0) of every token, unless per-token temperatures
-  // are given (then this must stay 1).
+  // The sampling temperature T of every token, unless per-token temperatures are given (then
+  // this must stay 1): finite, > 0, and large enough that logit_scale / T and softcap / T are
+  // finite in fp32 (T >= about 2.94e-39 at logit_scale 1; the error names the bound).
   float temperature = 1.0f;
   // Tokens whose target equals this get 0 and a zero gradient.
   int64_t ignore_index = -100;
@@ -75,8 +76,8 @@ struct Outputs {
 
 // Forward. logits: [..., Vr] fp32/bf16/fp16 (the last dimension contiguous, the leading ones
 // collapsing to one row stride). targets: int32/int64, the sampled token of each row, in
-// [0, Vv) or ignore_index. temperatures: float32, one per token, finite and > 0, or null for
-// options.temperature. Collective over `comm`: exactly one all_gather. `workspace` may be
+// [0, Vv) or ignore_index. temperatures: float32, one per token, each as options.temperature
+// must be, or null for options.temperature. Collective over `comm`: exactly one all_gather. `workspace` may be
 // null (then forward allocates). Every rank gets the bit-identical outputs.
 Status forward(Communicator& comm, const TensorView& logits, const TensorView& targets, const VocabShard& shard,
                const Options& options, const Outputs& outputs, const TensorView* temperatures = nullptr,

@@ -4,6 +4,7 @@
 // token's gradient. Host and device code (VPCE_HD); fp64 wherever values are combined.
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -75,6 +76,16 @@ VPCE_HD inline RowTransform row_transform(const LossParams& p, int64_t row) {
     t.slope_scale = scaled;
   }
   return t;
+}
+
+// Whether T can be a temperature: finite, > 0, and not so small that row_transform's
+// logit_scale / T (or, with a soft-cap, softcap / T) overflows fp32, which would turn every
+// logit into +-inf or NaN. Both backends check each temperature with it.
+VPCE_HD inline bool usable_temperature(float logit_scale, float softcap, float temperature) {
+  if (!(temperature > 0.0f && temperature <= FLT_MAX)) return false;  // NaN, <= 0 or inf
+  const auto t = static_cast<double>(temperature);
+  const auto largest = static_cast<double>(FLT_MAX);
+  return static_cast<double>(logit_scale) / t <= largest && static_cast<double>(softcap) / t <= largest;
 }
 
 // The columns of a shard [vocab_begin, vocab_begin + cols) that are real classes (not

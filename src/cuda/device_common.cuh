@@ -408,7 +408,8 @@ struct TokenInputs {
     const bool bad_weight =
         weights != nullptr && !(isfinite(weights[i * weight_stride]) && weights[i * weight_stride] >= 0.0f);
     const float temperature = params.temperature_of(i);
-    const bool bad_temperature = params.temperatures != nullptr && !(isfinite(temperature) && temperature > 0.0f);
+    const bool bad_temperature =
+        params.temperatures != nullptr && !usable_temperature(params.logit_scale, params.softcap, temperature);
     if ((bad_target || bad_weight || bad_temperature) && header != nullptr) {
       atomicCAS(&header->status, 0, static_cast<int32_t>(Code::kInvalidArgument));
     }

@@ -2,7 +2,7 @@
 #include "policy.h"
 
 #include <bit>
-#include <cmath>
+#include <cstdint>
 #include <string>
 
 #include "../common/text.h"
@@ -25,15 +25,37 @@ LossOptions loss_options(const Options& options) {
   return o;
 }
 
+namespace {
+
+// The smallest temperature engine::usable_temperature takes with these options, and why there
+// is one: for the messages (positive floats are ordered as their bits).
+std::string usable_temperatures(const Options& options, const char* one_or_many) {
+  uint32_t low = 1, high = std::bit_cast<uint32_t>(1.0f);
+  while (low < high) {
+    const uint32_t middle = low + (high - low) / 2;
+    if (engine::usable_temperature(options.logit_scale, options.softcap, std::bit_cast<float>(middle))) {
+      high = middle;
+    } else {
+      low = middle + 1;
+    }
+  }
+  return std::string(one_or_many) + " >= " + engine::number_text(std::bit_cast<float>(low)) +
+         (options.softcap > 0.0f ? " (logit_scale / T and softcap / T must be finite in fp32)"
+                                 : " (logit_scale / T must be finite in fp32)");
+}
+
+}  // namespace
+
 Status check_temperatures(const Options& options, const TensorView* temperatures, int64_t n, Device device,
                           TokenVector* out, uint64_t* hash) {
   *out = {};
   const float scalar = options.temperature;
   const bool per_token = temperatures != nullptr;
-  if (!std::isfinite(scalar) || scalar <= 0.0f || (per_token && scalar != 1.0f)) {
+  if (per_token ? scalar != 1.0f : !engine::usable_temperature(options.logit_scale, options.softcap, scalar)) {
     return {Code::kInvalidArgument,
             engine::expected_got("options.temperature",
-                                 per_token ? "1 (per-token temperatures are given)" : "a finite value > 0",
+                                 per_token ? "1 (per-token temperatures are given)"
+                                           : usable_temperatures(options, "a finite value > 0 and"),
                                  engine::number_text(scalar))};
   }
   if (!per_token) return {};
@@ -46,9 +68,9 @@ Status check_temperatures(const Options& options, const TensorView* temperatures
   }
   for (int64_t i = 0; i < n; ++i) {
     const float value = t.at<float>(i);
-    if (!std::isfinite(value) || value <= 0.0f) {
+    if (!engine::usable_temperature(options.logit_scale, options.softcap, value)) {
       return {Code::kInvalidArgument,
-              engine::expected_got("temperatures", "finite values > 0",
+              engine::expected_got("temperatures", usable_temperatures(options, "finite values > 0 and"),
                                    engine::number_text(value) + " at token " + std::to_string(i))};
     }
   }
@@ -127,7 +149,8 @@ Status check_device_pointers(std::initializer_list<std::pair<const TensorView*, 
 
 std::string device_found_message(const engine::LossParams& params, const Options& options) {
   return "targets or temperatures: expected targets in [0, " + std::to_string(params.valid_vocab) + ") or " +
-         std::to_string(options.ignore_index) + " and finite temperatures > 0, got another value (found on the device)";
+         std::to_string(options.ignore_index) + " and " + usable_temperatures(options, "temperatures > 0 and") +
+         ", got another value (found on the device)";
 }
 
 engine::GradientConstants PolicyUpstream::constants(int64_t i, int64_t target, const engine::LossParams& params) const {

@@ -162,12 +162,15 @@ TEST(CudaRl, InPlaceSoftCapAndScalarTemperature) {
 TEST(CudaRl, ABadTemperatureIsFoundOnTheDeviceOnEveryRank) {
   REQUIRE_GPU();
   Problem p = random_problem(5, 200, kFloat32, 6);
-  std::vector<float> t(5, 1.0f);
-  t[2] = -1.0f;
-  const DevicePolicyRun run = run_policy_on_device(p, shards_from_sizes({100, 100}), rl::Options{}, t, false);
-  for (const Status& s : run.device_status) {
-    EXPECT_FALSE(s.ok());
-    EXPECT_NE(s.message().find("temperatures"), std::string::npos) << s.message();
+  // -1, and 1e-40 (1 / T overflows fp32: every logit would be inf), each alone.
+  for (const float bad : {-1.0f, 1e-40f}) {
+    std::vector<float> t(5, 1.0f);
+    t[2] = bad;
+    const DevicePolicyRun run = run_policy_on_device(p, shards_from_sizes({100, 100}), rl::Options{}, t, false);
+    for (const Status& s : run.device_status) {
+      EXPECT_FALSE(s.ok()) << bad;
+      EXPECT_NE(s.message().find("temperatures > 0 and >= "), std::string::npos) << s.message();
+    }
   }
 }
 

@@ -301,6 +301,21 @@ TEST(RlHead, DeviceAndBadArgumentsAreRefusedByName) {
       rl::linear_forward(comm, inputs, y, {0, 20, 20}, options, HeadOptions{}, {&lp_view, nullptr, nullptr, nullptr});
   EXPECT_EQ(s.code(), Code::kInvalidArgument);
   EXPECT_NE(s.message().find("options.temperature"), std::string::npos) << s.message();
+  // So small that the logit scale 2 / T overflows fp32: refused, naming the bound, in both modes.
+  options.temperature = 5e-39f;
+  options.logit_scale = 2.0f;
+  s = rl::linear_forward(comm, inputs, y, {0, 20, 20}, options, HeadOptions{}, {&lp_view, nullptr, nullptr, nullptr});
+  EXPECT_NE(s.message().find("options.temperature: expected a finite value > 0 and >= 5.877473e-39"),
+            std::string::npos)
+      << s.message();
+  std::vector<float> per_token = {1.0f, 1.0f, 1.0f, 5e-39f};
+  const TensorView t = TensorView::contiguous(per_token.data(), kFloat32, {4});
+  std::vector<float> grad_log_prob(4, 1.0f);
+  const TensorView up = TensorView::contiguous(grad_log_prob.data(), kFloat32, {4});
+  options.temperature = 1.0f;
+  s = rl::linear_forward_backward(comm, inputs, y, {0, 20, 20}, options, HeadOptions{}, {&up, nullptr},
+                                  {&lp_view, nullptr, nullptr, nullptr}, {}, &t);
+  EXPECT_NE(s.message().find("got 5e-39 at token 3"), std::string::npos) << s.message();
   EXPECT_EQ(lp[0], 3.0f);
 }
 

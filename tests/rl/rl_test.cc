@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <string>
@@ -440,8 +441,8 @@ TEST(RlOutputs, BadArgumentsAreNamed) {
   s = forward_with(o, &t_view);
   EXPECT_NE(s.message().find("1 (per-token temperatures are given)"), std::string::npos) << s.message();
   s = forward_with(rl::Options{}, &t_view);
-  EXPECT_NE(s.message().find("temperatures: expected finite values > 0, got -1 at token 2"), std::string::npos)
-      << s.message();
+  EXPECT_NE(s.message().find("temperatures: expected finite values > 0 and >= "), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find(", got -1 at token 2"), std::string::npos) << s.message();
   EXPECT_EQ(lp[0], 7.0f);  // nothing written
   std::vector<float> grad(400);
   const TensorView g = TensorView::matrix(grad.data(), kFloat32, 4, 100, 100);
@@ -505,13 +506,97 @@ TEST(RlOutputs, BadArgumentsAreNamed) {
       const TensorView o2 = TensorView::contiguous(l.data(), kFloat64, {4});
       return rl::forward(c, p.shard_view(half), y, half, rl::Options{}, {&o1, nullptr, &o2, nullptr}, &t);
     });
-    const char* want = variant == 0 ? "temperatures: expected finite values > 0, got -1 at token 2"
+    const char* want = variant == 0 ? "got -1 at token 2"
                                     : "ranks disagree on the targets, weights or temperatures";
     for (const Status& st : both) {
       EXPECT_FALSE(st.ok());
       EXPECT_NE(st.message().find(want), std::string::npos) << st.message();
     }
   }
+}
+
+// The smallest float T with b / T <= FLT_MAX, b = logit_scale (and softcap, when on): stepped
+// to from b / FLT_MAX, so that it does not depend on how the library finds it.
+float smallest_temperature(double b) {
+  constexpr double kLargest = std::numeric_limits<float>::max();
+  auto t = static_cast<float>(b / kLargest);
+  while (b / static_cast<double>(t) > kLargest) t = std::nextafter(t, 1.0f);
+  while (b / static_cast<double>(std::nextafter(t, 0.0f)) <= kLargest) t = std::nextafter(t, 0.0f);
+  return t;
+}
+
+// The bound a refusal names: the number after ">= " in its message.
+float named_bound(const Status& s) {
+  const std::size_t at = s.message().find(">= ");
+  return at == std::string::npos ? 0.0f : std::strtof(s.message().c_str() + at + 3, nullptr);
+}
+
+// A temperature so small that logit_scale / T (or softcap / T) overflows fp32 made every logit
+// +-inf and the outputs NaN, with success: now refused, as a number or per token, naming the
+// smallest usable one for the options (which scales with logit_scale and the soft-cap); that
+// smallest one is taken, and on logits of its size matches the oracle.
+TEST(RlOutputs, TemperaturesSoSmallThatTheTransformOverflowsAreRefused) {
+  const float at_scale_1 = smallest_temperature(1.0);
+  EXPECT_GT(at_scale_1, 2.9e-39f);
+  EXPECT_LT(at_scale_1, 3.0e-39f);
+  const int64_t n = 4, vocab = 60;
+  Problem p = random_problem(n, vocab, kFloat32, 91);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t v = 0; v < vocab; ++v) p.set(i, v, static_cast<float>((i * 31 + v * 17) % 9 - 4) * 1.5e-38f);
+  }
+  PolicyConfig config;
+  config.options.temperature = at_scale_1;  // z = x / T up to 20
+  expect_matches(run_policy(p, shards_from_sizes({25, 35}), config), policy_oracle(p, config), 1e-5,
+                 "the smallest temperature");
+  config.options.temperature = 1.0f;
+  config.temperatures = {1.0f, at_scale_1, 0.5f, at_scale_1};
+  expect_matches(run_policy(p, shards_from_sizes({25, 35}), config), policy_oracle(p, config), 1e-5,
+                 "the smallest temperature per token");
+
+  Loopback comm;
+  const VocabShard shard{0, vocab, vocab};
+  const TensorView x = p.shard_view(shard);
+  const TensorView y = TensorView::contiguous(p.targets.data(), kInt64, {n});
+  std::vector<float> lp(n, 7.0f);
+  std::vector<double> lse(n);
+  const TensorView log_prob = TensorView::contiguous(lp.data(), kFloat32, {n});
+  const TensorView lse_view = TensorView::contiguous(lse.data(), kFloat64, {n});
+  const auto forward_with = [&](const rl::Options& o, const std::vector<float>& per_token) {
+    const TensorView t = TensorView::contiguous(const_cast<float*>(per_token.data()), kFloat32, {n});
+    return rl::forward(comm, x, y, shard, o, {&log_prob, nullptr, &lse_view, nullptr},
+                       per_token.empty() ? nullptr : &t);
+  };
+  rl::Options o;
+  o.temperature = std::nextafter(at_scale_1, 0.0f);
+  Status s = forward_with(o, {});
+  EXPECT_NE(s.message().find("options.temperature: expected a finite value > 0 and >= "), std::string::npos)
+      << s.message();
+  EXPECT_NE(s.message().find("(logit_scale / T must be finite in fp32)"), std::string::npos) << s.message();
+  EXPECT_EQ(named_bound(s), at_scale_1) << s.message();
+  s = forward_with(rl::Options{}, {1.0f, 1e-40f, 1.0f, 1.0f});
+  EXPECT_NE(s.message().find("temperatures: expected finite values > 0 and >= "), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("got 1e-40 at token 1"), std::string::npos) << s.message();
+  EXPECT_EQ(named_bound(s), at_scale_1) << s.message();
+  // logit_scale 10: 1e-38 overflows (10 / 1e-38 = 1e39), as a number and per token.
+  o.logit_scale = 10.0f;
+  o.temperature = 1e-38f;
+  s = forward_with(o, {});
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.message();
+  EXPECT_EQ(named_bound(s), smallest_temperature(10.0)) << s.message();
+  o.temperature = 1.0f;
+  s = forward_with(o, {1.0f, 1.0f, 1e-38f, 1.0f});
+  EXPECT_NE(s.message().find("got 1e-38 at token 2"), std::string::npos) << s.message();
+  // A soft-cap of 50: softcap / T overflows at 1e-37 (5e38) where logit_scale / T does not.
+  o.logit_scale = 1.0f;
+  o.softcap = 50.0f;
+  o.temperature = 1e-37f;
+  s = forward_with(o, {});
+  EXPECT_NE(s.message().find("(logit_scale / T and softcap / T must be finite in fp32)"), std::string::npos)
+      << s.message();
+  EXPECT_EQ(named_bound(s), smallest_temperature(50.0)) << s.message();
+  EXPECT_EQ(lp[0], 7.0f);  // nothing written by any refusal
+  o.softcap = 30.0f;  // 3e38: taken
+  EXPECT_TRUE(forward_with(o, {}).ok());
 }
 
 }  // namespace
