@@ -305,8 +305,7 @@ TEST(RlHead, DeviceAndBadArgumentsAreRefusedByName) {
   options.temperature = 5e-39f;
   options.logit_scale = 2.0f;
   s = rl::linear_forward(comm, inputs, y, {0, 20, 20}, options, HeadOptions{}, {&lp_view, nullptr, nullptr, nullptr});
-  EXPECT_NE(s.message().find("options.temperature: expected a finite value > 0 and >= 5.877473e-39"),
-            std::string::npos)
+  EXPECT_NE(s.message().find("options.temperature: expected a finite value > 0 and >= 5.877473e-39"), std::string::npos)
       << s.message();
   std::vector<float> per_token = {1.0f, 1.0f, 1.0f, 5e-39f};
   const TensorView t = TensorView::contiguous(per_token.data(), kFloat32, {4});

@@ -506,8 +506,7 @@ TEST(RlOutputs, BadArgumentsAreNamed) {
       const TensorView o2 = TensorView::contiguous(l.data(), kFloat64, {4});
       return rl::forward(c, p.shard_view(half), y, half, rl::Options{}, {&o1, nullptr, &o2, nullptr}, &t);
     });
-    const char* want = variant == 0 ? "got -1 at token 2"
-                                    : "ranks disagree on the targets, weights or temperatures";
+    const char* want = variant == 0 ? "got -1 at token 2" : "ranks disagree on the targets, weights or temperatures";
     for (const Status& st : both) {
       EXPECT_FALSE(st.ok());
       EXPECT_NE(st.message().find(want), std::string::npos) << st.message();
@@ -595,7 +594,7 @@ TEST(RlOutputs, TemperaturesSoSmallThatTheTransformOverflowsAreRefused) {
       << s.message();
   EXPECT_EQ(named_bound(s), smallest_temperature(50.0)) << s.message();
   EXPECT_EQ(lp[0], 7.0f);  // nothing written by any refusal
-  o.softcap = 30.0f;  // 3e38: taken
+  o.softcap = 30.0f;       // 3e38: taken
   EXPECT_TRUE(forward_with(o, {}).ok());
 }
 
