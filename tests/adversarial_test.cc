@@ -484,5 +484,65 @@ TEST(Adversarial, NanVectorsChunksRowsAndShardsReachTheLoss) {
   use_best_simd_variant();
 }
 
+// A NaN or infinite upstream gradient (the tensor autograd hands the backward) is data, not an
+// argument: as in PyTorch, it reaches its own token's gradient row and no other. Token 1's NaN
+// makes its row NaN; token 4's +inf and token 5's -inf make their rows non-finite (inf times
+// p - onehot, NaN where an implementation meets inf - inf, as PyTorch's does at the target);
+// the other rows match the oracle. A reduced loss's NaN scalar makes every element NaN.
+// Every target, fp32 and bf16, in place and out of place, two uneven ranks.
+TEST(Adversarial, NonFiniteUpstreamGradientsReachOnlyTheirTokensRows) {
+  constexpr int64_t kTokens = 6, kColumns = 300;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const SimdVariant& variant : simd_variants()) {
+    use_simd_variant(variant);
+    for (DataType dtype : {kFloat32, kBFloat16}) {
+      for (bool in_place : {false, true}) {
+        Problem p = random_problem(kTokens, kColumns, dtype, 61, 2.0f);
+        const std::vector<double> x = p.as_double();
+        std::vector<double> finite_upstream = widen(p.grad_loss);
+        finite_upstream[1] = finite_upstream[4] = finite_upstream[5] = 1.0;
+        const auto want = reference::cross_entropy(x, kTokens, kColumns, p.targets, 0.0, finite_upstream);
+        p.grad_loss[1] = nan;
+        p.grad_loss[4] = kInf;
+        p.grad_loss[5] = -kInf;
+        RunOptions options;
+        options.in_place = in_place;
+        const RunResult result = run_ranks(p, shards_from_sizes({110, 190}), options);
+        for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
+        const std::string where = variant.name + " " + to_string(dtype) + (in_place ? " in place" : "");
+        // The other rows: within 1e-6 of the largest element, plus one bf16 ulp of each element
+        // (2^-7 relative at most) where the gradient is written in place in bf16.
+        const double rounding = in_place && dtype == kBFloat16 ? 0x1p-7 : 0.0;
+        double largest = 0.0, off = 0.0;
+        for (int64_t i = 0; i < kTokens; ++i) {
+          for (int64_t v = 0; v < kColumns; ++v) {
+            const double got = result.grad[static_cast<size_t>(i * kColumns + v)];
+            const double exact = want.grad[static_cast<size_t>(i * kColumns + v)];
+            if (i == 1) {
+              ASSERT_TRUE(std::isnan(got)) << where << ", column " << v;
+            } else if (i >= 4) {
+              ASSERT_FALSE(std::isfinite(got)) << where << ", token " << i << ", column " << v;
+            } else {
+              largest = std::max(largest, std::fabs(exact));
+              off = std::max(off, std::fabs(got - exact) - rounding * std::fabs(exact));
+            }
+          }
+        }
+        EXPECT_LE(off, 1e-6 * largest) << where;
+        EXPECT_TRUE(std::isfinite(result.per_rank[0].loss[1])) << where;  // the forward never saw it
+      }
+    }
+    // A NaN upstream gradient of a summed loss: every element NaN.
+    Problem p = random_problem(kTokens, kColumns, kFloat32, 62, 2.0f);
+    RunOptions options;
+    options.loss.reduction = Reduction::kSum;
+    options.grad_scalar = nan;
+    const RunResult result = run_ranks(p, shards_from_sizes({110, 190}), options);
+    for (const Status& s : result.status) ASSERT_TRUE(s.ok()) << s.to_string();
+    for (double g : result.grad) ASSERT_TRUE(std::isnan(g)) << variant.name;
+  }
+  use_best_simd_variant();
+}
+
 }  // namespace
 }  // namespace vpce::test

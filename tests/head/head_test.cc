@@ -4,6 +4,7 @@
 // and runs; the collectives counted; bad arguments and disagreeing ranks refused.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdlib>
@@ -718,6 +719,49 @@ Status forward_on_one(Fixture& f, const HeadInputs& in, const HeadOptions& head 
 void expect_error(const Status& s, const std::string& fragment) {
   EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.message();
   EXPECT_NE(s.message().find(fragment), std::string::npos) << s.message();
+}
+
+// A NaN upstream gradient. In the recompute mode it is data (the tensor autograd hands the
+// backward): as in PyTorch it reaches its token's row of the hidden states' gradient and,
+// through the sums over tokens, every element of the weight's and the bias's, and no other
+// hidden row. The chunked mode's grad_loss is an argument: NaN or inf is refused by name on
+// every rank.
+TEST(Head, ANanUpstreamGradientIsDataInTheRecomputeModeAndRefusedInTheChunkedOne) {
+  HeadProblem p = random_head_problem(6, 16, 48, kFloat32, 12);
+  p.targets[1] = 5;  // not ignored (an ignored token's gradient is 0 whatever its upstream)
+  p.grad_loss[1] = 0.0f;
+  HeadRun run;
+  run.ranks = 2;
+  const HeadOracle want = head_oracle(p, run.loss, run.grad_scalar);
+  p.grad_loss[1] = std::numeric_limits<float>::quiet_NaN();
+  const HeadResult r = run_head(p, run);
+  expect_ok(r);
+  double largest = 0.0, off = 0.0;
+  for (int64_t i = 0; i < p.tokens; ++i) {
+    for (int64_t k = 0; k < p.hidden; ++k) {
+      const double got = r.grad_hidden[static_cast<std::size_t>(i * p.hidden + k)];
+      const double exact = want.grad_hidden[static_cast<std::size_t>(i * p.hidden + k)];
+      if (i == 1) {
+        EXPECT_TRUE(std::isnan(got)) << "feature " << k;
+      } else {
+        largest = std::max(largest, std::fabs(exact));
+        off = std::max(off, std::fabs(got - exact));
+      }
+    }
+  }
+  EXPECT_LE(off, 1e-5 * largest);
+  for (double g : r.grad_weight) ASSERT_TRUE(std::isnan(g));
+  for (double g : r.grad_bias) ASSERT_TRUE(std::isnan(g));
+
+  run.mode = Mode::kChunked;
+  run.loss.reduction = Reduction::kSum;
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    run.grad_scalar = bad;
+    for (const Status& s : run_head(p, run).status) {
+      EXPECT_FALSE(s.ok());  // (rank 1 reports rank 0's error, the first)
+      EXPECT_NE(s.message().find("grad_loss: expected a finite value, got "), std::string::npos) << s.message();
+    }
+  }
 }
 
 TEST(HeadErrors, NameTheArgumentTheExpectedAndTheActualValue) {
