@@ -106,6 +106,9 @@ TEST(Npy, RejectsMalformedFiles) {
   expect_rejected(image(good_start + "(4,), }", four, 16 - 4 + 8), "expected 16 bytes");
   expect_rejected(image(good_start + "(4 4), }", four, 16), "shape");
   expect_rejected(image(good_start + "(-4,), }", four, 16), "shape");
+  // (4) is Python's 4, not a tuple (numpy.load refuses it); (4, 1) and (4,) stay accepted.
+  expect_rejected(image(good_start + "(4), }", four, 16), "shape: expected a tuple, (4,) for one dimension, got (4)");
+  expect_rejected(image(good_start + "( 4 ), }", four, 16), "shape: expected a tuple");
   expect_rejected(image(good_start + "(99999999999999999999,), }", four, 16),
                   "shape: expected dimensions of at most 2^63 - 1, got 99999999999999999999, which overflows int64");
   expect_rejected(image(good_start + "(4294967296, 4294967296, 4294967296), }", four, 16), "overflows");

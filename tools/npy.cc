@@ -143,7 +143,11 @@ Status parse_header(const std::string& text, const std::string& name, Dtype* dty
           return bad(name, "shape: expected at most 32 dimensions");
         }
         shape->push_back(dim);
-        if (!p.eat(',') && !p.peek(')')) return bad(name, "shape: expected ',' or ')'");
+        if (p.eat(',')) continue;
+        if (!p.peek(')')) return bad(name, "shape: expected ',' or ')'");
+        if (shape->size() == 1) {  // (24) is Python's 24, not a tuple: numpy refuses it too
+          return bad(name, "shape: expected a tuple, (" + digits + ",) for one dimension, got (" + digits + ")");
+        }
       }
       have_shape = true;
     } else {
