@@ -25,19 +25,11 @@
 #include <cstring>
 #include <vector>
 
+#include "cuda_bench.cuh"
 #include "vpce/head.h"
 #include "vpce/vpce.h"
 
 namespace {
-
-#define CHECK_CUDA(call)                                                                          \
-  do {                                                                                            \
-    const cudaError_t e_ = (call);                                                                \
-    if (e_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
 
 #define CHECK_CUBLAS(call)                                                                           \
   do {                                                                                               \
@@ -57,44 +49,12 @@ namespace {
     }                                                                  \
   } while (0)
 
-class Loopback final : public vpce::Communicator {
- public:
-  int rank() const override { return 0; }
-  int size() const override { return 1; }
-  const char* name() const override { return "loopback"; }
-  vpce::Status all_gather(const void*, void*, std::size_t) override { return {vpce::Code::kUnsupported, "host"}; }
-  vpce::Status device_all_gather(const void* send, void* recv, std::size_t bytes, void* stream) override {
-    cudaMemcpyAsync(recv, send, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
-    return {};
-  }
-};
-
 // N(0, sd) from a counter-based hash (Box-Muller), as bf16.
 __global__ void fill(__nv_bfloat16* out, int64_t n, float sd, uint64_t seed) {
-  auto hash = [](uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  };
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < n;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const uint64_t h = hash(seed + static_cast<uint64_t>(k));
-    const float u1 = (static_cast<float>(h >> 40) + 1.0f) / 16777217.0f;
-    const float u2 = static_cast<float>(h & 0xffffff) / 16777216.0f;
-    out[k] = __float2bfloat16_rn(sd * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
+    out[k] = __float2bfloat16_rn(sd * vpce_bench::normal_draw(seed, k));
   }
-}
-
-float median(std::vector<float> v) {
-  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-  return v[v.size() / 2];
-}
-
-float bf16_value(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
 }
 
 struct Row {
@@ -119,15 +79,13 @@ float time_ms(cudaStream_t stream, int iterations, F&& f) {
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);
-  return median(ms);
+  return vpce_bench::median(ms);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int iterations = argc > 1 && argv[1][0] != '-' ? std::atoi(argv[1]) : 10;
-  bool quick = false;
-  for (int a = 1; a < argc; ++a) quick |= std::strcmp(argv[a], "--quick") == 0;
+  const auto [iterations, quick] = vpce_bench::parse_arguments(argc, argv);
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("# vpce_cuda_head_perf: %s, %d SMs, %.0f GiB; bf16 operands, fp32 accumulation; median of %d after 2\n",
@@ -190,7 +148,7 @@ int main(int argc, char** argv) {
     vpce::LossOptions options;
     options.stream = stream;
     vpce::HeadOptions head;
-    Loopback comm;
+    vpce_bench::Loopback comm;
     vpce::Workspace workspace;
 
     std::size_t free_before = 0, free_after = 0, total = 0;
@@ -205,13 +163,13 @@ int main(int argc, char** argv) {
       CHECK_CUDA(cudaMemcpy(w_host.data(), weight, v * h * 2, cudaMemcpyDeviceToHost));
       CHECK_CUDA(cudaMemcpy(got.data(), loss, n * 4, cudaMemcpyDeviceToHost));
       std::vector<float> w_float(w_host.size());
-      for (std::size_t k = 0; k < w_host.size(); ++k) w_float[k] = bf16_value(w_host[k]);
+      for (std::size_t k = 0; k < w_host.size(); ++k) w_float[k] = vpce_bench::bf16_value(w_host[k]);
       for (int s = 0; s < 4; ++s) {
         const int64_t i = (s * 7919) % n;
         CHECK_CUDA(cudaMemcpy(h_host.data(), hidden + i * h, h * 2, cudaMemcpyDeviceToHost));
         std::vector<double> hrow(static_cast<std::size_t>(h));
         for (int64_t k = 0; k < h; ++k)
-          hrow[static_cast<std::size_t>(k)] = bf16_value(h_host[static_cast<std::size_t>(k)]);
+          hrow[static_cast<std::size_t>(k)] = vpce_bench::bf16_value(h_host[static_cast<std::size_t>(k)]);
         std::vector<double> z(static_cast<std::size_t>(v));
         double top = -INFINITY;
         for (int64_t c = 0; c < v; ++c) {

@@ -16,58 +16,25 @@
 #include <cstring>
 #include <vector>
 
+#include "cuda_bench.cuh"
 #include "vpce/vpce.h"
 
 namespace {
-
-#define CHECK_CUDA(call)                                                                          \
-  do {                                                                                            \
-    const cudaError_t e_ = (call);                                                                \
-    if (e_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
-
-// One rank on the device: the gather is a device-to-device copy on the stream.
-class Loopback final : public vpce::Communicator {
- public:
-  int rank() const override { return 0; }
-  int size() const override { return 1; }
-  const char* name() const override { return "loopback"; }
-  vpce::Status all_gather(const void*, void*, std::size_t) override { return {vpce::Code::kUnsupported, "host"}; }
-  vpce::Status device_all_gather(const void* send, void* recv, std::size_t bytes, void* stream) override {
-    cudaMemcpyAsync(recv, send, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
-    return {};
-  }
-};
 
 // Logits ~ N(0, 2) from a counter-based hash (Box-Muller), targets uniform.
 template <class T>
 __global__ void fill(T* logits, int64_t n, int64_t* targets, int64_t tokens, int64_t vocab, uint64_t seed) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  auto hash = [](uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  };
   for (int64_t k = i; k < n; k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const uint64_t h = hash(seed + static_cast<uint64_t>(k));
-    const float u1 = (static_cast<float>(h >> 40) + 1.0f) / 16777217.0f;
-    const float u2 = static_cast<float>(h & 0xffffff) / 16777216.0f;
-    const float x = 2.0f * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+    const float x = 2.0f * vpce_bench::normal_draw(seed, k);
     if constexpr (sizeof(T) == 4) {
       logits[k] = x;
     } else {
       logits[k] = __float2bfloat16_rn(x);
     }
-    if (k < tokens) targets[k] = static_cast<int64_t>(hash(seed ^ 0x5555 + static_cast<uint64_t>(k)) % vocab);
+    if (k < tokens)
+      targets[k] = static_cast<int64_t>(vpce_bench::mix(seed ^ 0x5555 + static_cast<uint64_t>(k)) % vocab);
   }
-}
-
-float median(std::vector<float> v) {
-  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-  return v[v.size() / 2];
 }
 
 // GB/s of a device-to-device copy of `bytes`, counting bytes read and written; best of 5.
@@ -102,9 +69,7 @@ struct Row {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int iterations = argc > 1 && argv[1][0] != '-' ? std::atoi(argv[1]) : 10;
-  bool quick = false;
-  for (int a = 1; a < argc; ++a) quick |= std::strcmp(argv[a], "--quick") == 0;
+  const auto [iterations, quick] = vpce_bench::parse_arguments(argc, argv);
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const double copy_gbs = copy_bandwidth(std::size_t{4} << 30);
@@ -163,8 +128,7 @@ int main(int argc, char** argv) {
         if (row.bf16) {
           uint16_t b;
           std::memcpy(&b, raw.data() + v * 2, 2);
-          const uint32_t bits = static_cast<uint32_t>(b) << 16;
-          std::memcpy(&sampled[s][static_cast<std::size_t>(v)], &bits, 4);
+          sampled[s][static_cast<std::size_t>(v)] = vpce_bench::bf16_value(b);
         } else {
           std::memcpy(&sampled[s][static_cast<std::size_t>(v)], raw.data() + v * 4, 4);
         }
@@ -181,7 +145,7 @@ int main(int argc, char** argv) {
     const vpce::VocabShard shard{0, row.vocab, row.vocab};
     vpce::LossOptions options;
     options.stream = stream;
-    Loopback comm;
+    vpce_bench::Loopback comm;
     vpce::Workspace workspace;
     cudaEvent_t a, b, c;
     cudaEventCreate(&a);
@@ -228,8 +192,8 @@ int main(int argc, char** argv) {
         }
       }
     }
-    const float fwd = median(forward_ms);
-    const float bwd = median(backward_ms);
+    const float fwd = vpce_bench::median(forward_ms);
+    const float bwd = vpce_bench::median(backward_ms);
     const double gbs = 3.0 * static_cast<double>(bytes) / ((fwd + bwd) * 1e-3) / 1e9;
     std::printf("%10lld %8lld %5s %8.3f %8.3f %8.0f %6.1f %6lld\n", static_cast<long long>(row.tokens),
                 static_cast<long long>(row.vocab), row.bf16 ? "bf16" : "fp32", fwd, bwd, gbs, 100.0 * gbs / copy_gbs,

@@ -80,21 +80,6 @@ HeadProblem head_problem(int64_t n, int64_t hidden, int64_t vocab, DataType dtyp
   return p;
 }
 
-reference::Options oracle_options(const LossOptions& l) {
-  reference::Options o;
-  o.label_smoothing = l.label_smoothing;
-  o.pytorch_smoothing = l.smoothing_semantics == SmoothingSemantics::kPyTorch;
-  o.ignore_index = l.ignore_index;
-  o.z_loss = l.z_loss_weight;
-  o.logit_scale = l.logit_scale;
-  o.softcap = l.softcap;
-  o.valid_vocab = l.valid_vocab_size;
-  o.reduction = l.reduction == Reduction::kNone  ? reference::Reduction::kNone
-                : l.reduction == Reduction::kSum ? reference::Reduction::kSum
-                                                 : reference::Reduction::kMean;
-  return o;
-}
-
 struct Want {
   reference::Result r;
   std::vector<std::vector<double>> grad_hidden;  // per rank: its part [N, H]
@@ -124,7 +109,8 @@ Want oracle_of(const HeadProblem& p, const std::vector<VocabShard>& shards, cons
   } else {
     upstream = {static_cast<double>(s.grad_scalar)};
   }
-  w.r = reference::cross_entropy(p.logits(), p.tokens, p.vocab, p.targets, weights, upstream, oracle_options(s.loss));
+  w.r =
+      reference::cross_entropy(p.logits(), p.tokens, p.vocab, p.targets, weights, upstream, reference_options(s.loss));
   if (s.head.bf16_logit_gradients) {  // the gradients from dx rounded to bf16 (through fp32)
     for (double& g : w.r.grad) g = detail::to_float(detail::from_float<detail::BFloat16>(static_cast<float>(g)));
   }
@@ -441,7 +427,7 @@ TEST(CudaHead, RoundLogitsAndLegacySmoothing) {
       const RankRun& got = run.ranks[r];
       ASSERT_TRUE(got.status.ok()) << got.status.to_string();
       ASSERT_TRUE(got.device_status.ok()) << got.device_status.to_string();
-      reference::Options o = oracle_options(s.loss);
+      reference::Options o = reference_options(s.loss);
       o.smoothing_begin = shards[r].vocab_begin;
       o.smoothing_end = shards[r].vocab_end;
       const std::vector<double> upstream =
