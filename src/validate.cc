@@ -60,18 +60,32 @@ Status check_view_basics(const TensorView& t, const char* name, int min_ndim, in
   return {};
 }
 
-Status check_address(const TensorView& t, const char* name, int64_t numel) {
+// data + byte_offset aligned to the dtype; it and the end of the view's `extent` bytes after it
+// inside the address space user memory can hold: without wrapping, and on 64-bit Linux below
+// 2^63 (the upper half is the kernel's). (Computed on integers: a pointer sum that overflows
+// is undefined behaviour, and a view past the end of memory crashed the kernels.)
+Status check_address(const TensorView& t, const char* name, int64_t numel, int64_t extent) {
   if (numel == 0) return {};
   if (t.data == nullptr) {
     return {Code::kInvalidArgument, expected_got((std::string(name) + ".data").c_str(), "a non-null pointer", "null")};
   }
+  constexpr uintptr_t kUserLimit = sizeof(uintptr_t) == 8 ? uintptr_t{1} << 63 : ~uintptr_t{0};
+  const auto base = reinterpret_cast<uintptr_t>(t.data);
+  uintptr_t address = 0, end = 0;
+  if (__builtin_add_overflow(base, t.byte_offset, &address) ||
+      __builtin_add_overflow(address, static_cast<uintptr_t>(extent), &end) || end > kUserLimit) {
+    return {Code::kInvalidArgument,
+            expected_got((std::string(name) + ".byte_offset").c_str(),
+                         "data + byte_offset + the view's " + std::to_string(extent) +
+                             " bytes inside the address space (below 2^63)",
+                         std::to_string(t.byte_offset) + " (data " + hex_address(t.data) + ")")};
+  }
   const int bytes = t.dtype.bytes();
-  const auto address = reinterpret_cast<uintptr_t>(t.first());
   if (bytes > 0 && address % static_cast<uintptr_t>(bytes) != 0) {
     return {Code::kInvalidArgument,
             expected_got(
                 name, "data + byte_offset aligned to " + std::to_string(bytes) + " bytes (" + to_string(t.dtype) + ")",
-                "address " + hex_address(t.first()))};
+                "address " + hex_address(reinterpret_cast<const void*>(address)))};
   }
   return {};
 }
@@ -165,7 +179,7 @@ Status as_row_matrix(const TensorView& t, const char* name, RowMatrix* out) {
   if (numel > 0 && !extent_bytes(rows, row_stride, cols, t.dtype.bytes(), &extent)) {
     return {Code::kInvalidArgument, expected_got(name, "a memory extent that fits in 64 bits", "an overflowing one")};
   }
-  if (Status s = check_address(t, name, numel); !s.ok()) return s;
+  if (Status s = check_address(t, name, numel, extent); !s.ok()) return s;
   *out = RowMatrix{static_cast<char*>(t.first()), t.dtype, rows, cols, row_stride};
   return {};
 }
@@ -186,7 +200,7 @@ Status as_token_vector(const TensorView& t, const char* name, int64_t n, TokenVe
   if (!extent_bytes(n, stride, 1, t.dtype.bytes(), &extent)) {
     return {Code::kInvalidArgument, expected_got(name, "a memory extent that fits in 64 bits", "an overflowing one")};
   }
-  if (Status s = check_address(t, name, numel); !s.ok()) return s;
+  if (Status s = check_address(t, name, numel, extent); !s.ok()) return s;
   *out = TokenVector{static_cast<char*>(t.first()), t.dtype, n, stride};
   return {};
 }

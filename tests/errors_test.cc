@@ -241,6 +241,29 @@ TEST(BadInput, MisalignedPointer) {
   f.expect_nothing_written();
 }
 
+// A byte_offset that carries data + byte_offset past the address space (2^63 into the
+// kernel's half; 2^64 - 32, which wrapped to 32 bytes before the buffer and read them with
+// success), or whose view's end does: refused, naming it, on the logits, the targets and an
+// output, before anything is read or written (it crashed in the kernels).
+TEST(BadInput, AByteOffsetBeyondTheAddressSpace) {
+  Fixture f;
+  for (const uint64_t offset : {uint64_t{1} << 63, ~uint64_t{0} - 31, ~uint64_t{0} - 4095}) {
+    TensorView x = f.x();
+    x.byte_offset = offset;
+    expect_error(f.run_forward(x, f.y(), f.loss_view(), f.lse_view()), Code::kInvalidArgument,
+                 {"logits.byte_offset: expected data + byte_offset + the view's 240 bytes inside the address space",
+                  ("got " + std::to_string(offset) + " (data 0x").c_str()});
+    TensorView y = f.y();
+    y.byte_offset = offset;
+    expect_error(f.run_forward(f.x(), y, f.loss_view(), f.lse_view()), Code::kInvalidArgument,
+                 {"targets.byte_offset: expected"});
+    TensorView grad = f.grad_view();
+    grad.byte_offset = offset;
+    expect_error(f.run_backward(grad), Code::kInvalidArgument, {"grad_logits.byte_offset: expected"});
+  }
+  f.expect_nothing_written();
+}
+
 TEST(BadInput, DeviceThisBuildCannotServe) {
   Fixture f;
   const TensorView x =
