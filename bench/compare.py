@@ -23,15 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-
-def status_mb(field):
-    """VmRSS or VmHWM (the peak) of this process image, in MiB. (getrusage's ru_maxrss would
-    include the parent's peak, which Linux keeps across exec.)"""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(field)
+from process_memory import reset_peak, status_mib
 
 
 def load_inputs(directory, dtype):
@@ -41,12 +33,6 @@ def load_inputs(directory, dtype):
         logits = logits.view(torch.bfloat16)
     targets = torch.from_numpy(np.load(os.path.join(directory, "targets.npy")))
     return logits, targets
-
-
-def reset_peak():
-    """Starts VmHWM again from the current RSS (Linux: write 5 to clear_refs)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def run_pytorch(logits, targets):
@@ -219,7 +205,7 @@ def worker(args):
     if reused is not None:
         reused.zero_()  # a buffer kept from call to call, as a framework's allocator would
     reset_peak()
-    baseline = status_mb("VmRSS")
+    baseline = status_mib("VmRSS")
     shim = None
     if args.worker.startswith("vpce-") or args.worker == "vpce":
         shim = ctypes.CDLL(args.shim)
@@ -245,11 +231,11 @@ def worker(args):
             scratch.copy_(logits)  # the gradient overwrote it
         loss = None
         reset_peak()  # per call: the peak beyond what was resident just before it
-        before = status_mb("VmRSS")
+        before = status_mib("VmRSS")
         start = time.perf_counter()
         loss, grad = run()
         times.append(time.perf_counter() - start)
-        peaks.append(status_mb("VmHWM") - before)
+        peaks.append(status_mib("VmHWM") - before)
         del grad
     reference = np.load(os.path.join(args.input, "reference_loss.npy"))
     print(json.dumps({

@@ -29,22 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from process_memory import reset_peak, status_mib
+
 LAYERS, HIDDEN, HEADS, VOCAB, SEQUENCE, BATCH = 8, 1024, 16, 128256, 2048, 1
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def reset_peak():
-    """Linux: the peak resident memory (VmHWM) restarts from the current one."""
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-
-
-def peak_mib():
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def resident_mib():
@@ -165,11 +153,11 @@ def worker(rank, size, init_file, loss_kind, dtype, attention):
         loss = (per_token * loss_mask).sum() / loss_mask.sum()
         forward_end = resident_mib()
         loss.backward()
-        backward_peak = peak_mib()
+        backward_peak = status_mib("VmHWM")
         reset_peak()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.item(), forward_end, backward_peak, peak_mib()
+        return loss.item(), forward_end, backward_peak, status_mib("VmHWM")
 
     # Adam's states exist after a first step; the steps after it are the steady state.
     for parameter in model.parameters():

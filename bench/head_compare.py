@@ -46,20 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-
-def status_mb(field):
-    """VmRSS or VmHWM (the peak) of this process, in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(field)
-
-
-def reset_peak():
-    """Starts VmHWM again from the current RSS (Linux: write 5 to clear_refs)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+from process_memory import reset_peak, status_mib
 
 
 def load(directory, name, dtype):
@@ -142,7 +129,7 @@ def worker(args):
         import vpce.torch  # noqa: F401, PLC0415 (imported before anything is measured)
     times, cpu_times, peaks = [], [], []
     loss = None
-    baseline = status_mb("VmRSS")  # the inputs; what a case keeps between calls counts as extra
+    baseline = status_mib("VmRSS")  # the inputs; what a case keeps between calls counts as extra
     grad_hidden = None
     for _ in range(args.warmup + args.repeat):
         loss = grad_hidden = None
@@ -151,7 +138,7 @@ def worker(args):
         loss, (grad_hidden, _) = step(args.worker, hidden, weight, target, args.threads)
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
-        peaks.append(status_mb("VmHWM") - baseline)
+        peaks.append(status_mib("VmHWM") - baseline)
     reference = float(np.load(os.path.join(args.input, "reference_loss.npy")))
     reference_dh = torch.from_numpy(np.load(os.path.join(args.input, "reference_grad_hidden.npy")))
     dh_error = float((grad_hidden.double() - reference_dh).abs().max() / reference_dh.abs().max())

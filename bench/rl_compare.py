@@ -22,20 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from process_memory import reset_peak, status_mib
+
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce_scatter")
-
-
-def status_mib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(field)
-
-
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 class Counter:
@@ -144,6 +133,7 @@ def worker(rank, size, init_file, args, results):
     counts = {name: {} for name in runs}
     outputs = {}
     grad_mib = x.numel() * x.element_size() / 2**20
+    checked = min(256, args.tokens)
     for _ in range(args.warmup + args.repeat):
         for name, run in runs.items():
             logits = model_output(x)
@@ -156,11 +146,11 @@ def worker(rank, size, init_file, args, results):
             # beyond the inputs, and beyond the new logits-size gradient where there is one
             peaks[name].append(status_mib("VmHWM") - before - (0 if name == "vpce-in-place" else grad_mib))
             del logits
-            outputs[name] = tuple(t[:256].clone() for t in outputs[name])
-    # float64 on the first 256 tokens: every rank's columns gathered
-    parts = [torch.empty(256, local, dtype=dtype) for _ in range(size)]
-    dist.all_gather(parts, x[:256].contiguous())
-    want = reference(torch.cat(parts, -1), target[:256], g_lp[:256], g_h[:256])
+            outputs[name] = tuple(t[:checked].clone() for t in outputs[name])
+    # float64 on the first 256 tokens (or all, if fewer): every rank's columns gathered
+    parts = [torch.empty(checked, local, dtype=dtype) for _ in range(size)]
+    dist.all_gather(parts, x[:checked].contiguous())
+    want = reference(torch.cat(parts, -1), target[:checked], g_lp[:checked], g_h[:checked])
     for name in runs:
         lp, h, grad = outputs[name]
         want_grad = want[2][:, rank * local:(rank + 1) * local]

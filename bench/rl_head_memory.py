@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rl_compare import Counter, reset_peak, status_mib
+from process_memory import reset_peak, status_mib
+from rl_compare import Counter
 
 
 def worker(rank, size, init_file, args, results):
