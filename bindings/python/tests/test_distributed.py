@@ -24,7 +24,8 @@ GROUP_TIMEOUT = datetime.timedelta(seconds=60)  # gloo's own, per collective
 TEST_DEADLINE_S = 240  # per spawned test, start-up included
 
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce", "reduce_scatter",
-               "barrier", "gather", "scatter", "all_to_all", "send", "recv", "isend", "irecv")
+               "reduce_scatter_tensor", "barrier", "gather", "scatter", "all_to_all", "send", "recv", "isend",
+               "irecv")
 
 
 class CollectiveCounter:

@@ -22,39 +22,10 @@ import vpce
 import vpce.torch as vt
 from vpce import _torch_head
 from reference import relative_error
-from test_distributed import init_group, same_outcome_on_every_rank, spawn
+from test_distributed import CollectiveCounter, init_group, same_outcome_on_every_rank, spawn
 
 CUSTOM_OPS = vt._CUSTOM_OPS
 needs_custom_ops = pytest.mark.skipif(not CUSTOM_OPS, reason="torch.library.custom_op needs PyTorch >= 2.4")
-
-COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce", "reduce_scatter",
-               "reduce_scatter_tensor", "barrier", "gather", "scatter", "all_to_all", "send", "recv", "isend",
-               "irecv")
-
-
-class CollectiveCounter:
-    """Counts calls to torch.distributed's collectives while installed."""
-
-    def __init__(self):
-        self.calls = []
-        self.saved = {}
-
-    def __enter__(self):
-        for name in COLLECTIVES:
-            if hasattr(dist, name):
-                original = getattr(dist, name)
-                self.saved[name] = original
-
-                def counted(*args, _name=name, _original=original, **kwargs):
-                    self.calls.append(_name)
-                    return _original(*args, **kwargs)
-
-                setattr(dist, name, counted)
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self.saved.items():
-            setattr(dist, name, original)
 
 
 # ---- the float64 reference ----------------------------------------------------------------
