@@ -367,6 +367,26 @@ def test_nemo_rl_drop_in_matches_float64():
     assert (got.double() - want).abs().max() <= 1e-6 * want.abs().max()
 
 
+def test_nemo_rl_drop_in_leaves_the_temperature_to_its_caller():
+    """NeMo-RL's function reads only top_k and top_p of sampling_params (its policy workers
+    divide the logits by the temperature before calling it): vpce's takes the logits as given
+    too (it divided them again: log_softmax(x / T^2)); top-k or top-p filtering is refused."""
+    class SamplingParams:  # the fields of NeMo-RL's TrainingSamplingParams
+        def __init__(self, temperature=1.0, top_k=None, top_p=1.0):
+            self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+
+    generator = torch.Generator().manual_seed(5)
+    scaled = torch.randn(2, 7, 300, generator=generator) / 0.5  # the caller's logits.div_(T)
+    target = torch.randint(0, 300, (2, 7), generator=generator)
+    got = vnemo.from_parallel_logits_to_logprobs(scaled, target, 0, 300, None,
+                                                 sampling_params=SamplingParams(temperature=0.5))
+    want = torch.log_softmax(scaled.double(), -1)[:, :-1].gather(-1, target[:, 1:].unsqueeze(-1)).squeeze(-1)
+    assert (got.double() - want).abs().max() <= 1e-6 * want.abs().max()
+    for params in (SamplingParams(top_k=50), SamplingParams(top_p=0.9)):
+        with pytest.raises(ValueError, match="sampling_params: expected no top-k or top-p filtering"):
+            vnemo.from_parallel_logits_to_logprobs(scaled, target, 0, 300, None, sampling_params=params)
+
+
 # ---- several ranks ---------------------------------------------------------------------------
 
 

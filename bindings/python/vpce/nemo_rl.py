@@ -25,13 +25,14 @@ def from_parallel_logits_to_logprobs(vocab_parallel_logits, target, vocab_start_
         raise ValueError("cp_group: expected None or a group of one rank (vpce.nemo_rl does not split the sequence "
                          f"over context parallelism), got a group of {torch.distributed.get_world_size(cp_group)}")
     del chunk_size  # vpce keeps O(tokens) state: no chunks needed
-    temperature = 1.0
-    if sampling_params is not None:
-        if getattr(sampling_params, "top_k", None) not in (None, -1) or getattr(sampling_params, "top_p", 1.0) != 1.0:
-            raise ValueError("sampling_params: expected no top-k or top-p (vpce.nemo_rl takes the temperature only), "
-                             f"got top_k={getattr(sampling_params, 'top_k', None)}, "
-                             f"top_p={getattr(sampling_params, 'top_p', 1.0)}")
-        temperature = float(getattr(sampling_params, "temperature", 1.0))
+    # NeMo-RL reads only top_k and top_p here; its policy workers divide the logits by the
+    # temperature before the call, so the temperature is not applied again.
+    if sampling_params is not None and (getattr(sampling_params, "top_k", None) not in (None, -1)
+                                        or getattr(sampling_params, "top_p", 1.0) != 1.0):
+        raise ValueError("sampling_params: expected no top-k or top-p filtering (vpce.nemo_rl computes the "
+                         "log-probabilities over the whole vocabulary; give the support as -inf logits, docs/rl.md), "
+                         f"got top_k={getattr(sampling_params, 'top_k', None)}, "
+                         f"top_p={getattr(sampling_params, 'top_p', 1.0)}")
     _, rank, size = _group(tp_group)
     local = vocab_parallel_logits.shape[-1]
     if (vocab_start_index, vocab_end_index) != (rank * local, (rank + 1) * local):
@@ -40,6 +41,5 @@ def from_parallel_logits_to_logprobs(vocab_parallel_logits, target, vocab_start_
                          f"({vocab_start_index}, {vocab_end_index})")
     shifted = target.roll(shifts=-1, dims=-1)
     with torch.no_grad() if inference_only else torch.enable_grad():
-        log_prob, _ = log_probs_and_entropy(vocab_parallel_logits, shifted, temperature=temperature,
-                                            tp_group=tp_group)
+        log_prob, _ = log_probs_and_entropy(vocab_parallel_logits, shifted, tp_group=tp_group)
     return log_prob[:, :-1]
