@@ -265,6 +265,43 @@ TEST(Group, AllGatherOrdersByRank) {
   for (const auto& got : received) EXPECT_EQ(got, (std::vector<int>{0, 0, 1, 10, 2, 20, 3, 30, 4, 40}));
 }
 
+// The backend's preconditions, checked on every rank alike (no rank left waiting for the
+// timeout): send and recv that overlap (rank 1's send inside its recv: rank 0's bytes were
+// copied over it before rank 1's were read, with success), one rank alone gathering in place,
+// and a null buffer on one rank.
+TEST(Group, AllGatherRefusesOverlappingOrNullBuffersOnEveryRank) {
+  std::unique_ptr<ThreadGroup> group;
+  ASSERT_TRUE(ThreadGroup::create(2, &group, std::chrono::seconds(20)).ok());
+  std::vector<std::vector<int>> buffers(2, std::vector<int>(6, 0));
+  for (int variant = 0; variant < 2; ++variant) {
+    const auto results = group->run([&](Communicator& comm) {
+      const int r = comm.rank();
+      int* mine = buffers[static_cast<size_t>(r)].data();
+      for (int k = 0; k < 6; ++k) mine[k] = 10 * r + k;
+      int other[2] = {r, r};
+      if (r == 1) return comm.all_gather(variant == 0 ? mine + 1 : nullptr, mine, 2 * sizeof(int));
+      return comm.all_gather(other, mine, 2 * sizeof(int));
+    });
+    const char* want = variant == 0 ? "all_gather: rank 1 of 2: expected send and recv buffers that do not overlap"
+                                    : "all_gather: rank 1 of 2: expected non-null send and recv buffers";
+    EXPECT_EQ(results[0].code(), Code::kRemoteError) << results[0].message();
+    EXPECT_EQ(results[1].code(), Code::kInvalidArgument) << results[1].message();
+    for (const Status& s : results) EXPECT_NE(s.message().find(want), std::string::npos) << s.message();
+  }
+  std::unique_ptr<ThreadGroup> alone;
+  ASSERT_TRUE(ThreadGroup::create(1, &alone).ok());
+  int value[1] = {7};
+  const Status s = alone->communicator(0).all_gather(value, value, sizeof(value));
+  EXPECT_NE(s.message().find("do not overlap"), std::string::npos) << s.message();
+  // The group still works afterwards.
+  const auto fine = group->run([&](Communicator& comm) {
+    int mine[1] = {comm.rank()};
+    int all[2] = {};
+    return comm.all_gather(mine, all, sizeof(mine));
+  });
+  for (const Status& st : fine) EXPECT_TRUE(st.ok()) << st.message();
+}
+
 TEST(Group, ExceptionInRankFunctionBecomesAnError) {
   std::unique_ptr<ThreadGroup> group;
   ASSERT_TRUE(ThreadGroup::create(1, &group).ok());

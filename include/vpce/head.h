@@ -85,7 +85,9 @@ struct HeadOptions {
   int64_t vocab_block = 0;
   // Chunked mode: tokens per chunk (default: the largest multiple of token_block whose
   // [chunk, ceil(V / R)] fp32 logits fit in 128 MiB, at least one block: the same on every
-  // rank, uneven ranges included). Every rank must pass the same value, as for the options.
+  // rank, uneven ranges included). Every rank must pass the same value, as for the options,
+  // and in this mode the same token_block too (the chunk is a multiple of it; ranks that
+  // differ fail alike on the size of their gathers).
   int64_t chunk_tokens = 0;
   // bf16 operands only (kInvalidArgument otherwise): the logit gradients dx, fp32 by
   // default, are rounded to bf16 once (to nearest even) and every gradient (hidden, weight,

@@ -17,6 +17,8 @@
 #include <thread>
 #include <vector>
 
+#include "../gather_size_hint.h"
+
 namespace vpce {
 namespace {
 
@@ -262,7 +264,7 @@ Status MpiCommunicator::all_gather(const void* send, void* recv, std::size_t byt
     if (other.bytes != agreed) {
       return {Code::kInvalidUsage, "all_gather: expected every rank to send the same number of bytes, got " +
                                        std::to_string(agreed) + " from rank 0 and " + std::to_string(other.bytes) +
-                                       " from rank " + std::to_string(r)};
+                                       " from rank " + std::to_string(r) + detail::kGatherSizeHint};
     }
     if (other.flags != 0 && flagged < 0) {
       flags = other.flags;

@@ -4,7 +4,9 @@
 // waits for all; every rank then checks that the sizes agree and copies every rank's bytes
 // into its own buffer; a second barrier keeps each send buffer alive until all have copied.
 // A barrier that times out breaks the group, and a broken group fails every call at once.
+#include <charconv>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -12,6 +14,7 @@
 #include <system_error>
 #include <thread>
 
+#include "../gather_size_hint.h"
 #include "vpce/threads.h"
 
 namespace vpce {
@@ -20,6 +23,7 @@ struct ThreadGroup::Shared {
   struct Slot {
     const void* data = nullptr;
     std::size_t bytes = 0;
+    std::string fault;  // what is wrong with this rank's buffers; empty when nothing is
   };
 
   Shared(int n, std::chrono::milliseconds t) : size(n), timeout(t), slots(static_cast<size_t>(n)) {}
@@ -76,27 +80,31 @@ class ThreadGroup::RankCommunicator final : public Communicator {
   const char* name() const override { return "threads"; }
 
   Status all_gather(const void* send, void* recv, std::size_t bytes) override {
-    if (bytes > 0 && (send == nullptr || recv == nullptr)) {
-      return {Code::kInvalidArgument,
-              "all_gather: expected non-null send and recv buffers for " + std::to_string(bytes) + " bytes, got null"};
-    }
+    // A rank's bad buffers are posted with its slot, so that every rank fails alike (rather
+    // than the others waiting for it until the timeout).
+    std::string fault = buffer_fault(send, recv, bytes);
     std::unique_lock<std::mutex> lock(shared_->mutex);
-    shared_->slots[static_cast<size_t>(rank_)] = Shared::Slot{send, bytes};
+    shared_->slots[static_cast<size_t>(rank_)] = Shared::Slot{send, bytes, std::move(fault)};
     if (Status s = shared_->arrive_and_wait(lock, "posting", true); !s.ok()) return s;
     // No rank writes its slot again before every rank has passed the second phase, so the
     // slots can be read without the lock until then.
     const std::vector<Shared::Slot>& slots = shared_->slots;
     lock.unlock();
 
-    // Every rank compares against rank 0, so all return the same message.
+    // Every rank reads the slots in the same order, so all return the same message.
     Status result;
-    for (int r = 1; r < shared_->size; ++r) {
+    for (int r = 0; r < shared_->size && result.ok(); ++r) {
+      const std::string& f = slots[static_cast<size_t>(r)].fault;
+      if (f.empty()) continue;
+      result = {r == rank_ ? Code::kInvalidArgument : Code::kRemoteError,
+                "all_gather: rank " + std::to_string(r) + " of " + std::to_string(shared_->size) + ": " + f};
+    }
+    for (int r = 1; r < shared_->size && result.ok(); ++r) {
       if (slots[static_cast<size_t>(r)].bytes != slots[0].bytes) {
         result = {Code::kInvalidUsage, "threads backend: ranks disagree on the all_gather size: expected rank 0's " +
                                            std::to_string(slots[0].bytes) + " bytes from every rank, got " +
                                            std::to_string(slots[static_cast<size_t>(r)].bytes) + " from rank " +
-                                           std::to_string(r) + " (do they agree on the number of tokens?)"};
-        break;
+                                           std::to_string(r) + detail::kGatherSizeHint};
       }
     }
     if (result.ok()) {
@@ -113,6 +121,31 @@ class ThreadGroup::RankCommunicator final : public Communicator {
   }
 
  private:
+  // Null buffers, or a send buffer that overlaps the receive buffer (which every rank's bytes
+  // are copied into while this rank's are still being read): the text of the fault, or "".
+  std::string buffer_fault(const void* send, const void* recv, std::size_t bytes) const {
+    if (bytes == 0) return {};
+    if (send == nullptr || recv == nullptr) {
+      return "expected non-null send and recv buffers for " + std::to_string(bytes) + " bytes, got null";
+    }
+    const auto s = reinterpret_cast<uintptr_t>(send), r = reinterpret_cast<uintptr_t>(recv);
+    uintptr_t recv_bytes = 0, send_end = 0, recv_end = 0;
+    if (__builtin_mul_overflow(bytes, static_cast<uintptr_t>(shared_->size), &recv_bytes) ||
+        __builtin_add_overflow(s, bytes, &send_end) || __builtin_add_overflow(r, recv_bytes, &recv_end)) {
+      return "expected send and recv buffers inside the address space, got " + std::to_string(bytes) +
+             " bytes per rank that carry them past its end";
+    }
+    if (s < recv_end && r < send_end) {
+      const auto hex = [](uintptr_t a) {
+        char text[2 + 2 * sizeof(uintptr_t)] = {'0', 'x'};
+        return std::string(text, std::to_chars(text + 2, text + sizeof(text), a, 16).ptr);
+      };
+      return "expected send and recv buffers that do not overlap, got send " + hex(s) + " (" + std::to_string(bytes) +
+             " bytes) and recv " + hex(r) + " (" + std::to_string(recv_bytes) + " bytes)";
+    }
+    return {};
+  }
+
   Shared* shared_;
   int rank_;
 };
