@@ -293,6 +293,104 @@ def test_head_policy_objective_errors_name_the_argument():
         vt.linear_policy_objective(hidden, weight, target, torch.ones(4), mode="chunked")
 
 
+def test_head_policy_objective_takes_per_sequence_weights_and_refuses_weights_that_want_a_gradient():
+    """Weights of one per sequence ([b] for [b, s] tokens, GRPO's advantages) weigh every token
+    of their row; [b] for [b, b] tokens is ambiguous and refused; a weight tensor that requires
+    grad is refused (it got a gradient of None, silently)."""
+    generator = torch.Generator().manual_seed(31)
+    hidden, weight = torch.randn(2, 3, 8, generator=generator), torch.randn(40, 8, generator=generator)
+    target = torch.randint(0, 40, (2, 3), generator=generator)
+    per_sequence = torch.tensor([0.5, -1.5])
+    objective, log_prob, _ = vt.linear_policy_objective(hidden, weight, target, per_sequence)
+    want = (log_prob.double() * per_sequence.double().unsqueeze(-1)).sum()
+    assert abs(objective.item() - want.item()) <= 1e-6 * log_prob.double().abs().sum().item()
+    square = torch.randint(0, 40, (2, 2), generator=generator)
+    with pytest.raises(ValueError, match=r"log_prob_weights.shape: expected a shape that says which .* pass "
+                                         r"\(2, 1\) for the first or \(1, 2\) for the last"):
+        vt.linear_policy_objective(hidden[:, :2], weight, square, per_sequence)
+    for name in ("log_prob_weights", "entropy_weights"):
+        wanting = torch.ones(2, 3, requires_grad=True)
+        arguments = {"log_prob_weights": torch.ones(2, 3), "entropy_weights": None, name: wanting}
+        with pytest.raises(ValueError, match=f"{name}: expected a tensor that does not require grad"):
+            vt.linear_policy_objective(hidden, weight, target, **arguments)
+
+
+def test_temperature_shapes_that_both_broadcasting_rules_read_differently_are_refused():
+    """[b] for [b, b] tokens: vpce's rule reads one per row, PyTorch's one per column; refused,
+    naming both spellings. [b] for [b, s] (s != b) is one per sequence; the message for a
+    shape neither rule takes says vpce's rule (it claimed PyTorch's broadcasting)."""
+    generator = torch.Generator().manual_seed(33)
+    logits = torch.randn(3, 3, 40, generator=generator)
+    target = torch.randint(0, 40, (3, 3), generator=generator)
+    with pytest.raises(ValueError, match=r"temperature.shape: expected a shape that says which .* got \(3,\)"):
+        vt.log_probs_and_entropy(logits, target, temperature=torch.tensor([0.5, 1.0, 2.0]))
+    rows, _ = vt.log_probs_and_entropy(logits, target, temperature=torch.tensor([[0.5], [1.0], [2.0]]))
+    columns, _ = vt.log_probs_and_entropy(logits, target, temperature=torch.tensor([[0.5, 1.0, 2.0]]))
+    for got, t in ((rows, torch.tensor([[0.5], [1.0], [2.0]])), (columns, torch.tensor([[0.5, 1.0, 2.0]]))):
+        want = torch.log_softmax(logits.double() / t.double().unsqueeze(-1), -1).gather(-1, target.unsqueeze(-1))
+        assert (got.double() - want.squeeze(-1)).abs().max() <= 1e-6 * want.abs().max()
+    with pytest.raises(ValueError, match=r"fewer dimensions aligned with the target's first ones .* got \(4,\)"):
+        vt.log_probs_and_entropy(logits[:, :2], target[:, :2], temperature=torch.ones(4))
+
+
+def test_forward_mode_derivatives_are_refused_rather_than_zero():
+    """torch.func.jvp and torch.autograd.forward_ad through the loss, the RL outputs and the
+    head: NotImplementedError naming the function (the custom ops gave a tangent of zeros,
+    where F.cross_entropy's is the directional derivative)."""
+    import torch.autograd.forward_ad as forward_ad
+    generator = torch.Generator().manual_seed(35)
+    x, v = torch.randn(4, 7, generator=generator), torch.randn(4, 7, generator=generator)
+    t = torch.randint(0, 7, (4,), generator=generator)
+    hidden, weight = torch.randn(4, 3, generator=generator), torch.randn(7, 3, generator=generator)
+    calls = {"vocab_parallel_cross_entropy": lambda a: vt.vocab_parallel_cross_entropy(a, t),
+             "log_probs_and_entropy": lambda a: vt.log_probs_and_entropy(a, t)[0],
+             "linear_cross_entropy": lambda a: vt.linear_cross_entropy(a[:, :3], weight, t),
+             "linear_log_probs_and_entropy": lambda a: vt.linear_log_probs_and_entropy(a[:, :3], weight, t)[0],
+             "linear_policy_objective": lambda a: vt.linear_policy_objective(a[:, :3], weight, t, torch.ones(4))[0]}
+    for name, call in calls.items():
+        with pytest.raises(NotImplementedError, match=f"{name}: expected operands without a forward-mode tangent"):
+            torch.func.jvp(call, (x,), (v,))
+        with forward_ad.dual_level(), pytest.raises(NotImplementedError, match=name):
+            call(forward_ad.make_dual(x, v))
+    with pytest.raises(NotImplementedError, match="linear_cross_entropy"):
+        torch.func.jvp(lambda w: vt.linear_cross_entropy(hidden, w, t), (weight,), (torch.ones_like(weight),))
+    # Reverse mode through the same call still works.
+    leaf = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(calls["vocab_parallel_cross_entropy"](leaf).sum(), leaf)
+    want = torch.softmax(x.double(), -1) - torch.nn.functional.one_hot(t, 7).double()
+    assert (grad.double() - want).abs().max() <= 1e-6
+
+
+def test_rl_arguments_name_their_function_and_hold_in_float32():
+    """Unexpected options name the function called (they named another); sum_pi_squared has
+    no targets, so ignore_index is refused (with 0 every row read as ignored: zeros); a bool
+    temperature is refused as label_smoothing's is; a temperature float32 does not hold is
+    refused as given (it was named by its rounding: 0 or inf)."""
+    logits, target = torch.randn(4, 50), torch.randint(0, 50, (4,))
+    hidden, weight = torch.randn(4, 8), torch.randn(50, 8)
+    with pytest.raises(TypeError, match=r"sum_pi_squared: unexpected options \['ignore_index'\]"):
+        vt.sum_pi_squared(logits, ignore_index=0)
+    with pytest.raises(TypeError, match=r"sum_pi_squared: unexpected options \['z_loss_weight'\]"):
+        vt.sum_pi_squared(logits, z_loss_weight=0.1)
+    with pytest.raises(TypeError, match=r"linear_policy_objective: unexpected options \['reduction'\]"):
+        vt.linear_policy_objective(hidden, weight, target, torch.ones(4), reduction="sum")
+    with pytest.raises(TypeError, match="temperature: expected a number, got bool True"):
+        vt.log_probs_and_entropy(logits, target, temperature=True)
+    with pytest.raises(TypeError, match="temperature: expected a number, got bool True"):
+        vt.linear_log_probs_and_entropy(hidden, weight, target, temperature=True)
+    for tiny_or_huge in (1e-50, 1e300):
+        with pytest.raises(ValueError, match=f"temperature: expected a value that float32 holds .* got {tiny_or_huge!r}"
+                                             .replace("+", r"\+")):
+            vt.log_probs_and_entropy(logits, target, temperature=tiny_or_huge)
+        per_token = torch.full((4,), tiny_or_huge, dtype=torch.float64)
+        with pytest.raises(ValueError, match=f"temperature: expected values that float32 holds .* got {tiny_or_huge!r}"
+                                             .replace("+", r"\+")):
+            vt.log_probs_and_entropy(logits, target, temperature=per_token)
+    # The edges themselves: float32's largest value is taken (and gives finite outputs).
+    log_prob, entropy = vt.log_probs_and_entropy(logits, target, temperature=3.4028234663852886e38)
+    assert torch.isfinite(log_prob).all() and torch.isfinite(entropy).all()
+
+
 @needs_custom_ops
 def test_head_policy_objective_opcheck():
     generator = torch.Generator().manual_seed(25)

@@ -84,7 +84,7 @@ def test_bools_are_not_numbers_here(options):
     logits, target, _ = problem()
     with pytest.raises(TypeError, match="expected a"):
         vt.vocab_parallel_cross_entropy(logits.clone(), target, 0.0, **options)
-    with pytest.raises(TypeError, match="options.label_smoothing: expected a number, got bool"):
+    with pytest.raises(TypeError, match="label_smoothing: expected a number, got bool"):
         vt.vocab_parallel_cross_entropy(logits.clone(), target, True, smoothing_semantics="pytorch")
 
 
@@ -385,6 +385,20 @@ def test_in_place_on_a_leaf_that_requires_grad_is_refused(view):
     with pytest.raises(ValueError, match="inplace_backward: expected logits that autograd lets be overwritten.*"
                                          + ("a view of a leaf" if view else "got a leaf")):
         vt.vocab_parallel_cross_entropy(leaf[:, :, :25] if view else leaf, target % 25, inplace_backward=True)
+
+
+def test_a_label_smoothing_tensor_that_requires_grad_is_refused_rather_than_left_without_one():
+    """vpce gives label_smoothing no gradient: a tensor that requires one is refused (the loss
+    required grad and the tensor's .grad stayed None); one that does not is taken as its value."""
+    logits, target, _ = problem(vocab=50)
+    wanting = torch.tensor(0.1, requires_grad=True)
+    for call in (lambda a: vt.vocab_parallel_cross_entropy(logits, target % 50, a),
+                 lambda a: vt.linear_cross_entropy(torch.randn(3, 8), torch.randn(50, 8), target.flatten()[:3] % 50, a)):
+        with pytest.raises(ValueError, match="label_smoothing: expected a number or a tensor that does not require "
+                                             "grad"):
+            call(wanting)
+    got = vt.vocab_parallel_cross_entropy(logits, target % 50, torch.tensor(0.1))
+    assert torch.equal(got, vt.vocab_parallel_cross_entropy(logits, target % 50, 0.1))
 
 
 @pytest.mark.parametrize("value", [1.5, -0.5, float("nan"), 1.0])

@@ -4,8 +4,10 @@ as vpce's kernels take them, and the in-place gradient's precondition."""
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 from . import _vpce
+from ._torch_compile import _compiling
 
 _SEMANTICS = {"megatron": _vpce.SmoothingSemantics.MEGATRON, "pytorch": _vpce.SmoothingSemantics.PYTORCH,
               "megatron_legacy": _vpce.SmoothingSemantics.MEGATRON_LEGACY}
@@ -24,7 +26,7 @@ def _options(label_smoothing, options):
         raise TypeError(f"vocab_parallel_cross_entropy: unexpected options {unknown}; expected some of "
                         f"{list(_OPTION_NAMES)}")
     result = _vpce.LossOptions()
-    result.label_smoothing = label_smoothing
+    result.label_smoothing = _real(label_smoothing, "label_smoothing")
     for name, value in options.items():
         if name == "smoothing_semantics":
             if not (isinstance(value, str) and value in _SEMANTICS):
@@ -78,10 +80,27 @@ def _as_targets(target, logits):
 
 
 def _real(value, name):
-    """A number as a Python float, or TypeError naming it."""
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+    """A number as a Python float, or TypeError naming it; a tensor that requires grad is
+    refused (vpce gives it no gradient: it would be None, silently)."""
+    if isinstance(value, (str, bytes, bool)) or not hasattr(value, "__float__"):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        raise ValueError(f"{name}: expected a number or a tensor that does not require grad (no gradient flows to "
+                         f"{name}: detach it), got one that requires grad")
     return float(value)
+
+
+def _reverse_mode_only(function, *tensors):
+    """NotImplementedError where an operand carries a forward-mode tangent (torch.func.jvp,
+    torch.autograd.forward_ad): vpce's functions have first derivatives in reverse mode only,
+    and a custom op without a forward-mode formula gives a tangent of zeros, silently."""
+    if _compiling():
+        return
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and forward_ad.unpack_dual(tensor).tangent is not None:
+            raise NotImplementedError(f"{function}: expected operands without a forward-mode tangent (vpce's "
+                                      "derivatives are reverse mode only: backward, torch.autograd.grad), got "
+                                      "one from torch.func.jvp or torch.autograd.forward_ad")
 
 
 def _check_inplace(logits):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from . import _vpce
 from ._torch_arguments import (_GRADIENT_DTYPES, _LOGITS_DTYPES, _LSE_DTYPES, _OPTION_NAMES, _TARGET_DTYPES,
                                _WIDENED_TARGET_DTYPES, _as_float32, _as_rows, _as_targets, _check_float_tensor,
-                               _check_op_tensors, _first_derivative_only, _options, _real)
+                               _check_op_tensors, _first_derivative_only, _options, _real, _reverse_mode_only)
 from ._torch_collective import _BLOCK_HEADER, _HIDDEN_GRADIENT, _HIDDEN_STATES, _calling, _Collective
 from ._torch_compile import _CUSTOM_OPS, _compiling
 from ._torch_groups import _group
@@ -771,6 +771,7 @@ def linear_cross_entropy(hidden, weight, target, label_smoothing=0.0, tp_group=N
     copy_to_tensor_model_parallel_region. Returns the loss in float32 (float64 for float64
     operands), the same on every rank.
     """
+    _reverse_mode_only("linear_cross_entropy", hidden, weight, bias)
     if not isinstance(megatron_legacy_label_smoothing, bool):
         raise TypeError("megatron_legacy_label_smoothing: expected a bool, got "
                         f"{type(megatron_legacy_label_smoothing).__name__}")

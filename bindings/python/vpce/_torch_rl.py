@@ -5,13 +5,15 @@ autograd.Function (PyTorch < 2.4, and the in-place gradient) and, on PyTorch >= 
 custom ops vpce::rl_forward / vpce::rl_backward (torch.compile traces them whole)."""
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
 
 from . import _vpce
 from ._torch_arguments import (_LOGITS_DTYPES, _TARGET_DTYPES, _WIDENED_TARGET_DTYPES, _as_rows, _as_targets,
-                               _check_inplace, _check_logits, _check_op_tensors, _first_derivative_only, _real)
+                               _check_inplace, _check_logits, _check_op_tensors, _first_derivative_only, _real,
+                               _reverse_mode_only)
 from ._torch_compile import _CUSTOM_OPS, _compiling
 from ._torch_function import _increment_version, _new_gradient, _with_group
 from ._torch_groups import _group
@@ -20,13 +22,13 @@ from ._torch_ops import _decode_options, _encode_options, _fits_op, _group_key, 
 _RL_OPTION_NAMES = ("ignore_index", "logit_scale", "softcap", "valid_vocab_size", "num_threads")
 
 
-def _rl_options(temperature, options):
+def _rl_options(temperature, options, function="log_probs_and_entropy", names=_RL_OPTION_NAMES):
     """vpce.RlOptions from a scalar temperature (None: per-token ones are given) and the
-    keyword options; errors name the option."""
-    unknown = sorted(set(options) - set(_RL_OPTION_NAMES))
+    keyword options, of which `function` takes `names`; errors name the function and the
+    option."""
+    unknown = sorted(set(options) - set(names))
     if unknown:
-        raise TypeError(f"log_probs_and_entropy: unexpected options {unknown}; expected some of "
-                        f"{list(_RL_OPTION_NAMES)}")
+        raise TypeError(f"{function}: unexpected options {unknown}; expected some of {list(names)}")
     result = _vpce.RlOptions()
     if temperature is not None:
         result.temperature = temperature
@@ -35,22 +37,42 @@ def _rl_options(temperature, options):
     return result
 
 
-def _temperatures_broadcast(shape, target_shape):
-    """Whether temperatures of `shape` broadcast to the target's: one per token, or fewer
-    dimensions, padded with 1 at the end (one per row of [b, s] targets, as verl's per-sequence
-    temperatures; a 0-d tensor for all)."""
-    padded = tuple(shape) + (1,) * (len(target_shape) - len(shape))
-    return len(shape) <= len(target_shape) and all(a in (1, b) for a, b in zip(padded, target_shape))
+def _token_shape_problem(shape, target_shape):
+    """None where per-token values (temperatures, an objective's weights) of `shape` broadcast
+    to the target's under vpce's rule: one per token, or fewer dimensions aligned with the
+    target's first ones (padded with 1 at the end: one per row of [b, s] targets, as verl's
+    per-sequence temperatures or GRPO's per-sequence advantages; a 0-d tensor for all);
+    else what is wrong, for the message. A shape that PyTorch's broadcasting (which aligns the
+    last dimensions) would read otherwise, as [b] for [b, b] targets, is ambiguous and refused."""
+    shape, target_shape = tuple(shape), tuple(target_shape)
+    extra = len(target_shape) - len(shape)
+    leading = shape + (1,) * max(extra, 0)
+    if extra < 0 or not all(a in (1, b) for a, b in zip(leading, target_shape)):
+        rows = target_shape[:1]
+        return (f"expected one per token {target_shape}, or fewer dimensions aligned with the target's first ones "
+                f"(one per sequence {rows} or {rows + (1,) * (len(target_shape) - 1)}; a 0-d tensor for all), "
+                f"got {shape}")
+    trailing = (1,) * extra + shape
+    if trailing != leading and all(a in (1, b) for a, b in zip(trailing, target_shape)):
+        return (f"expected a shape that says which of the target's dimensions it follows, got {shape} for the "
+                f"target's {target_shape}: vpce aligns it with the first (one per sequence) and PyTorch's "
+                f"broadcasting with the last; pass {leading} for the first or {trailing} for the last")
+    return None
 
 
-def _broadcast_temperatures(temperature, target):
-    """A temperature tensor as float32 contiguous of the target's shape (_temperatures_broadcast's
-    rule): what the custom ops and the autograd.Functions take."""
-    if not _temperatures_broadcast(temperature.shape, target.shape):
-        raise ValueError(f"temperature.shape: expected one per token {tuple(target.shape)} or broadcastable to it, "
-                         f"got {tuple(temperature.shape)}")
-    t = temperature.to(torch.float32)
-    return t.reshape(tuple(t.shape) + (1,) * (target.dim() - t.dim())).expand(target.shape).contiguous()
+def _broadcast_per_token(values, target, name):
+    """Per-token values (a temperature or weight tensor) as float32 contiguous of the target's
+    shape, by _token_shape_problem's rule; else ValueError naming them."""
+    problem = _token_shape_problem(values.shape, target.shape)
+    if problem is not None:
+        raise ValueError(f"{name}.shape: {problem}")
+    v = values.to(torch.float32)
+    if values.dtype == torch.float64 and not _compiling():  # (a branch on values: eager only)
+        lost = (torch.isfinite(values) & torch.isinf(v)) | ((values != 0) & (v == 0))
+        if lost.any():  # (the error would name the rounding, 0 or inf, not the value given)
+            raise ValueError(f"{name}: expected values that float32 holds (vpce computes in float32), got "
+                             f"{values[lost].flatten()[0].item()!r}")
+    return v.reshape(tuple(v.shape) + (1,) * (target.dim() - v.dim())).expand(target.shape).contiguous()
 
 
 def _op_takes_temperature(temperature, target):
@@ -60,15 +82,27 @@ def _op_takes_temperature(temperature, target):
     if isinstance(temperature, torch.Tensor):
         return (isinstance(target, torch.Tensor) and temperature.device == target.device
                 and temperature.is_floating_point() and not temperature.requires_grad
-                and _temperatures_broadcast(temperature.shape, target.shape))
-    return isinstance(temperature, (float, int)) and not isinstance(temperature, bool)
+                and _token_shape_problem(temperature.shape, target.shape) is None)
+    return isinstance(temperature, (float, int)) and not isinstance(temperature, bool) and _float32_holds(temperature)
+
+
+_FLOAT32_OVERFLOW = 2.0**128 - 2.0**103  # the midpoint above float32's largest value: rounds to inf
+_FLOAT32_UNDERFLOW = 2.0**-150  # half float32's smallest subnormal: rounds to 0
+
+
+def _float32_holds(value):
+    """Whether a number keeps its magnitude in float32 (rounded to nearest even): not a finite
+    one that overflows, nor a nonzero one that underflows to 0 (NaN and inf are the checks' to
+    refuse). Plain arithmetic, so that torch.compile traces it without a break."""
+    magnitude = abs(float(value))
+    return not ((math.isfinite(magnitude) and magnitude >= _FLOAT32_OVERFLOW) or 0 < magnitude <= _FLOAT32_UNDERFLOW)
 
 
 def _op_temperature_arguments(temperature, target):
     """The custom ops' (temperatures, scalar) for a temperature _op_takes_temperature takes: a
     tensor as (float32 of the target's shape, 1.0), a number as (None, T)."""
     if isinstance(temperature, torch.Tensor):
-        return _broadcast_temperatures(temperature, target), 1.0
+        return _broadcast_per_token(temperature, target, "temperature"), 1.0
     return None, float(temperature)
 
 
@@ -77,7 +111,11 @@ def _as_temperatures(temperature, logits, target):
     broadcastable to the target) gives (None, float32 contiguous of the target's shape). The
     temperature takes no gradient: a tensor that requires one is refused."""
     if not isinstance(temperature, torch.Tensor):
-        return _real(temperature, "temperature"), None
+        value = _real(temperature, "temperature")
+        if not _float32_holds(value):
+            raise ValueError(f"temperature: expected a value that float32 holds (vpce computes in float32), got "
+                             f"{value!r}")
+        return value, None
     if temperature.device != logits.device:
         raise ValueError(f"temperature.device: expected the logits' device {logits.device}, got {temperature.device}")
     if not temperature.is_floating_point():
@@ -85,7 +123,7 @@ def _as_temperatures(temperature, logits, target):
     if temperature.requires_grad:  # (rather than a gradient of None, silently)
         raise ValueError("temperature: expected a tensor that does not require grad (no gradient flows to the "
                          "temperature: detach it), got one that requires grad")
-    return None, _broadcast_temperatures(temperature, target)
+    return None, _broadcast_per_token(temperature, target, "temperature")
 
 
 def _policy(collective, rank, size, logits, target, temperature, options, inplace):
@@ -247,6 +285,7 @@ def log_probs_and_entropy(logits, target, temperature=1.0, tp_group=None, inplac
     (default -100) gives 0 and no gradient. options: ignore_index, logit_scale, softcap,
     valid_vocab_size, num_threads. inplace_backward=True writes the gradient over the logits.
     """
+    _reverse_mode_only("log_probs_and_entropy", logits)
     compiling = _CUSTOM_OPS and (_compiling() or _without_data(logits))
     if _CUSTOM_OPS and (compiling or not inplace_backward) and _fits_rl_op(logits, target, temperature, options):
         temperatures, scalar = _op_temperature_arguments(temperature, target)
@@ -275,7 +314,9 @@ def sum_pi_squared(logits, temperature=1.0, tp_group=None, **options):
         def body(collective, rank, size):
             _check_logits(logits)
             scalar, t = _as_temperatures(temperature, logits, tokens)
-            opts = _rl_options(scalar, options)
+            # (no ignore_index: there are no targets, and every row would count as ignored)
+            opts = _rl_options(scalar, options, "sum_pi_squared",
+                               tuple(name for name in _RL_OPTION_NAMES if name != "ignore_index"))
             x = _as_rows(logits)
             local = x.shape[-1]
             squares = torch.empty(tokens.shape, dtype=torch.float32, device=x.device)

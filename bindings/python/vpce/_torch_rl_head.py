@@ -9,23 +9,23 @@ from __future__ import annotations
 import torch
 
 from . import _vpce
-from ._torch_arguments import _first_derivative_only
+from ._torch_arguments import _first_derivative_only, _reverse_mode_only
 from ._torch_compile import _CUSTOM_OPS, _compiling
 from ._torch_head import (_HEAD_OPTION_NAMES, _Arguments, _check_head_op, _chunked_backward, _fits_head_op,
                           _head_backward_with, _head_chunked_with, _head_forward_with, _keep_chunked, _needs,
                           _nothing, _present, _register_chunked_autograd)
 from ._torch_ops import _decode_options, _encode_options, _group_key, _keyed_group
-from ._torch_rl import _RL_OPTION_NAMES, _as_temperatures, _op_takes_temperature, _op_temperature_arguments, _rl_options
+from ._torch_rl import (_RL_OPTION_NAMES, _as_temperatures, _broadcast_per_token, _op_takes_temperature,
+                        _op_temperature_arguments, _rl_options)
 
 _HEAD_RL_OPTION_NAMES = set(_RL_OPTION_NAMES) | set(_HEAD_OPTION_NAMES) | {"gradient_accumulation_fusion",
                                                                              "vocab_range"}
 
 
-def _check_options(options):
+def _check_options(options, function):
     unknown = sorted(set(options) - _HEAD_RL_OPTION_NAMES)
     if unknown:
-        raise TypeError(f"linear_log_probs_and_entropy: unexpected options {unknown}; expected some of "
-                        f"{sorted(_HEAD_RL_OPTION_NAMES)}")
+        raise TypeError(f"{function}: unexpected options {unknown}; expected some of {sorted(_HEAD_RL_OPTION_NAMES)}")
 
 
 def _temperature_value(temperatures, temperature):
@@ -49,7 +49,8 @@ def _policy_head_forward(hidden, weight, bias, target, temperature, tp_group, se
         return log_prob, entropy, lse, mean, t
 
     outputs, _ = _head_forward_with(kernel, hidden, weight, bias, target, 0.0, tp_group, sequence_parallel, options,
-                                    need_hidden, need_weight, check=lambda: _check_options(options))
+                                    need_hidden, need_weight,
+                                    check=lambda: _check_options(options, "linear_log_probs_and_entropy"))
     return outputs
 
 
@@ -70,8 +71,9 @@ def _policy_head_backward(hidden, weight, bias, target, lse, mean, grad_log_prob
 
 
 def _token_weights(weights, target, name):
-    """An objective's weights: None, or a tensor broadcastable to the target (one per token),
-    as float32 contiguous of the target's shape."""
+    """An objective's weights: None, or a tensor of one per token (or per sequence: the
+    temperature's broadcasting rule) as float32 contiguous of the target's shape. They take no
+    gradient: a tensor that requires one is refused."""
     if weights is None:
         return None
     if not isinstance(weights, torch.Tensor):
@@ -80,11 +82,10 @@ def _token_weights(weights, target, name):
         raise ValueError(f"{name}.device: expected the target's device {target.device}, got {weights.device}")
     if not weights.is_floating_point():
         raise TypeError(f"{name}.dtype: expected a floating-point tensor, got {weights.dtype}")
-    try:
-        return torch.broadcast_to(weights.to(torch.float32), tuple(target.shape)).contiguous()
-    except RuntimeError:
-        raise ValueError(f"{name}.shape: expected the target's shape {tuple(target.shape)} (or broadcastable to it), "
-                         f"got {tuple(weights.shape)}") from None
+    if weights.requires_grad:  # (rather than a gradient of None, silently)
+        raise ValueError(f"{name}: expected a tensor that does not require grad (no gradient flows to the weights: "
+                         "detach them), got one that requires grad")
+    return _broadcast_per_token(weights, target, name)
 
 
 def _policy_head_chunked(hidden, weight, bias, target, log_prob_weights, entropy_weights, temperature, tp_group,
@@ -112,7 +113,8 @@ def _policy_head_chunked(hidden, weight, bias, target, log_prob_weights, entropy
 
     (objective, log_prob, entropy), grads = _head_chunked_with(kernel, hidden, weight, bias, target, 0.0, tp_group,
                                                                sequence_parallel, options, needs,
-                                                               check=lambda: _check_options(options))
+                                                               check=lambda: _check_options(
+                                                                   options, "linear_policy_objective"))
     return (objective, log_prob, entropy, *grads)
 
 
@@ -272,6 +274,7 @@ def linear_log_probs_and_entropy(hidden, weight, target, temperature=1.0, tp_gro
     recompute mode: one all-gather in the forward (plus the sequence-parallel one of the
     hidden states), the hidden gradient's reduction in the backward.
     """
+    _reverse_mode_only("linear_log_probs_and_entropy", hidden, weight, bias)
     args = (hidden, weight, bias, target, temperature, tp_group, sequence_parallel, options)
     if isinstance(sequence_parallel, bool) and _fits_rl_head_op(hidden, weight, bias, target, temperature, options):
         temperatures, scalar = _op_temperature_arguments(temperature, target)
@@ -310,9 +313,11 @@ def linear_policy_objective(hidden, weight, target, log_prob_weights, entropy_we
     linear_log_probs_and_entropy's, and the head's chunk_tokens. One all-gather per chunk of
     tokens, then the hidden gradient's reduction, all in this call; one backward per call.
     """
+    _reverse_mode_only("linear_policy_objective", hidden, weight, bias)
     # Eager calls take the autograd.Function, which scales the gradients in place (the op's
     # backward cannot change its outputs: a copy of each gradient).
-    weights_fit = all(w is None or isinstance(w, torch.Tensor) for w in (log_prob_weights, entropy_weights))
+    weights_fit = all(w is None or (isinstance(w, torch.Tensor) and not w.requires_grad)
+                      for w in (log_prob_weights, entropy_weights))
     if (_compiling() and weights_fit and isinstance(sequence_parallel, bool)
             and _fits_rl_head_op(hidden, weight, bias, target, temperature, options)):
         temperatures, scalar = _op_temperature_arguments(temperature, target)

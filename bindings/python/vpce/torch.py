@@ -52,6 +52,7 @@ import sys
 import torch
 
 from . import _vpce  # noqa: F401 (vpce.torch._vpce: the kernels, as tests reach them)
+from ._torch_arguments import _reverse_mode_only
 from ._torch_compile import _CUSTOM_OPS, _compiling
 from ._torch_function import _new_gradient  # noqa: F401 (bench/new_gradient.py times it)
 from ._torch_function import _VocabParallelCrossEntropy, _VpceCrossEntropy
@@ -109,6 +110,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     Returns the float32 loss with target's shape, the same on every rank. An error on any
     rank is raised on every rank, with the same text.
     """
+    _reverse_mode_only("vocab_parallel_cross_entropy", vocab_parallel_logits)
     # (Fake and meta tensors, which have no values to write over, take the op as compiling does.)
     compiling = _CUSTOM_OPS and (_compiling() or _without_data(vocab_parallel_logits))
     if (_CUSTOM_OPS and (compiling or not inplace_backward)
