@@ -109,8 +109,16 @@ OperationBlock operation_block(const char* name, const char* mode, std::initiali
   return o;
 }
 
+namespace {
+
+// An option's bits as the ranks compare them: -0 as 0 (the same option, which a rank may
+// spell either way).
+uint32_t agreed_bits(float value) { return std::bit_cast<uint32_t>(value == 0.0f ? 0.0f : value); }
+
+}  // namespace
+
 OperationValue float_value(const char* label, float value) {
-  return {label, static_cast<int64_t>(std::bit_cast<uint32_t>(value)), true};
+  return {label, static_cast<int64_t>(agreed_bits(value)), true};
 }
 
 RankHeader make_header(int rank, int num_ranks, int64_t num_tokens, int64_t stats_width, const VocabShard& shard,
@@ -129,10 +137,10 @@ RankHeader make_header(int rank, int num_ranks, int64_t num_tokens, int64_t stat
   h.stats_width = stats_width;
   h.ignore_index = options.ignore_index;
   h.valid_vocab_size = options.valid_vocab_size;
-  h.label_smoothing_bits = std::bit_cast<uint32_t>(options.label_smoothing);
-  h.z_loss_bits = std::bit_cast<uint32_t>(options.z_loss_weight);
-  h.logit_scale_bits = std::bit_cast<uint32_t>(options.logit_scale);
-  h.softcap_bits = std::bit_cast<uint32_t>(options.softcap);
+  h.label_smoothing_bits = agreed_bits(options.label_smoothing);
+  h.z_loss_bits = agreed_bits(options.z_loss_weight);
+  h.logit_scale_bits = agreed_bits(options.logit_scale);
+  h.softcap_bits = agreed_bits(options.softcap);
   h.smoothing_semantics = static_cast<int32_t>(options.smoothing_semantics);
   h.reduction = static_cast<int32_t>(options.reduction);
   h.has_weights = has_weights ? 1 : 0;

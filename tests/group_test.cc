@@ -153,6 +153,20 @@ TEST(Group, OptionsOneUlpApartPrintDifferently) {
       {"ranks disagree on options.label_smoothing", "expected rank 0's 0.1 on every rank", "got 0.10000001 on rank 1"});
 }
 
+// -0 is 0: a rank that spells an option (z-loss, smoothing, soft-cap) as -0
+// agrees with the others (they failed with "expected rank 0's 0, got -0").
+TEST(Group, AnOptionOfMinusZeroAgreesWithZero) {
+  for (const Status& s : run_group([](int r, RankArgs&a) {
+         if (r % 2 == 1) {
+           a.options.z_loss_weight = -0.0f;
+           a.options.label_smoothing = -0.0f;
+           a.options.softcap = -0.0f;
+         }
+       })) {
+    EXPECT_TRUE(s.ok()) << s.to_string();
+  }
+}
+
 TEST(Group, DifferentTargets) {
   expect_all_fail(run_group([](int r, RankArgs& a) {
                     if (r == 2) a.targets[1] = 8;
