@@ -259,6 +259,13 @@ TEST_F(Cli, OutOfRangeIntegersNameTheFlagTheRangeAndTheValue) {
   expect_usage_error(run_cli("gen --tokens 99999999999999999999" + tail, dir_),
                      "--tokens: expected an integer in [1, 16777216], got 99999999999999999999", out);
   expect_usage_error(run_cli("perf -n 0", dir_), "--iters: expected an integer in [1, 100000], got 0", out);
+  // Numbers float32 does not hold, named by the flag and as typed (the library's message
+  // named options.logit_scale and "inf").
+  expect_usage_error(run_cli("run " + inputs() + " --logit-scale 1e39" + tail, dir_),
+                     "--logit-scale: expected a finite number that float32 holds, got 1e39", out);
+  expect_usage_error(run_cli("run " + inputs() + " --z-loss 1e-50" + tail, dir_),
+                     "--z-loss: expected a finite number that float32 holds, got 1e-50", out);
+  expect_usage_error(run_cli("perf --label-smoothing 1e39", dir_), "--label-smoothing: expected a finite number", out);
 }
 
 TEST_F(Cli, GenRefusesNonsensicalValues) {
@@ -286,6 +293,11 @@ TEST_F(Cli, PerfChecksItsOptionsBeforeRunning) {
   EXPECT_EQ(c.err.find("internal error"), std::string::npos) << c.err;
   EXPECT_TRUE(c.out.empty()) << "expected no table before the error: " << c.out;
   expect_usage_error(run_cli("perf -b 16 -e 16 -f nan", dir_), "a finite f > 1", dir_);
+  // Fewer columns than ranks: a rank with none (its row read V/rank 0 and 0 GB/s).
+  expect_usage_error(run_cli("perf -b 2 -e 2 -t 8 -V 7", dir_),
+                     "-V: expected at least one column per rank (-t 8), "
+                     "got 7",
+                     dir_);
 }
 
 // --simd-target runs another target's kernels (SCALAR: every CPU has it), says so, and still

@@ -109,6 +109,12 @@ TEST(Npy, RejectsMalformedFiles) {
   // (4) is Python's 4, not a tuple (numpy.load refuses it); (4, 1) and (4,) stay accepted.
   expect_rejected(image(good_start + "(4), }", four, 16), "shape: expected a tuple, (4,) for one dimension, got (4)");
   expect_rejected(image(good_start + "( 4 ), }", four, 16), "shape: expected a tuple");
+  // 04 is no Python 3 literal (numpy.load refuses it); a structured dtype is named as such.
+  expect_rejected(image(good_start + "(04,), }", four, 16),
+                  "shape: expected decimal integers without a leading "
+                  "zero, got 04");
+  expect_rejected(image("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (4,), }", four, 16),
+                  "dtype: expected a simple dtype's string for 'descr'");
   expect_rejected(image(good_start + "(99999999999999999999,), }", four, 16),
                   "shape: expected dimensions of at most 2^63 - 1, got 99999999999999999999, which overflows int64");
   expect_rejected(image(good_start + "(4294967296, 4294967296, 4294967296), }", four, 16), "overflows");

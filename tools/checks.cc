@@ -55,6 +55,21 @@ CLI::Validator finite_positive() {
       "FLOAT > 0");
 }
 
+CLI::Validator float32_number() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        double value = 0.0;  // read wide, so that a value float32 does not hold is told as given
+        const bool number = CLI::detail::lexical_cast(text, value);
+        const double magnitude = std::fabs(value);
+        if (number && std::isfinite(value) && magnitude < 0x1.ffffffp127 &&
+            !(magnitude > 0.0 && magnitude <= 0x1p-150)) {
+          return {};
+        }
+        return "expected a finite number that float32 holds, got " + text;
+      },
+      "FLOAT");
+}
+
 int max_threads_per_rank() { return 4 * static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
 
 Status check_threads(const char* flag, int threads) {

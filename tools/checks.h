@@ -25,6 +25,9 @@ CLI::Validator unsigned_integer();
 // A finite number > 0.
 CLI::Validator finite_positive();
 
+// A finite number that float32 holds (1e39 overflows to inf, 1e-50 to 0): named as given.
+CLI::Validator float32_number();
+
 // The most threads per rank a flag may ask for: 4 x this machine's hardware threads.
 int max_threads_per_rank();
 // `flag` (threads per rank, 0: the default) in [0, max_threads_per_rank()].

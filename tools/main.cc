@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   // A file-size limit (ulimit -f) makes write() fail with EFBIG, reported as an error,
   // instead of killing the process with SIGXFSZ.
   std::signal(SIGXFSZ, SIG_IGN);
+  using vpce::tools::float32_number;
   using vpce::tools::integer_in;
   CLI::App app{"vpce " VPCE_VERSION_STRING ": exact vocab-parallel cross-entropy (loss and gradient) on .npy files",
                "vpce"};
@@ -41,7 +42,8 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->check(integer_in(0, kInt64Max))
       ->excludes(tp);
-  run_cmd->add_option("--label-smoothing", run.loss.label_smoothing, "label smoothing in [0, 1) (default 0)");
+  run_cmd->add_option("--label-smoothing", run.loss.label_smoothing, "label smoothing in [0, 1) (default 0)")
+      ->check(float32_number());
   run_cmd
       ->add_option("--smoothing-semantics", run.loss.smoothing_semantics,
                    "megatron: target 1-a, others a/(V-1); pytorch: (1-a) onehot + a/V (default megatron)")
@@ -52,9 +54,12 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--reduction", run.loss.reduction, "none, sum, or mean over counted tokens (default none)")
       ->transform(CLI::CheckedTransformer(std::map<std::string, vpce::Reduction>{
           {"none", vpce::Reduction::kNone}, {"sum", vpce::Reduction::kSum}, {"mean", vpce::Reduction::kMean}}));
-  run_cmd->add_option("--z-loss", run.loss.z_loss_weight, "z-loss weight: adds w * lse^2 per token (default 0)");
-  run_cmd->add_option("--logit-scale", run.loss.logit_scale, "multiply the logits by this first (default 1)");
-  run_cmd->add_option("--softcap", run.loss.softcap, "soft-cap: z = c * tanh(z / c) (default 0: off)");
+  run_cmd->add_option("--z-loss", run.loss.z_loss_weight, "z-loss weight: adds w * lse^2 per token (default 0)")
+      ->check(float32_number());
+  run_cmd->add_option("--logit-scale", run.loss.logit_scale, "multiply the logits by this first (default 1)")
+      ->check(float32_number());
+  run_cmd->add_option("--softcap", run.loss.softcap, "soft-cap: z = c * tanh(z / c) (default 0: off)")
+      ->check(float32_number());
   run_cmd
       ->add_option("--valid-vocab-size", run.loss.valid_vocab_size,
                    "real classes; columns from here to V are padding (default 0: all)")
@@ -107,7 +112,8 @@ int main(int argc, char** argv) {
       ->check(integer_in(0, 1));
   perf_cmd->add_option("--threads", perf.threads, "threads per rank (default: cores / R; at most 4 x cores)")
       ->check(integer_in(0, kIntMax));
-  perf_cmd->add_option("--label-smoothing", perf.label_smoothing, "Megatron label smoothing (default 0)");
+  perf_cmd->add_option("--label-smoothing", perf.label_smoothing, "Megatron label smoothing (default 0)")
+      ->check(float32_number());
   perf_cmd->add_flag("--head", perf.head,
                      "the fused head (linear + cross-entropy): time vs the unfused step's three GEMMs, peak memory");
   perf_cmd->add_option("-H,--hidden", perf.hidden, "--head: hidden sizes H, comma-separated (default 1024)")

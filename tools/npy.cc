@@ -113,7 +113,11 @@ Status parse_header(const std::string& text, const std::string& name, Dtype* dty
     }
     if (key == "descr") {
       std::string value;
-      if (!p.string_literal(&value)) return bad(name, "header: expected a string for 'descr'");
+      if (!p.string_literal(&value)) {
+        return bad(name,
+                   "dtype: expected a simple dtype's string for 'descr' (one of <f2 <f4 <f8 <i4 <i8), got "
+                   "another value (a structured or sub-array dtype's list or tuple)");
+      }
       if (!dtype_from_descr(value, dtype)) {
         return bad(name,
                    "dtype: expected one of <f2 <f4 <f8 <i4 <i8 (little-endian float16, "
@@ -136,6 +140,9 @@ Status parse_header(const std::string& text, const std::string& name, Dtype* dty
         bool overflow = false;
         std::string digits;
         if (!p.integer(&dim, &overflow, &digits)) return bad(name, "shape: expected non-negative integers");
+        if (digits.size() > 1 && digits[0] == '0') {  // (Python 3 refuses 03: numpy.load does)
+          return bad(name, "shape: expected decimal integers without a leading zero, got " + digits);
+        }
         if (overflow) {
           return bad(name, "shape: expected dimensions of at most 2^63 - 1, got " + digits + ", which overflows int64");
         }

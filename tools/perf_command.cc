@@ -336,6 +336,10 @@ Status check_perf_config(const PerfConfig& config) {
     return {Code::kInvalidArgument, "--simd-target: " + error};
   }
   for (int64_t vocab : config.vocab) {
+    if (vocab < config.ranks) {  // (a rank without columns measures nothing: a row of 0 GB/s)
+      return {Code::kInvalidArgument, "-V: expected at least one column per rank (-t " + std::to_string(config.ranks) +
+                                          "), got " + std::to_string(vocab)};
+    }
     LossOptions options;
     options.label_smoothing = config.label_smoothing;
     if (Status s = detail::check_options(options, VocabShard{0, vocab, vocab}); !s.ok()) {

@@ -177,7 +177,7 @@ Status write_outputs(const RunConfig& config, const std::vector<int64_t>& logits
   if (!reduced && tokens > 0) loss_value /= static_cast<double>(tokens);
   const char* loss_label = config.loss.reduction == Reduction::kSum    ? "sum loss"
                            : config.loss.reduction == Reduction::kMean ? "mean loss"
-                                                                       : "mean token loss";
+                                                                       : "mean of all tokens' losses";
   std::printf("vpce run: tokens %lld  V %lld  %s  %s %.6f  %s\n", static_cast<long long>(tokens),
               static_cast<long long>(logits_shape.back()), summary_head.c_str(), loss_label, loss_value,
               summary_tail.c_str());
