@@ -124,6 +124,15 @@ def check_helpers(group, rank, size):
     exact = torch.exp(local.double() - logits_max.double().unsqueeze(-1)).sum(-1)
     assert ulps(out_v[3], out_m[3]) <= 2.0
     assert ulps(out_v[3], exact) <= ulps(out_m[3], exact) + 1.0
+    # A max of another dtype than the logits' (bf16 logits and their float32 max; float32
+    # logits and a float64 max): the predicted logits in the logits' dtype and value, as
+    # Megatron's shift in place leaves them (they came promoted: float32, float64).
+    for x_dtype, max_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.float64)):
+        x = local.to(x_dtype)
+        other_max = x.to(max_dtype).max(dim=-1)[0]
+        pm = M.calculate_predicted_logits(x.clone(), target, other_max, begin, end)[2]
+        pv = V.calculate_predicted_logits(x.clone(), target, other_max, begin, end)[2]
+        assert pv.dtype == pm.dtype == x_dtype and torch.equal(pv, pm), (x_dtype, max_dtype)
     # The rest take the same inputs in both: bit for bit, the same in-place effects.
     dist.all_reduce(out_m[2], group=group)
     dist.all_reduce(out_m[3], group=group)

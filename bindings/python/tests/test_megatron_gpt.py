@@ -317,6 +317,13 @@ def refusal_worker(rank, size, init_file):
         vpce.megatron.fuse_output_layer(model, mode="fast")
     with pytest.raises(ValueError, match="reduction: set by the mode"):
         vpce.megatron.fuse_output_layer(model, reduction="sum")
+    # Options the layer sets, or misspelt, are refused when fusing (they failed at the first
+    # forward: "dict() got multiple values", or a list of names without the one meant).
+    with pytest.raises(ValueError, match=r"options \['sequence_parallel'\]: set from the output layer"):
+        vpce.megatron.fuse_output_layer(model, sequence_parallel=False)
+    with pytest.raises(TypeError, match=r"unexpected options \['label_smothing'\]; expected some of .*'label_smoothing'"):
+        vpce.megatron.fuse_output_layer(model, label_smothing=0.1)
+    assert not vpce.megatron.is_fused(model)
     model.output_layer.gather_output = True
     with pytest.raises(ValueError, match="not supported: an output layer with gather_output=True"):
         vpce.megatron.fuse_output_layer(model)
@@ -326,6 +333,10 @@ def refusal_worker(rank, size, init_file):
     tokens, position_ids, attention_mask, labels, _ = batch(0)
     with pytest.raises(ValueError, match="the chunked mode needs the forward's loss_mask"):
         model(tokens, position_ids, attention_mask, labels=labels)
+    with pytest.raises(TypeError, match="log_prob_weights: expected a tensor of one weight per token or None, got "
+                                        "float"):
+        vpce.megatron.policy_objective(model, tokens, position_ids, attention_mask, labels=labels,
+                                       log_prob_weights=0.5)
     vpce.megatron.unfuse_output_layer(model)
     assert not vpce.megatron.is_fused(model)
     assert "forward" not in vars(model) and "forward" not in vars(model.output_layer)
@@ -394,6 +405,19 @@ def rl_worker(rank, size, init_file):
         for name in grads_a:
             assert relative_error(grads_b[name], grads_a[name]) <= 2e-5, name
     want = (lp_a.double() * g_lp.double() + h_a.double() * g_h.double()).sum()
+    assert abs(objective.item() - want.item()) <= 1e-5 * abs(want.item())
+    # Per-sequence weights [b] weigh their row (as the per-sequence temperature does; they were
+    # aligned with the positions by PyTorch's broadcasting), and a 0-d temperature is one for all
+    # (it raised IndexError in the wrapper).
+    advantages = torch.tensor([0.5, -1.5])
+    model = build(size, tied=False, bias=True, fusion=False)
+    vpce.megatron.fuse_output_layer(model, valid_vocab_size=USED)
+    objective, log_prob, _ = vpce.megatron.policy_objective(model, tokens, position_ids, attention_mask, labels=labels,
+                                                            log_prob_weights=advantages, temperature=torch.tensor(0.8))
+    log_prob_08, _ = vpce.megatron.log_probs_and_entropy(model, tokens, position_ids, attention_mask, labels=labels,
+                                                         temperature=0.8)
+    assert relative_error(log_prob, log_prob_08.detach()) <= 1e-6
+    want = (log_prob.double() * advantages.double().unsqueeze(1)).sum()
     assert abs(objective.item() - want.item()) <= 1e-5 * abs(want.item())
     dist.destroy_process_group()
 

@@ -485,6 +485,11 @@ def test_nemo_rl_drop_in_leaves_the_temperature_to_its_caller():
     for params in (SamplingParams(top_k=50), SamplingParams(top_p=0.9)):
         with pytest.raises(ValueError, match="sampling_params: expected no top-k or top-p filtering"):
             vnemo.from_parallel_logits_to_logprobs(scaled, target, 0, 300, None, sampling_params=params)
+    # The caller's grad mode is kept: under no_grad nothing is recorded (it was turned on).
+    leaf = scaled.clone().requires_grad_(True)
+    with torch.no_grad():
+        assert not vnemo.from_parallel_logits_to_logprobs(leaf, target, 0, 300, None).requires_grad
+    assert vnemo.from_parallel_logits_to_logprobs(leaf, target, 0, 300, None).requires_grad
 
 
 # ---- several ranks ---------------------------------------------------------------------------

@@ -82,6 +82,9 @@ class VocabParallelCrossEntropy:
         # its read: one rounding either way), then the exponentials in place.
         target_mask, masked_target_1d, predicted_logits = VocabParallelCrossEntropy.gather_predicted_logits(
             x, target, logits_max, vocab_start_index, vocab_end_index)
+        # In the logits' dtype, as Megatron's shift in place leaves it (bf16 logits with a float32
+        # max: the difference rounded to bf16; a float64 max: float32 logits stay float32).
+        predicted_logits = predicted_logits.to(x.dtype)
         if _row_kernel_fits(x, (torch.float32,)) and _shift_fits(logits_max, x) and target.shape == x.shape[:-1]:
             # The sums as torch sums them (Megatron's order), so that they agree within an ulp:
             # the kernel's one-pass sums accumulate in float32 within a chunk, up to 3.5 ulps

@@ -60,6 +60,21 @@ def _token_shape_problem(shape, target_shape):
     return None
 
 
+def _per_token_values(values, target, name):
+    """A tensor of per-token values (the temperatures, an objective's weights) as float32
+    contiguous of the target's shape: on the target's device, floating point, not requiring
+    grad (no gradient flows to it: rather than a gradient of None, silently), broadcast by
+    _token_shape_problem's rule; else an error naming it."""
+    if values.device != target.device:
+        raise ValueError(f"{name}.device: expected the target's device {target.device}, got {values.device}")
+    if not values.is_floating_point():
+        raise TypeError(f"{name}.dtype: expected a floating-point tensor, got {values.dtype}")
+    if values.requires_grad:
+        raise ValueError(f"{name}: expected a tensor that does not require grad (no gradient flows to it: detach "
+                         "it), got one that requires grad")
+    return _broadcast_per_token(values, target, name)
+
+
 def _broadcast_per_token(values, target, name):
     """Per-token values (a temperature or weight tensor) as float32 contiguous of the target's
     shape, by _token_shape_problem's rule; else ValueError naming them."""
@@ -116,14 +131,7 @@ def _as_temperatures(temperature, logits, target):
             raise ValueError(f"temperature: expected a value that float32 holds (vpce computes in float32), got "
                              f"{value!r}")
         return value, None
-    if temperature.device != logits.device:
-        raise ValueError(f"temperature.device: expected the logits' device {logits.device}, got {temperature.device}")
-    if not temperature.is_floating_point():
-        raise TypeError(f"temperature.dtype: expected a floating-point tensor, got {temperature.dtype}")
-    if temperature.requires_grad:  # (rather than a gradient of None, silently)
-        raise ValueError("temperature: expected a tensor that does not require grad (no gradient flows to the "
-                         "temperature: detach it), got one that requires grad")
-    return None, _broadcast_per_token(temperature, target, "temperature")
+    return None, _per_token_values(temperature, target, "temperature")
 
 
 def _policy(collective, rank, size, logits, target, temperature, options, inplace):

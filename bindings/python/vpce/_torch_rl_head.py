@@ -15,8 +15,8 @@ from ._torch_head import (_HEAD_OPTION_NAMES, _Arguments, _check_head_op, _chunk
                           _head_backward_with, _head_chunked_with, _head_forward_with, _keep_chunked, _needs,
                           _nothing, _present, _register_chunked_autograd)
 from ._torch_ops import _decode_options, _encode_options, _group_key, _keyed_group
-from ._torch_rl import (_RL_OPTION_NAMES, _as_temperatures, _broadcast_per_token, _op_takes_temperature,
-                        _op_temperature_arguments, _rl_options)
+from ._torch_rl import (_RL_OPTION_NAMES, _as_temperatures, _op_takes_temperature, _op_temperature_arguments,
+                        _per_token_values, _rl_options)
 
 _HEAD_RL_OPTION_NAMES = set(_RL_OPTION_NAMES) | set(_HEAD_OPTION_NAMES) | {"gradient_accumulation_fusion",
                                                                              "vocab_range"}
@@ -72,20 +72,12 @@ def _policy_head_backward(hidden, weight, bias, target, lse, mean, grad_log_prob
 
 def _token_weights(weights, target, name):
     """An objective's weights: None, or a tensor of one per token (or per sequence: the
-    temperature's broadcasting rule) as float32 contiguous of the target's shape. They take no
-    gradient: a tensor that requires one is refused."""
+    temperature's rule, _per_token_values) as float32 contiguous of the target's shape."""
     if weights is None:
         return None
     if not isinstance(weights, torch.Tensor):
         raise TypeError(f"{name}: expected a tensor of one weight per token or None, got {type(weights).__name__}")
-    if weights.device != target.device:
-        raise ValueError(f"{name}.device: expected the target's device {target.device}, got {weights.device}")
-    if not weights.is_floating_point():
-        raise TypeError(f"{name}.dtype: expected a floating-point tensor, got {weights.dtype}")
-    if weights.requires_grad:  # (rather than a gradient of None, silently)
-        raise ValueError(f"{name}: expected a tensor that does not require grad (no gradient flows to the weights: "
-                         "detach them), got one that requires grad")
-    return _broadcast_per_token(weights, target, name)
+    return _per_token_values(weights, target, name)
 
 
 def _policy_head_chunked(hidden, weight, bias, target, log_prob_weights, entropy_weights, temperature, tp_group,

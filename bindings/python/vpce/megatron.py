@@ -57,6 +57,10 @@ import inspect
 import torch
 
 from . import torch as vt
+from ._torch_arguments import _OPTION_NAMES
+from ._torch_head import _HEAD_OPTION_NAMES
+from ._torch_rl import _per_token_values
+from ._torch_rl_head import _token_weights
 
 __all__ = ["fuse_output_layer", "unfuse_output_layer", "is_fused", "log_probs_and_entropy", "policy_objective"]
 
@@ -66,6 +70,10 @@ _ACTIVE = contextvars.ContextVar("vpce_megatron_active", default=None)
 # Set while log_probs_and_entropy or policy_objective runs a fused model's forward: (the model,
 # its _PolicyRequest).
 _POLICY = contextvars.ContextVar("vpce_megatron_policy", default=None)
+# fuse_output_layer's options: linear_cross_entropy's but those it sets itself.
+_FROM_THE_LAYER = ("tp_group", "bias", "sequence_parallel", "gradient_accumulation_fusion")
+_FUSE_OPTIONS = (("label_smoothing", "megatron_legacy_label_smoothing", "vocab_range") + _OPTION_NAMES
+                 + _HEAD_OPTION_NAMES)
 # The options of fuse_output_layer that the RL outputs take too.
 _POLICY_OPTIONS = ("logit_scale", "softcap", "valid_vocab_size", "num_threads", "token_block", "vocab_block",
                    "chunk_tokens", "bf16_logit_gradients", "round_logits", "ignore_index")
@@ -141,6 +149,14 @@ def fuse_output_layer(model, *, mode="recompute", **options):
     if "reduction" in options:
         raise ValueError("reduction: set by the mode (recompute: per token, chunked: the kept tokens' sum), "
                          f"got reduction={options['reduction']!r}")
+    taken = sorted(set(options) & set(_FROM_THE_LAYER))
+    if taken:
+        raise ValueError(f"vpce.megatron.fuse_output_layer: options {taken}: set from the output layer and its "
+                         "model (tp_group, bias, sequence_parallel, gradient_accumulation_fusion), not given")
+    unknown = sorted(set(options) - set(_FUSE_OPTIONS))
+    if unknown:
+        raise TypeError(f"vpce.megatron.fuse_output_layer: unexpected options {unknown}; expected some of "
+                        f"{sorted(_FUSE_OPTIONS)}")
     gpt = _unwrap(model)
     if is_fused(gpt):
         raise ValueError("vpce.megatron.fuse_output_layer: the model is fused already")
@@ -262,18 +278,17 @@ def _fused_policy(gpt, labels, deferred, options, request):
     returned, the entropy [b, s] into request.entropy."""
     layer = deferred.layer
     target = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
+    # Per-token values follow the labels [b, s] (one per sequence: [b]), then go to [s, b].
     temperature = request.temperature
     if isinstance(temperature, torch.Tensor):
-        if temperature.dim() == 1:  # one per sequence
-            temperature = temperature.unsqueeze(1).expand(labels.shape)
-        temperature = temperature.transpose(0, 1).contiguous()
+        temperature = _per_token_values(temperature, labels, "temperature").transpose(0, 1).contiguous()
     kept = {k: v for k, v in options.items() if k in _POLICY_OPTIONS}
     common = dict(tp_group=_tp_group(gpt, layer), bias=None if layer.skip_bias_add else layer.bias,
                   sequence_parallel=bool(layer.sequence_parallel),
                   gradient_accumulation_fusion=bool(layer.gradient_accumulation_fusion), **kept)
     if request.weights is not None:
-        weights = [None if w is None else torch.broadcast_to(w, labels.shape).transpose(0, 1).contiguous()
-                   for w in request.weights]
+        weights = [None if w is None else _token_weights(w, labels, name).transpose(0, 1).contiguous()
+                   for w, name in zip(request.weights, ("log_prob_weights", "entropy_weights"))]
         objective, log_prob, entropy = vt.linear_policy_objective(deferred.hidden, deferred.weight, target, *weights,
                                                                   temperature, **common)
         request.log_prob = log_prob.transpose(0, 1).contiguous()

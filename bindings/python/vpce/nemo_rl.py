@@ -10,6 +10,8 @@ saved, and no chunking needed (vpce keeps 16 bytes a token whatever the chunk).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ._torch_groups import _group
@@ -40,6 +42,6 @@ def from_parallel_logits_to_logprobs(vocab_parallel_logits, target, vocab_start_
                          f"({rank * local}, {(rank + 1) * local}) of [0, {size * local}), got "
                          f"({vocab_start_index}, {vocab_end_index})")
     shifted = target.roll(shifts=-1, dims=-1)
-    with torch.no_grad() if inference_only else torch.enable_grad():
+    with torch.no_grad() if inference_only else contextlib.nullcontext():  # (the caller's grad mode otherwise)
         log_prob, _ = log_probs_and_entropy(vocab_parallel_logits, shifted, tp_group=tp_group)
     return log_prob[:, :-1]
