@@ -321,7 +321,8 @@ def policy_objective(model, *args, labels, log_prob_weights, entropy_weights=Non
     log_prob_weights * log_prob + entropy_weights * entropy, 0-d and differentiable, its
     gradients at the output layer computed in this forward by the head's chunked mode
     (vpce.torch.linear_policy_objective); log_prob and entropy [b, s] without gradient.
-    log_prob_weights, entropy_weights: [b, s] (or broadcastable; entropy_weights None: 0).
+    log_prob_weights, entropy_weights: one per token [b, s], or per sequence [b] (the
+    temperature's rule; entropy_weights None: 0).
     labels, temperature, args and kwargs as log_probs_and_entropy's; the fused options'
     chunk_tokens applies too. One backward per call."""
     gpt = _unwrap(model)
