@@ -60,24 +60,40 @@ Status check_view_basics(const TensorView& t, const char* name, int min_ndim, in
   return {};
 }
 
+// Where user memory can lie: on x86-64 below 2^63 (the upper half is the kernel's); elsewhere
+// anywhere (AArch64's top-byte tags may set bit 63 of a valid pointer).
+#if defined(__x86_64__)
+constexpr uintptr_t kUserLimit = uintptr_t{1} << 63;
+constexpr const char* kUserLimitText = " (below 2^63)";
+#else
+constexpr uintptr_t kUserLimit = ~uintptr_t{0};
+constexpr const char* kUserLimitText = "";
+#endif
+
 // data + byte_offset aligned to the dtype; it and the end of the view's `extent` bytes after it
-// inside the address space user memory can hold: without wrapping, and on 64-bit Linux below
-// 2^63 (the upper half is the kernel's). (Computed on integers: a pointer sum that overflows
-// is undefined behaviour, and a view past the end of memory crashed the kernels.)
-Status check_address(const TensorView& t, const char* name, int64_t numel, int64_t extent) {
-  if (numel == 0) return {};
+// inside the address space user memory can hold (without wrapping, below kUserLimit); *first
+// set to it (for an empty view, which reads nothing, data where the sum would wrap). Computed
+// on integers: a pointer sum that overflows is undefined behaviour, and a view past the end of
+// memory crashed the kernels.
+Status check_address(const TensorView& t, const char* name, int64_t numel, int64_t extent, char** first) {
+  const auto base = reinterpret_cast<uintptr_t>(t.data);
+  uintptr_t address = 0, end = 0;
+  *first = static_cast<char*>(t.data);
+  if (numel == 0) {
+    if (t.data != nullptr && !__builtin_add_overflow(base, t.byte_offset, &address)) {
+      *first = reinterpret_cast<char*>(address);
+    }
+    return {};
+  }
   if (t.data == nullptr) {
     return {Code::kInvalidArgument, expected_got((std::string(name) + ".data").c_str(), "a non-null pointer", "null")};
   }
-  constexpr uintptr_t kUserLimit = sizeof(uintptr_t) == 8 ? uintptr_t{1} << 63 : ~uintptr_t{0};
-  const auto base = reinterpret_cast<uintptr_t>(t.data);
-  uintptr_t address = 0, end = 0;
   if (__builtin_add_overflow(base, t.byte_offset, &address) ||
       __builtin_add_overflow(address, static_cast<uintptr_t>(extent), &end) || end > kUserLimit) {
     return {Code::kInvalidArgument,
             expected_got((std::string(name) + ".byte_offset").c_str(),
                          "data + byte_offset + the view's " + std::to_string(extent) +
-                             " bytes inside the address space (below 2^63)",
+                             " bytes inside the address space" + kUserLimitText,
                          std::to_string(t.byte_offset) + " (data " + hex_address(t.data) + ")")};
   }
   const int bytes = t.dtype.bytes();
@@ -87,6 +103,7 @@ Status check_address(const TensorView& t, const char* name, int64_t numel, int64
                 name, "data + byte_offset aligned to " + std::to_string(bytes) + " bytes (" + to_string(t.dtype) + ")",
                 "address " + hex_address(reinterpret_cast<const void*>(address)))};
   }
+  *first = reinterpret_cast<char*>(address);
   return {};
 }
 
@@ -179,8 +196,9 @@ Status as_row_matrix(const TensorView& t, const char* name, RowMatrix* out) {
   if (numel > 0 && !extent_bytes(rows, row_stride, cols, t.dtype.bytes(), &extent)) {
     return {Code::kInvalidArgument, expected_got(name, "a memory extent that fits in 64 bits", "an overflowing one")};
   }
-  if (Status s = check_address(t, name, numel, extent); !s.ok()) return s;
-  *out = RowMatrix{static_cast<char*>(t.first()), t.dtype, rows, cols, row_stride};
+  char* first = nullptr;
+  if (Status s = check_address(t, name, numel, extent, &first); !s.ok()) return s;
+  *out = RowMatrix{first, t.dtype, rows, cols, row_stride};
   return {};
 }
 
@@ -200,8 +218,9 @@ Status as_token_vector(const TensorView& t, const char* name, int64_t n, TokenVe
   if (!extent_bytes(n, stride, 1, t.dtype.bytes(), &extent)) {
     return {Code::kInvalidArgument, expected_got(name, "a memory extent that fits in 64 bits", "an overflowing one")};
   }
-  if (Status s = check_address(t, name, numel, extent); !s.ok()) return s;
-  *out = TokenVector{static_cast<char*>(t.first()), t.dtype, n, stride};
+  char* first = nullptr;
+  if (Status s = check_address(t, name, numel, extent, &first); !s.ok()) return s;
+  *out = TokenVector{first, t.dtype, n, stride};
   return {};
 }
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "common/text.h"
 #include "support.h"
@@ -247,7 +248,11 @@ TEST(BadInput, MisalignedPointer) {
 // output, before anything is read or written (it crashed in the kernels).
 TEST(BadInput, AByteOffsetBeyondTheAddressSpace) {
   Fixture f;
-  for (const uint64_t offset : {uint64_t{1} << 63, ~uint64_t{0} - 31, ~uint64_t{0} - 4095}) {
+  std::vector<uint64_t> offsets = {~uint64_t{0} - 31, ~uint64_t{0} - 4095};  // wrapping: on every CPU
+#if defined(__x86_64__)
+  offsets.push_back(uint64_t{1} << 63);  // the kernel's half (AArch64's tagged pointers may set bit 63)
+#endif
+  for (const uint64_t offset : offsets) {
     TensorView x = f.x();
     x.byte_offset = offset;
     expect_error(f.run_forward(x, f.y(), f.loss_view(), f.lse_view()), Code::kInvalidArgument,

@@ -202,7 +202,9 @@ TEST(Group, DifferentNumberOfTokens) {
   expect_all_fail(run_group([](int r, RankArgs& a) {
                     if (r == 1) a.targets.push_back(3);
                   }),
-                  {"ranks disagree on the all_gather size"});
+                  {"ranks disagree on the all_gather size",
+                   "(a vpce call gathers a size set by its number of tokens (in the fused head's chunked mode, by its "
+                   "chunk: head.chunk_tokens and head.token_block), the outputs it was asked for"});
 }
 
 TEST(Group, OneRankWithBadArgumentsFailsEveryRank) {
@@ -281,8 +283,8 @@ TEST(Group, AllGatherOrdersByRank) {
 
 // The backend's preconditions, checked on every rank alike (no rank left waiting for the
 // timeout): send and recv that overlap (rank 1's send inside its recv: rank 0's bytes were
-// copied over it before rank 1's were read, with success), one rank alone gathering in place,
-// and a null buffer on one rank.
+// copied over it before rank 1's were read, with success), one rank's recv that another's
+// send or recv overlaps, one rank alone gathering in place, and a null buffer on one rank.
 TEST(Group, AllGatherRefusesOverlappingOrNullBuffersOnEveryRank) {
   std::unique_ptr<ThreadGroup> group;
   ASSERT_TRUE(ThreadGroup::create(2, &group, std::chrono::seconds(20)).ok());
@@ -301,6 +303,25 @@ TEST(Group, AllGatherRefusesOverlappingOrNullBuffersOnEveryRank) {
     EXPECT_EQ(results[0].code(), Code::kRemoteError) << results[0].message();
     EXPECT_EQ(results[1].code(), Code::kInvalidArgument) << results[1].message();
     for (const Status& s : results) EXPECT_NE(s.message().find(want), std::string::npos) << s.message();
+  }
+  // Rank 1 sends from inside rank 0's recv buffer, or gathers into it: rank 0's copy would
+  // overwrite what rank 1 sends or receives. Every rank fails alike.
+  std::vector<int> shared_buffer(8, 0);
+  for (int variant = 0; variant < 2; ++variant) {
+    const auto results = group->run([&](Communicator& comm) {
+      int mine[2] = {comm.rank(), comm.rank()};
+      std::vector<int> own(4);
+      if (comm.rank() == 0) return comm.all_gather(mine, shared_buffer.data(), 2 * sizeof(int));
+      if (variant == 0) return comm.all_gather(shared_buffer.data() + 1, own.data(), 2 * sizeof(int));
+      return comm.all_gather(mine, shared_buffer.data() + 2, 2 * sizeof(int));
+    });
+    for (const Status& s : results) {
+      EXPECT_EQ(s.code(), Code::kInvalidUsage) << s.message();
+      EXPECT_NE(
+          s.message().find(std::string("got rank 0's recv overlapping rank 1's ") + (variant == 0 ? "send" : "recv")),
+          std::string::npos)
+          << s.message();
+    }
   }
   std::unique_ptr<ThreadGroup> alone;
   ASSERT_TRUE(ThreadGroup::create(1, &alone).ok());

@@ -109,7 +109,11 @@ TEST(Npy, RejectsMalformedFiles) {
   // (4) is Python's 4, not a tuple (numpy.load refuses it); (4, 1) and (4,) stay accepted.
   expect_rejected(image(good_start + "(4), }", four, 16), "shape: expected a tuple, (4,) for one dimension, got (4)");
   expect_rejected(image(good_start + "( 4 ), }", four, 16), "shape: expected a tuple");
-  // 04 is no Python 3 literal (numpy.load refuses it); a structured dtype is named as such.
+  // 04 is no Python 3 literal (numpy.load refuses it; it reads 00 as 0); a structured dtype is
+  // named as such.
+  Array zero_rows;
+  ASSERT_TRUE(parse_image(image(good_start + "(00, 4), }", four, 0), &zero_rows).ok());
+  EXPECT_EQ(zero_rows.shape, (std::vector<int64_t>{0, 4}));
   expect_rejected(image(good_start + "(04,), }", four, 16),
                   "shape: expected decimal integers without a leading "
                   "zero, got 04");

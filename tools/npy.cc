@@ -140,7 +140,8 @@ Status parse_header(const std::string& text, const std::string& name, Dtype* dty
         bool overflow = false;
         std::string digits;
         if (!p.integer(&dim, &overflow, &digits)) return bad(name, "shape: expected non-negative integers");
-        if (digits.size() > 1 && digits[0] == '0') {  // (Python 3 refuses 03: numpy.load does)
+        // Python 3 refuses 03 (numpy.load does) and takes 00.
+        if (digits.size() > 1 && digits[0] == '0' && digits.find_first_not_of('0') != std::string::npos) {
           return bad(name, "shape: expected decimal integers without a leading zero, got " + digits);
         }
         if (overflow) {

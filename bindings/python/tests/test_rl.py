@@ -295,8 +295,9 @@ def test_head_policy_objective_errors_name_the_argument():
 
 def test_head_policy_objective_takes_per_sequence_weights_and_refuses_weights_that_want_a_gradient():
     """Weights of one per sequence ([b] for [b, s] tokens, GRPO's advantages) weigh every token
-    of their row; [b] for [b, b] tokens is ambiguous and refused; a weight tensor that requires
-    grad is refused (it got a gradient of None, silently)."""
+    of their row (the temperature's rule; PyTorch's broadcasting read them per position, and
+    refused them where s != b); a weight tensor that requires grad is refused (it got a
+    gradient of None, silently)."""
     generator = torch.Generator().manual_seed(31)
     hidden, weight = torch.randn(2, 3, 8, generator=generator), torch.randn(40, 8, generator=generator)
     target = torch.randint(0, 40, (2, 3), generator=generator)
@@ -304,10 +305,9 @@ def test_head_policy_objective_takes_per_sequence_weights_and_refuses_weights_th
     objective, log_prob, _ = vt.linear_policy_objective(hidden, weight, target, per_sequence)
     want = (log_prob.double() * per_sequence.double().unsqueeze(-1)).sum()
     assert abs(objective.item() - want.item()) <= 1e-6 * log_prob.double().abs().sum().item()
-    square = torch.randint(0, 40, (2, 2), generator=generator)
-    with pytest.raises(ValueError, match=r"log_prob_weights.shape: expected a shape that says which .* pass "
-                                         r"\(2, 1\) for the first or \(1, 2\) for the last"):
-        vt.linear_policy_objective(hidden[:, :2], weight, square, per_sequence)
+    with pytest.raises(ValueError, match=r"log_prob_weights.shape: expected one per token \(2, 3\), or fewer "
+                                         r"dimensions aligned with the target's first ones"):
+        vt.linear_policy_objective(hidden, weight, target, torch.ones(3))  # [s]: PyTorch's rule, not vpce's
     for name in ("log_prob_weights", "entropy_weights"):
         wanting = torch.ones(2, 3, requires_grad=True)
         arguments = {"log_prob_weights": torch.ones(2, 3), "entropy_weights": None, name: wanting}
@@ -315,22 +315,36 @@ def test_head_policy_objective_takes_per_sequence_weights_and_refuses_weights_th
             vt.linear_policy_objective(hidden, weight, target, **arguments)
 
 
-def test_temperature_shapes_that_both_broadcasting_rules_read_differently_are_refused():
-    """[b] for [b, b] tokens: vpce's rule reads one per row, PyTorch's one per column; refused,
-    naming both spellings. [b] for [b, s] (s != b) is one per sequence; the message for a
-    shape neither rule takes says vpce's rule (it claimed PyTorch's broadcasting)."""
+def test_a_per_sequence_temperature_follows_the_rows_even_where_the_sequence_is_as_long_as_the_batch():
+    """[b] for [b, s] tokens is one per sequence (vpce's rule, the opposite of PyTorch's
+    broadcasting), also where s happens to equal b, as [b, 1]; [1, s] is one per position; a
+    shape the rule does not take is refused saying the rule (it said "broadcastable to it",
+    which PyTorch's broadcasting of (4,) to (3, 4) is)."""
     generator = torch.Generator().manual_seed(33)
     logits = torch.randn(3, 3, 40, generator=generator)
     target = torch.randint(0, 40, (3, 3), generator=generator)
-    with pytest.raises(ValueError, match=r"temperature.shape: expected a shape that says which .* got \(3,\)"):
-        vt.log_probs_and_entropy(logits, target, temperature=torch.tensor([0.5, 1.0, 2.0]))
-    rows, _ = vt.log_probs_and_entropy(logits, target, temperature=torch.tensor([[0.5], [1.0], [2.0]]))
-    columns, _ = vt.log_probs_and_entropy(logits, target, temperature=torch.tensor([[0.5, 1.0, 2.0]]))
-    for got, t in ((rows, torch.tensor([[0.5], [1.0], [2.0]])), (columns, torch.tensor([[0.5, 1.0, 2.0]]))):
+    rows = torch.tensor([[0.5], [1.0], [2.0]])
+    for given, t in ((rows.flatten(), rows), (rows, rows), (rows.view(1, 3), rows.view(1, 3))):
+        got, _ = vt.log_probs_and_entropy(logits, target, temperature=given)
         want = torch.log_softmax(logits.double() / t.double().unsqueeze(-1), -1).gather(-1, target.unsqueeze(-1))
         assert (got.double() - want.squeeze(-1)).abs().max() <= 1e-6 * want.abs().max()
-    with pytest.raises(ValueError, match=r"fewer dimensions aligned with the target's first ones .* got \(4,\)"):
+    with pytest.raises(ValueError, match=r"temperature.shape: expected one per token \(3, 2\), or fewer dimensions "
+                                         r"aligned with the target's first ones .* not PyTorch's broadcasting.*, "
+                                         r"got \(4,\)"):
         vt.log_probs_and_entropy(logits[:, :2], target[:, :2], temperature=torch.ones(4))
+
+
+@needs_custom_ops
+def test_float64_temperatures_on_meta_tensors_give_shapes():
+    """Meta tensors take the custom ops' fake implementations (as torch.compile's do): a
+    float64 temperature there gives the output shapes (the eager check of its values read
+    them: Tensor.item() on a meta tensor)."""
+    logits = torch.empty(2, 4, 300, device="meta")
+    target = torch.empty(2, 4, dtype=torch.int64, device="meta")
+    for temperature in (torch.empty(2, dtype=torch.float64, device="meta"),
+                        torch.empty(2, 4, dtype=torch.float64, device="meta")):
+        log_prob, entropy = vt.log_probs_and_entropy(logits, target, temperature=temperature)
+        assert log_prob.shape == entropy.shape == (2, 4) and log_prob.device.type == "meta"
 
 
 def test_forward_mode_derivatives_are_refused_rather_than_zero():
@@ -365,13 +379,16 @@ def test_forward_mode_derivatives_are_refused_rather_than_zero():
 
 def test_rl_arguments_name_their_function_and_hold_in_float32():
     """Unexpected options name the function called (they named another); sum_pi_squared has
-    no targets, so ignore_index is refused (with 0 every row read as ignored: zeros); a bool
-    temperature is refused as label_smoothing's is; a temperature float32 does not hold is
-    refused as given (it was named by its rounding: 0 or inf)."""
+    no targets, so ignore_index has nothing to apply to (with 0 every row read as ignored:
+    zeros); a bool temperature is refused as label_smoothing's is; a temperature float32 does
+    not hold is refused as given (it was named by its rounding: 0 or inf; an int beyond float64
+    raised a bare OverflowError)."""
     logits, target = torch.randn(4, 50), torch.randint(0, 50, (4,))
     hidden, weight = torch.randn(4, 8), torch.randn(50, 8)
-    with pytest.raises(TypeError, match=r"sum_pi_squared: unexpected options \['ignore_index'\]"):
-        vt.sum_pi_squared(logits, ignore_index=0)
+    want = torch.softmax(logits.double(), -1).pow(2).sum(-1)
+    for ignore_index in (0, -100):
+        got = vt.sum_pi_squared(logits, ignore_index=ignore_index)
+        assert (got.double() - want).abs().max() <= 1e-6 * want.max()
     with pytest.raises(TypeError, match=r"sum_pi_squared: unexpected options \['z_loss_weight'\]"):
         vt.sum_pi_squared(logits, z_loss_weight=0.1)
     with pytest.raises(TypeError, match=r"linear_policy_objective: unexpected options \['reduction'\]"):
@@ -380,6 +397,8 @@ def test_rl_arguments_name_their_function_and_hold_in_float32():
         vt.log_probs_and_entropy(logits, target, temperature=True)
     with pytest.raises(TypeError, match="temperature: expected a number, got bool True"):
         vt.linear_log_probs_and_entropy(hidden, weight, target, temperature=True)
+    with pytest.raises(ValueError, match="temperature: expected a number that float32 holds, got 1000000"):
+        vt.log_probs_and_entropy(logits, target, temperature=10 ** 400)
     for tiny_or_huge in (1e-50, 1e300):
         with pytest.raises(ValueError, match=f"temperature: expected a value that float32 holds .* got {tiny_or_huge!r}"
                                              .replace("+", r"\+")):

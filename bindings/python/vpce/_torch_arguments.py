@@ -87,7 +87,10 @@ def _real(value, name):
     if isinstance(value, torch.Tensor) and value.requires_grad:
         raise ValueError(f"{name}: expected a number or a tensor that does not require grad (no gradient flows to "
                          f"{name}: detach it), got one that requires grad")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond float64
+        raise ValueError(f"{name}: expected a number that float32 holds, got {value!r}") from None
 
 
 def _reverse_mode_only(function, *tensors):

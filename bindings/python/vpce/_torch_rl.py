@@ -41,22 +41,17 @@ def _token_shape_problem(shape, target_shape):
     """None where per-token values (temperatures, an objective's weights) of `shape` broadcast
     to the target's under vpce's rule: one per token, or fewer dimensions aligned with the
     target's first ones (padded with 1 at the end: one per row of [b, s] targets, as verl's
-    per-sequence temperatures or GRPO's per-sequence advantages; a 0-d tensor for all);
-    else what is wrong, for the message. A shape that PyTorch's broadcasting (which aligns the
-    last dimensions) would read otherwise, as [b] for [b, b] targets, is ambiguous and refused."""
+    per-sequence temperatures or GRPO's per-sequence advantages; a 0-d tensor for all), the
+    opposite of PyTorch's broadcasting, which aligns the last ones (so [b] for [b, b] targets
+    is one per row, whatever s happens to be); else what is wrong, for the message."""
     shape, target_shape = tuple(shape), tuple(target_shape)
     extra = len(target_shape) - len(shape)
     leading = shape + (1,) * max(extra, 0)
     if extra < 0 or not all(a in (1, b) for a, b in zip(leading, target_shape)):
         rows = target_shape[:1]
         return (f"expected one per token {target_shape}, or fewer dimensions aligned with the target's first ones "
-                f"(one per sequence {rows} or {rows + (1,) * (len(target_shape) - 1)}; a 0-d tensor for all), "
-                f"got {shape}")
-    trailing = (1,) * extra + shape
-    if trailing != leading and all(a in (1, b) for a, b in zip(trailing, target_shape)):
-        return (f"expected a shape that says which of the target's dimensions it follows, got {shape} for the "
-                f"target's {target_shape}: vpce aligns it with the first (one per sequence) and PyTorch's "
-                f"broadcasting with the last; pass {leading} for the first or {trailing} for the last")
+                f"(one per sequence {rows} or {rows + (1,) * (len(target_shape) - 1)}; a 0-d tensor for all; "
+                f"not PyTorch's broadcasting, which aligns the last ones), got {shape}")
     return None
 
 
@@ -82,7 +77,9 @@ def _broadcast_per_token(values, target, name):
     if problem is not None:
         raise ValueError(f"{name}.shape: {problem}")
     v = values.to(torch.float32)
-    if values.dtype == torch.float64 and not _compiling():  # (a branch on values: eager only)
+    # (A branch on the values: eagerly, on values that exist; traced or fake, the library's
+    # own check names the rounding.)
+    if values.dtype == torch.float64 and not _compiling() and not _without_data(values):
         lost = (torch.isfinite(values) & torch.isinf(v)) | ((values != 0) & (v == 0))
         if lost.any():  # (the error would name the rounding, 0 or inf, not the value given)
             raise ValueError(f"{name}: expected values that float32 holds (vpce computes in float32), got "
@@ -109,7 +106,10 @@ def _float32_holds(value):
     """Whether a number keeps its magnitude in float32 (rounded to nearest even): not a finite
     one that overflows, nor a nonzero one that underflows to 0 (NaN and inf are the checks' to
     refuse). Plain arithmetic, so that torch.compile traces it without a break."""
-    magnitude = abs(float(value))
+    try:
+        magnitude = abs(float(value))
+    except OverflowError:  # an integer beyond float64
+        return False
     return not ((math.isfinite(magnitude) and magnitude >= _FLOAT32_OVERFLOW) or 0 < magnitude <= _FLOAT32_UNDERFLOW)
 
 
@@ -123,7 +123,7 @@ def _op_temperature_arguments(temperature, target):
 
 def _as_temperatures(temperature, logits, target):
     """(scalar, per-token tensor): a number gives (T, None); a tensor one per token (or
-    broadcastable to the target) gives (None, float32 contiguous of the target's shape). The
+    per sequence: _token_shape_problem's rule) gives (None, float32 contiguous of the target's shape). The
     temperature takes no gradient: a tensor that requires one is refused."""
     if not isinstance(temperature, torch.Tensor):
         value = _real(temperature, "temperature")
@@ -287,7 +287,7 @@ def log_probs_and_entropy(logits, target, temperature=1.0, tp_group=None, inplac
 
     logits: [..., V/R] (this rank's columns; fp32, bf16, fp16 or fp64), target: the sampled
     token of each row (int), temperature: a number, or a tensor of one per token (or
-    broadcastable to the target, as one per sequence). With z = transform(logits) / T over the
+    one per sequence: fewer dimensions align with the target's first ones). With z = transform(logits) / T over the
     whole vocabulary: log_prob = log softmax(z)[target], entropy = -sum p log p. One
     all-gather on tp_group per call, none in the backward; a target equal to ignore_index
     (default -100) gives 0 and no gradient. options: ignore_index, logit_scale, softcap,
@@ -322,9 +322,9 @@ def sum_pi_squared(logits, temperature=1.0, tp_group=None, **options):
         def body(collective, rank, size):
             _check_logits(logits)
             scalar, t = _as_temperatures(temperature, logits, tokens)
-            # (no ignore_index: there are no targets, and every row would count as ignored)
-            opts = _rl_options(scalar, options, "sum_pi_squared",
-                               tuple(name for name in _RL_OPTION_NAMES if name != "ignore_index"))
+            # There are no targets: the rows' dummy 0s must never be ignore_index (with 0 every
+            # row read as ignored), whatever ignore_index a caller's shared options carry.
+            opts = _rl_options(scalar, {**options, "ignore_index": -1}, "sum_pi_squared")
             x = _as_rows(logits)
             local = x.shape[-1]
             squares = torch.empty(tokens.shape, dtype=torch.float32, device=x.device)

@@ -259,7 +259,7 @@ def linear_log_probs_and_entropy(hidden, weight, target, temperature=1.0, tp_gro
 
     hidden, weight, bias, tp_group, sequence_parallel: as linear_cross_entropy's (the hidden
     gradient summed over tp_group in the backward). target: the sampled token of each row.
-    temperature: a number, or a tensor of one per token (or broadcastable to the target).
+    temperature: a number, or a tensor of one per token (or per sequence, as log_probs_and_entropy's).
     options: ignore_index, logit_scale, softcap, valid_vocab_size, num_threads, the head's
     token_block, vocab_block, bf16_logit_gradients, round_logits, and
     gradient_accumulation_fusion and vocab_range as linear_cross_entropy's. The head's
@@ -299,7 +299,8 @@ def linear_policy_objective(hidden, weight, target, log_prob_weights, entropy_we
     -advantages * mask / mask.sum() and entropy_weights = -coef * mask / mask.sum(); a
     clipped ratio of a later PPO epoch needs log_prob first (linear_log_probs_and_entropy).
 
-    log_prob_weights, entropy_weights: tensors broadcastable to the target (None: zero), the
+    log_prob_weights, entropy_weights: tensors of one per token or per sequence (the temperature's rule;
+    None: zero), the
     same on every rank of tp_group (hashed and compared: ranks that differ all raise).
     hidden, weight, bias, target, temperature, tp_group, sequence_parallel and options: as
     linear_log_probs_and_entropy's, and the head's chunk_tokens. One all-gather per chunk of

@@ -13,6 +13,8 @@
 #include <string>
 #include <system_error>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "../gather_size_hint.h"
 #include "vpce/threads.h"
@@ -23,6 +25,7 @@ struct ThreadGroup::Shared {
   struct Slot {
     const void* data = nullptr;
     std::size_t bytes = 0;
+    const void* recv = nullptr;
     std::string fault;  // what is wrong with this rank's buffers; empty when nothing is
   };
 
@@ -84,7 +87,7 @@ class ThreadGroup::RankCommunicator final : public Communicator {
     // than the others waiting for it until the timeout).
     std::string fault = buffer_fault(send, recv, bytes);
     std::unique_lock<std::mutex> lock(shared_->mutex);
-    shared_->slots[static_cast<size_t>(rank_)] = Shared::Slot{send, bytes, std::move(fault)};
+    shared_->slots[static_cast<size_t>(rank_)] = Shared::Slot{send, bytes, recv, std::move(fault)};
     if (Status s = shared_->arrive_and_wait(lock, "posting", true); !s.ok()) return s;
     // No rank writes its slot again before every rank has passed the second phase, so the
     // slots can be read without the lock until then.
@@ -99,6 +102,7 @@ class ThreadGroup::RankCommunicator final : public Communicator {
       result = {r == rank_ ? Code::kInvalidArgument : Code::kRemoteError,
                 "all_gather: rank " + std::to_string(r) + " of " + std::to_string(shared_->size) + ": " + f};
     }
+    if (result.ok()) result = shared_buffers(slots);
     for (int r = 1; r < shared_->size && result.ok(); ++r) {
       if (slots[static_cast<size_t>(r)].bytes != slots[0].bytes) {
         result = {Code::kInvalidUsage, "threads backend: ranks disagree on the all_gather size: expected rank 0's " +
@@ -121,6 +125,38 @@ class ThreadGroup::RankCommunicator final : public Communicator {
   }
 
  private:
+  // A rank's recv buffer that another rank's send or recv buffer overlaps (its bytes would be
+  // overwritten while another rank reads or writes them): kInvalidUsage, the same on every
+  // rank; each rank's own buffers were checked by buffer_fault.
+  Status shared_buffers(const std::vector<Shared::Slot>& slots) const {
+    const auto span = [&](const void* p, std::size_t n) {
+      const auto a = reinterpret_cast<uintptr_t>(p);
+      return std::pair<uintptr_t, uintptr_t>{a, a + n};
+    };
+    const auto overlap = [](std::pair<uintptr_t, uintptr_t> x, std::pair<uintptr_t, uintptr_t> y) {
+      return x.first < y.second && y.first < x.second;
+    };
+    const int n = shared_->size;
+    for (int r = 0; r < n; ++r) {
+      const Shared::Slot& mine = slots[static_cast<size_t>(r)];
+      if (mine.bytes == 0) continue;
+      const auto recv = span(mine.recv, mine.bytes * static_cast<std::size_t>(n));
+      for (int q = 0; q < n; ++q) {
+        const Shared::Slot& other = slots[static_cast<size_t>(q)];
+        if (q == r || other.bytes == 0) continue;
+        const bool send = overlap(recv, span(other.data, other.bytes));
+        if (send || overlap(recv, span(other.recv, other.bytes * static_cast<std::size_t>(n)))) {
+          return {Code::kInvalidUsage,
+                  "all_gather: expected each rank's recv buffer to share no byte with another "
+                  "rank's buffers, got rank " +
+                      std::to_string(r) + "'s recv overlapping rank " + std::to_string(q) + "'s " +
+                      (send ? "send" : "recv")};
+        }
+      }
+    }
+    return {};
+  }
+
   // Null buffers, or a send buffer that overlaps the receive buffer (which every rank's bytes
   // are copied into while this rank's are still being read): the text of the fault, or "".
   std::string buffer_fault(const void* send, const void* recv, std::size_t bytes) const {
