@@ -33,8 +33,9 @@ class Loopback final : public vpce::Communicator {
   const char* name() const override { return "loopback"; }
   vpce::Status all_gather(const void*, void*, std::size_t) override { return {vpce::Code::kUnsupported, "host"}; }
   vpce::Status device_all_gather(const void* send, void* recv, std::size_t bytes, void* stream) override {
-    cudaMemcpyAsync(recv, send, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
-    return {};
+    const cudaError_t e =
+        cudaMemcpyAsync(recv, send, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
+    return e == cudaSuccess ? vpce::Status{} : vpce::Status{vpce::Code::kSystemError, cudaGetErrorString(e)};
   }
 };
 

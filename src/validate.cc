@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
-#include <cstdio>
 #include <limits>
 #include <string>
 #include <thread>
@@ -14,12 +13,6 @@
 
 namespace vpce::detail {
 namespace {
-
-std::string hex_address(const void* p) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%p", p);
-  return text;
-}
 
 std::string dim_name(const char* name, const char* field, int d) {
   return std::string(name) + "." + field + "[" + std::to_string(d) + "]";

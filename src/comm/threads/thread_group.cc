@@ -4,7 +4,6 @@
 // waits for all; every rank then checks that the sizes agree and copies every rank's bytes
 // into its own buffer; a second barrier keeps each send buffer alive until all have copied.
 // A barrier that times out breaks the group, and a broken group fails every call at once.
-#include <charconv>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -16,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "../../common/text.h"
 #include "../gather_size_hint.h"
 #include "vpce/threads.h"
 
@@ -172,12 +172,9 @@ class ThreadGroup::RankCommunicator final : public Communicator {
              " bytes per rank that carry them past its end";
     }
     if (s < recv_end && r < send_end) {
-      const auto hex = [](uintptr_t a) {
-        char text[2 + 2 * sizeof(uintptr_t)] = {'0', 'x'};
-        return std::string(text, std::to_chars(text + 2, text + sizeof(text), a, 16).ptr);
-      };
-      return "expected send and recv buffers that do not overlap, got send " + hex(s) + " (" + std::to_string(bytes) +
-             " bytes) and recv " + hex(r) + " (" + std::to_string(recv_bytes) + " bytes)";
+      return "expected send and recv buffers that do not overlap, got send " + detail::hex_address(send) + " (" +
+             std::to_string(bytes) + " bytes) and recv " + detail::hex_address(recv) + " (" +
+             std::to_string(recv_bytes) + " bytes)";
     }
     return {};
   }
