@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "common/text.h"
@@ -392,7 +393,53 @@ TEST(BadInput, StagedApiChecksItsArguments) {
   expect_error(calculate_loss(TensorView::contiguous(stats.data(), kFloat32, {kTokens, 4}), f.y(), 0, f.options,
                               f.loss_view(), f.lse_view()),
                Code::kInvalidArgument, {"vocab_size", "[1, 2^31 - 1]", "got 0"});
+  // merge_stats checks its options as the other stages do (it took any: a smoothing of 2, a
+  // negative scale, and a thread count that crashed in OpenMP), with shards and without.
+  const TensorView gathered = TensorView::contiguous(stats.data(), kFloat32, {1, kTokens, 4});
+  const TensorView merged_view = TensorView::contiguous(merged.data(), kFloat32, {kTokens, 4});
+  const VocabShard whole[] = {f.shard};
+  const std::pair<LossOptions, const char*> bad[] = {
+      {[] {
+         LossOptions o;
+         o.num_threads = 100000;
+         return o;
+       }(),
+       "options.num_threads: expected in [0, "},
+      {[] {
+         LossOptions o;
+         o.label_smoothing = 2.0f;
+         return o;
+       }(),
+       "options.label_smoothing: expected a value in [0, 1), got 2"},
+      {[] {
+         LossOptions o;
+         o.logit_scale = -3.0f;
+         return o;
+       }(),
+       "options.logit_scale: expected a finite value > 0, got -3"},
+      {[] {
+         LossOptions o;
+         o.reduction = static_cast<Reduction>(7);
+         return o;
+       }(),
+       "options.reduction: expected kNone (0), kSum (1) or kMean (2), got 7"},
+  };
+  for (const auto& [options, want] : bad) {
+    expect_error(merge_stats(gathered, options, merged_view, whole), Code::kInvalidArgument, {want});
+    expect_error(merge_stats(gathered, options, merged_view), Code::kInvalidArgument, {want});
+  }
+  LossOptions too_big_valid;
+  too_big_valid.valid_vocab_size = kVocab + 1;
+  expect_error(merge_stats(gathered, too_big_valid, merged_view, whole), Code::kInvalidArgument,
+               {"options.valid_vocab_size: expected a value in [0, 10]"});
+  // The staged API refuses Megatron's legacy smoothing at its first stage too (it took it).
+  LossOptions legacy = f.options;
+  legacy.smoothing_semantics = SmoothingSemantics::kMegatronLegacy;
+  expect_error(calculate_local_stats(f.x(), f.y(), f.shard, legacy,
+                                     TensorView::contiguous(stats.data(), kFloat32, {kTokens, 4})),
+               Code::kInvalidArgument, {"options.smoothing_semantics", "calculate_local_stats"});
   for (float s : stats) EXPECT_EQ(s, -7.0f);
+  for (float m : merged) EXPECT_EQ(m, 0.0f);
   f.expect_nothing_written();
 }
 

@@ -150,6 +150,26 @@ TEST(Rows, BadArgumentsAreNamedAndWriteNothing) {
   const TensorView inside = TensorView::contiguous(p.base(), kFloat32, {4});  // the sums inside x
   EXPECT_NE(message(exp_rows_in_place(x, shift_view, &inside)).find("sums: expected memory that does not overlap"),
             std::string::npos);
+  // A view labelled as a device's (host memory here, so that a wrong read would not crash):
+  // refused by name, as every other entry refuses it (it was read, or written, as the host's).
+  const Device gpu{DeviceType::kCUDA, 0};
+  TensorView on_gpu = x;
+  on_gpu.device = gpu;
+  std::vector<float> four(4, 7.0f);
+  const TensorView max_view = TensorView::contiguous(four.data(), kFloat32, {4});
+  EXPECT_NE(message(row_max(on_gpu, max_view))
+                .find("logits.device: expected cpu (the row kernels run on the host), "
+                      "got cuda:0"),
+            std::string::npos)
+      << message(row_max(on_gpu, max_view));
+  TensorView max_on_gpu = max_view;
+  max_on_gpu.device = gpu;
+  EXPECT_NE(message(row_max(x, max_on_gpu)).find("max.device: expected cpu"), std::string::npos);
+  EXPECT_NE(message(exp_rows_in_place(on_gpu, shift_view)).find("x.device: expected cpu"), std::string::npos);
+  TensorView shift_on_gpu = shift_view;
+  shift_on_gpu.device = gpu;
+  EXPECT_NE(message(exp_rows_in_place(x, shift_on_gpu)).find("shift.device: expected cpu"), std::string::npos);
+  EXPECT_EQ(four, std::vector<float>(4, 7.0f));
   EXPECT_EQ(p.storage, before.storage);
   EXPECT_EQ(small, std::vector<float>(3, 7.0f));
 }

@@ -10,7 +10,10 @@
 namespace vpce {
 
 // Scratch memory for the forwards (forward(), the fused head's), kept between calls so that the hot path does not
-// allocate once it has grown to the largest size seen.
+// allocate once it has grown to the largest size seen. One per rank, used by one call at a time:
+// two calls at once on one Workspace (two threads, or two ranks of one group) race on its
+// buffers (not detected: undefined behaviour, as for any object written by two threads). Any
+// operation and any shape may follow another on it.
 class Workspace {
  public:
   Workspace();

@@ -4,6 +4,7 @@
 // before writing anything.
 #include <string>
 #include <utility>
+#include <limits>
 #include <vector>
 
 #include "common/partition.h"
@@ -55,6 +56,7 @@ Status calculate_local_stats(const TensorView& logits, const TensorView& targets
                              const LossOptions& options, const TensorView& stats) {
   if (Status s = host_only(logits, "logits", "calculate_local_stats"); !s.ok()) return s;
   if (Status s = host_only(stats, "stats", "calculate_local_stats"); !s.ok()) return s;
+  if (Status s = detail::check_not_legacy_smoothing(options, "calculate_local_stats"); !s.ok()) return s;
   LossInputs in;
   if (Status s = detail::check_loss_inputs(logits, targets, nullptr, shard, options, &in); !s.ok()) {
     return s;
@@ -144,10 +146,10 @@ Status merge_stats(const TensorView& gathered, const LossOptions& options, const
     return {Code::kInvalidArgument,
             detail::expected_got("gathered.shape[0]", "a number of ranks in [1, 2^20]", std::to_string(ranks))};
   }
-  if (options.num_threads < 0) {
-    return {Code::kInvalidArgument,
-            detail::expected_got("options.num_threads", ">= 0", std::to_string(options.num_threads))};
-  }
+  // The options as the other stages check them; the vocabulary is the shards' when given
+  // (without them the merge cannot know it: valid_vocab_size is checked at calculate_loss).
+  const int64_t vocab = shards.empty() ? std::numeric_limits<int64_t>::max() : shards.front().vocab_size;
+  if (Status s = detail::check_options(options, VocabShard{0, vocab, vocab}); !s.ok()) return s;
   // Rank r's [N, W] block is itself a stats matrix; check the first and the stride to the rest.
   TensorView block = gathered;
   block.ndim = 2;

@@ -20,9 +20,22 @@ detail::StorageType storage_of(DataType dtype) {
 
 Status check_threads(int num_threads) { return detail::check_thread_count("num_threads", num_threads); }
 
+// The row kernels are the CPU's: a device's memory would be read as the host's.
+Status check_host(const TensorView& t, const char* name) {
+  if (t.device.type == DeviceType::kCPU) return {};
+  return {Code::kInvalidArgument, detail::expected_got((std::string(name) + ".device").c_str(),
+                                                       "cpu (the row kernels run on the host)", to_string(t.device))};
+}
+
+// A [..., K] view of host memory.
+Status as_host_rows(const TensorView& t, const char* name, RowMatrix* out) {
+  if (Status s = check_host(t, name); !s.ok()) return s;
+  return detail::as_row_matrix(t, name, out);
+}
+
 // A float32 [..., K] matrix named `name` with as many rows and columns as `like`.
 Status as_float_matrix_like(const TensorView& t, const char* name, const RowMatrix& like, RowMatrix* out) {
-  if (Status s = detail::as_row_matrix(t, name, out); !s.ok()) return s;
+  if (Status s = as_host_rows(t, name, out); !s.ok()) return s;
   if (Status s = detail::check_dtype(name, out->dtype, {kFloat32}, "float32"); !s.ok()) return s;
   if (out->rows != like.rows || out->cols != like.cols) {
     return {Code::kInvalidArgument,
@@ -34,6 +47,7 @@ Status as_float_matrix_like(const TensorView& t, const char* name, const RowMatr
 }
 
 Status as_float_rows(const TensorView& t, const char* name, int64_t rows, TokenVector* out) {
+  if (Status s = check_host(t, name); !s.ok()) return s;
   if (Status s = detail::as_token_vector(t, name, rows, out); !s.ok()) return s;
   return detail::check_dtype(name, out->dtype, {kFloat32}, "float32");
 }
@@ -44,7 +58,7 @@ Status row_max(const TensorView& logits, const TensorView& max, const TensorView
   RowMatrix x, wide;
   TokenVector m;
   if (Status s = check_threads(num_threads); !s.ok()) return s;
-  if (Status s = detail::as_row_matrix(logits, "logits", &x); !s.ok()) return s;
+  if (Status s = as_host_rows(logits, "logits", &x); !s.ok()) return s;
   if (Status s =
           detail::check_dtype("logits", x.dtype, {kFloat32, kBFloat16, kFloat16}, "float32, bfloat16 or float16");
       !s.ok()) {
@@ -76,7 +90,7 @@ Status exp_rows_in_place(const TensorView& x, const TensorView& shift, const Ten
   RowMatrix rows;
   TokenVector s, total;
   if (Status st = check_threads(num_threads); !st.ok()) return st;
-  if (Status st = detail::as_row_matrix(x, "x", &rows); !st.ok()) return st;
+  if (Status st = as_host_rows(x, "x", &rows); !st.ok()) return st;
   if (Status st = detail::check_dtype("x", rows.dtype, {kFloat32}, "float32"); !st.ok()) return st;
   if (Status st = as_float_rows(shift, "shift", rows.rows, &s); !st.ok()) return st;
   if (sums != nullptr) {
