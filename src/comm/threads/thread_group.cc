@@ -4,6 +4,7 @@
 // waits for all; every rank then checks that the sizes agree and copies every rank's bytes
 // into its own buffer; a second barrier keeps each send buffer alive until all have copied.
 // A barrier that times out breaks the group, and a broken group fails every call at once.
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -127,32 +128,44 @@ class ThreadGroup::RankCommunicator final : public Communicator {
  private:
   // A rank's recv buffer that another rank's send or recv buffer overlaps (its bytes would be
   // overwritten while another rank reads or writes them): kInvalidUsage, the same on every
-  // rank; each rank's own buffers were checked by buffer_fault.
+  // rank (each rank's own buffers were checked by buffer_fault). One sweep over the buffers
+  // sorted by address, O(R log R): each overlaps an earlier one exactly where it starts before
+  // the furthest end so far (of any buffer for a recv, of a recv for a send).
   Status shared_buffers(const std::vector<Shared::Slot>& slots) const {
-    const auto span = [&](const void* p, std::size_t n) {
-      const auto a = reinterpret_cast<uintptr_t>(p);
-      return std::pair<uintptr_t, uintptr_t>{a, a + n};
+    struct Span {
+      uintptr_t begin, end;
+      int rank;
+      bool recv;
     };
-    const auto overlap = [](std::pair<uintptr_t, uintptr_t> x, std::pair<uintptr_t, uintptr_t> y) {
-      return x.first < y.second && y.first < x.second;
-    };
-    const int n = shared_->size;
-    for (int r = 0; r < n; ++r) {
-      const Shared::Slot& mine = slots[static_cast<size_t>(r)];
-      if (mine.bytes == 0) continue;
-      const auto recv = span(mine.recv, mine.bytes * static_cast<std::size_t>(n));
-      for (int q = 0; q < n; ++q) {
-        const Shared::Slot& other = slots[static_cast<size_t>(q)];
-        if (q == r || other.bytes == 0) continue;
-        const bool send = overlap(recv, span(other.data, other.bytes));
-        if (send || overlap(recv, span(other.recv, other.bytes * static_cast<std::size_t>(n)))) {
-          return {Code::kInvalidUsage,
-                  "all_gather: expected each rank's recv buffer to share no byte with another "
-                  "rank's buffers, got rank " +
-                      std::to_string(r) + "'s recv overlapping rank " + std::to_string(q) + "'s " +
-                      (send ? "send" : "recv")};
-        }
+    const auto n = static_cast<std::size_t>(shared_->size);
+    std::vector<Span> spans;
+    spans.reserve(2 * n);
+    for (std::size_t r = 0; r < n; ++r) {
+      const Shared::Slot& slot = slots[r];
+      if (slot.bytes == 0) continue;
+      const auto send = reinterpret_cast<uintptr_t>(slot.data), recv = reinterpret_cast<uintptr_t>(slot.recv);
+      spans.push_back({send, send + slot.bytes, static_cast<int>(r), false});
+      spans.push_back({recv, recv + slot.bytes * n, static_cast<int>(r), true});
+    }
+    std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+      return a.begin != b.begin ? a.begin < b.begin : a.rank != b.rank ? a.rank < b.rank : a.recv < b.recv;
+    });
+    const Span* furthest = nullptr;       // of every buffer so far
+    const Span* furthest_recv = nullptr;  // of the recv buffers so far
+    for (const Span& s : spans) {
+      const Span* hit = s.recv ? furthest : furthest_recv;
+      if (hit != nullptr && s.begin < hit->end && hit->rank != s.rank) {
+        // Named as the recv's rank and the other's buffer (two recvs: the lower rank first).
+        const Span& recv = !s.recv || (hit->recv && hit->rank < s.rank) ? *hit : s;
+        const Span& other = &recv == hit ? s : *hit;
+        return {Code::kInvalidUsage,
+                "all_gather: expected each rank's recv buffer to share no byte with another "
+                "rank's buffers, got rank " +
+                    std::to_string(recv.rank) + "'s recv overlapping rank " + std::to_string(other.rank) + "'s " +
+                    (other.recv ? "recv" : "send")};
       }
+      if (furthest == nullptr || s.end > furthest->end) furthest = &s;
+      if (s.recv && (furthest_recv == nullptr || s.end > furthest_recv->end)) furthest_recv = &s;
     }
     return {};
   }
