@@ -632,6 +632,33 @@ def failing_rank_worker(rank, size, init_file):
     dist.destroy_process_group()
 
 
+def one_rank_refused_worker(rank, size, init_file):
+    """A float64 temperature float32 cannot hold, or a forward-mode tangent, on rank 1 only:
+    no rank is left waiting in the collective. The temperature fails every rank alike; the
+    tangent's rank runs the collective on the primal values and then raises, the other rank
+    gets its outputs."""
+    import torch.autograd.forward_ad as forward_ad  # noqa: PLC0415
+    group = init_group(rank, size, init_file)
+    logits = torch.randn(2, 4, 50, generator=torch.Generator().manual_seed(3))
+    target = torch.randint(0, 100, (2, 4), generator=torch.Generator().manual_seed(4))
+    temperature = torch.full((2,), 1e-50 if rank == 1 else 0.5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="rank 1 of 2: temperature: expected values that float32 holds"):
+        vt.log_probs_and_entropy(logits, target, temperature=temperature, tp_group=group)
+    with forward_ad.dual_level():
+        x = forward_ad.make_dual(logits, torch.ones_like(logits)) if rank == 1 else logits
+        if rank == 1:
+            with pytest.raises(NotImplementedError, match="vocab_parallel_cross_entropy: expected operands without"):
+                vt.vocab_parallel_cross_entropy(x, target, tp_group=group)
+        else:
+            assert vt.vocab_parallel_cross_entropy(x, target, tp_group=group).shape == (2, 4)
+    dist.barrier(group=group)  # the group is still in step
+    dist.destroy_process_group()
+
+
+def test_a_rank_refused_for_its_temperature_or_tangent_leaves_no_rank_waiting():
+    spawn(one_rank_refused_worker, 2)
+
+
 def test_a_rank_with_a_bad_argument_does_not_leave_the_others_waiting():
     spawn(failing_rank_worker, 2)
 

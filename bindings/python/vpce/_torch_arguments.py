@@ -3,6 +3,9 @@ logits and targets checked (errors name what was expected and what was given) an
 as vpce's kernels take them, and the in-place gradient's precondition."""
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.autograd.forward_ad as forward_ad
 
@@ -93,17 +96,37 @@ def _real(value, name):
         raise ValueError(f"{name}: expected a number that float32 holds, got {value!r}") from None
 
 
-def _reverse_mode_only(function, *tensors):
-    """NotImplementedError where an operand carries a forward-mode tangent (torch.func.jvp,
-    torch.autograd.forward_ad): vpce's functions have first derivatives in reverse mode only,
-    and a custom op without a forward-mode formula gives a tangent of zeros, silently."""
-    if _compiling():
-        return
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and forward_ad.unpack_dual(tensor).tangent is not None:
-            raise NotImplementedError(f"{function}: expected operands without a forward-mode tangent (vpce's "
-                                      "derivatives are reverse mode only: backward, torch.autograd.grad), got "
-                                      "one from torch.func.jvp or torch.autograd.forward_ad")
+def _reverse_mode_only(*operands):
+    """Decorates a function of vpce.torch so that an operand (named in `operands`) carrying a
+    forward-mode tangent (torch.func.jvp, torch.autograd.forward_ad) raises NotImplementedError
+    naming the function: vpce's derivatives are reverse mode only, and a custom op without a
+    forward-mode formula gives a tangent of zeros, silently. The call first runs on the
+    operands' primal values, so that this rank takes part in the collective as the others do
+    (an error before it would leave them waiting)."""
+    def wrap(function):
+        signature = inspect.signature(function)
+
+        @functools.wraps(function)
+        def call(*args, **kwargs):
+            if _compiling():
+                return function(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            dual = [name for name in operands if isinstance(bound.arguments.get(name), torch.Tensor)
+                    and forward_ad.unpack_dual(bound.arguments[name]).tangent is not None]
+            if not dual:
+                return function(*args, **kwargs)
+            for name in dual:
+                bound.arguments[name] = forward_ad.unpack_dual(bound.arguments[name]).primal
+            cause = None
+            try:  # (inside torch.func's transforms the autograd.Function path refuses to run)
+                function(*bound.args, **bound.kwargs)
+            except Exception as error:  # noqa: BLE001 (the refusal below is the one to report)
+                cause = error
+            raise NotImplementedError(f"{function.__name__}: expected operands without a forward-mode tangent "
+                                      "(vpce's derivatives are reverse mode only: backward, torch.autograd.grad), "
+                                      f"got one in {dual} from torch.func.jvp or torch.autograd.forward_ad") from cause
+        return call
+    return wrap
 
 
 def _check_inplace(logits):

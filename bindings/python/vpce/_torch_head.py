@@ -721,6 +721,7 @@ def _fits_head_op(hidden, weight, bias, target, label_smoothing, options):
 
 # ---- the public function ----------------------------------------------------------------
 
+@_reverse_mode_only("hidden", "weight", "bias")
 def linear_cross_entropy(hidden, weight, target, label_smoothing=0.0, tp_group=None, *, bias=None,
                          sequence_parallel=False, megatron_legacy_label_smoothing=False, **options):
     """The loss of the output layer's logits, hidden @ weight.T + bias, without building
@@ -771,7 +772,6 @@ def linear_cross_entropy(hidden, weight, target, label_smoothing=0.0, tp_group=N
     copy_to_tensor_model_parallel_region. Returns the loss in float32 (float64 for float64
     operands), the same on every rank.
     """
-    _reverse_mode_only("linear_cross_entropy", hidden, weight, bias)
     if not isinstance(megatron_legacy_label_smoothing, bool):
         raise TypeError("megatron_legacy_label_smoothing: expected a bool, got "
                         f"{type(megatron_legacy_label_smoothing).__name__}")

@@ -76,25 +76,33 @@ def _broadcast_per_token(values, target, name):
     problem = _token_shape_problem(values.shape, target.shape)
     if problem is not None:
         raise ValueError(f"{name}.shape: {problem}")
+    lost = _lost_in_float32(values)
+    if lost is not None:  # (the error would name the rounding, 0 or inf, not the value given)
+        raise ValueError(f"{name}: expected values that float32 holds (vpce computes in float32), got {lost!r}")
     v = values.to(torch.float32)
-    # (A branch on the values: eagerly, on values that exist; traced or fake, the library's
-    # own check names the rounding.)
-    if values.dtype == torch.float64 and not _compiling() and not _without_data(values):
-        lost = (torch.isfinite(values) & torch.isinf(v)) | ((values != 0) & (v == 0))
-        if lost.any():  # (the error would name the rounding, 0 or inf, not the value given)
-            raise ValueError(f"{name}: expected values that float32 holds (vpce computes in float32), got "
-                             f"{values[lost].flatten()[0].item()!r}")
     return v.reshape(tuple(v.shape) + (1,) * (target.dim() - v.dim())).expand(target.shape).contiguous()
+
+
+def _lost_in_float32(values):
+    """The first of a float64 tensor's values that float32 does not hold (a finite one that
+    overflows, a nonzero one that underflows to 0), or None. A branch on the values: eagerly,
+    on values that exist; traced or fake, None (the library's own check names the rounding)."""
+    if values.dtype != torch.float64 or _compiling() or _without_data(values):
+        return None
+    rounded = values.to(torch.float32)
+    lost = (torch.isfinite(values) & torch.isinf(rounded)) | ((values != 0) & (rounded == 0))
+    return values[lost].flatten()[0].item() if lost.any() else None
 
 
 def _op_takes_temperature(temperature, target):
     """Whether the custom ops take this temperature: a number, or a floating-point tensor on
     the target's device that broadcasts to it (else the autograd.Function, whose checks
-    raise)."""
+    raise inside the collective's scaffolding, alike on every rank)."""
     if isinstance(temperature, torch.Tensor):
         return (isinstance(target, torch.Tensor) and temperature.device == target.device
                 and temperature.is_floating_point() and not temperature.requires_grad
-                and _token_shape_problem(temperature.shape, target.shape) is None)
+                and _token_shape_problem(temperature.shape, target.shape) is None
+                and _lost_in_float32(temperature) is None)
     return isinstance(temperature, (float, int)) and not isinstance(temperature, bool) and _float32_holds(temperature)
 
 
@@ -282,6 +290,7 @@ def _fits_rl_op(logits, target, temperature, options):
     return _op_takes_temperature(temperature, target)
 
 
+@_reverse_mode_only("logits")
 def log_probs_and_entropy(logits, target, temperature=1.0, tp_group=None, inplace_backward=False, **options):
     """(log_prob, entropy) of each token, float32 of the target's shape, differentiable.
 
@@ -293,7 +302,6 @@ def log_probs_and_entropy(logits, target, temperature=1.0, tp_group=None, inplac
     (default -100) gives 0 and no gradient. options: ignore_index, logit_scale, softcap,
     valid_vocab_size, num_threads. inplace_backward=True writes the gradient over the logits.
     """
-    _reverse_mode_only("log_probs_and_entropy", logits)
     compiling = _CUSTOM_OPS and (_compiling() or _without_data(logits))
     if _CUSTOM_OPS and (compiling or not inplace_backward) and _fits_rl_op(logits, target, temperature, options):
         temperatures, scalar = _op_temperature_arguments(temperature, target)

@@ -252,6 +252,7 @@ if _CUSTOM_OPS:
     _register_chunked_autograd("vpce::rl_linear_chunked", "linear_policy_objective", 3, 11)
 
 
+@_reverse_mode_only("hidden", "weight", "bias")
 def linear_log_probs_and_entropy(hidden, weight, target, temperature=1.0, tp_group=None, *, bias=None,
                                  sequence_parallel=False, **options):
     """(log_prob, entropy) of the output layer's logits hidden @ weight.T + bias without
@@ -266,7 +267,6 @@ def linear_log_probs_and_entropy(hidden, weight, target, temperature=1.0, tp_gro
     recompute mode: one all-gather in the forward (plus the sequence-parallel one of the
     hidden states), the hidden gradient's reduction in the backward.
     """
-    _reverse_mode_only("linear_log_probs_and_entropy", hidden, weight, bias)
     args = (hidden, weight, bias, target, temperature, tp_group, sequence_parallel, options)
     if isinstance(sequence_parallel, bool) and _fits_rl_head_op(hidden, weight, bias, target, temperature, options):
         temperatures, scalar = _op_temperature_arguments(temperature, target)
@@ -284,6 +284,7 @@ def _fits_rl_head_op(hidden, weight, bias, target, temperature, options):
             and _fits_head_op(hidden, weight, bias, target, 0.0, options))
 
 
+@_reverse_mode_only("hidden", "weight", "bias")
 def linear_policy_objective(hidden, weight, target, log_prob_weights, entropy_weights=None, temperature=1.0,
                             tp_group=None, *, bias=None, sequence_parallel=False, **options):
     """(objective, log_prob, entropy) of the output layer's logits hidden @ weight.T + bias
@@ -306,7 +307,6 @@ def linear_policy_objective(hidden, weight, target, log_prob_weights, entropy_we
     linear_log_probs_and_entropy's, and the head's chunk_tokens. One all-gather per chunk of
     tokens, then the hidden gradient's reduction, all in this call; one backward per call.
     """
-    _reverse_mode_only("linear_policy_objective", hidden, weight, bias)
     # Eager calls take the autograd.Function, which scales the gradients in place (the op's
     # backward cannot change its outputs: a copy of each gradient).
     weights_fit = all(w is None or (isinstance(w, torch.Tensor) and not w.requires_grad)

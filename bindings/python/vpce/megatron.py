@@ -59,8 +59,7 @@ import torch
 from . import torch as vt
 from ._torch_arguments import _OPTION_NAMES
 from ._torch_head import _HEAD_OPTION_NAMES
-from ._torch_rl import _per_token_values
-from ._torch_rl_head import _token_weights
+from ._torch_rl import _token_shape_problem
 
 __all__ = ["fuse_output_layer", "unfuse_output_layer", "is_fused", "log_probs_and_entropy", "policy_objective"]
 
@@ -279,16 +278,13 @@ def _fused_policy(gpt, labels, deferred, options, request):
     layer = deferred.layer
     target = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
     # Per-token values follow the labels [b, s] (one per sequence: [b]), then go to [s, b].
-    temperature = request.temperature
-    if isinstance(temperature, torch.Tensor):
-        temperature = _per_token_values(temperature, labels, "temperature").transpose(0, 1).contiguous()
+    temperature = _sequence_major(request.temperature, labels)
     kept = {k: v for k, v in options.items() if k in _POLICY_OPTIONS}
     common = dict(tp_group=_tp_group(gpt, layer), bias=None if layer.skip_bias_add else layer.bias,
                   sequence_parallel=bool(layer.sequence_parallel),
                   gradient_accumulation_fusion=bool(layer.gradient_accumulation_fusion), **kept)
     if request.weights is not None:
-        weights = [None if w is None else _token_weights(w, labels, name).transpose(0, 1).contiguous()
-                   for w, name in zip(request.weights, ("log_prob_weights", "entropy_weights"))]
+        weights = [_sequence_major(w, labels) for w in request.weights]
         objective, log_prob, entropy = vt.linear_policy_objective(deferred.hidden, deferred.weight, target, *weights,
                                                                   temperature, **common)
         request.log_prob = log_prob.transpose(0, 1).contiguous()
@@ -298,6 +294,17 @@ def _fused_policy(gpt, labels, deferred, options, request):
                                                         **common)
     request.entropy = entropy.transpose(0, 1).contiguous()
     return log_prob.transpose(0, 1).contiguous()
+
+
+def _sequence_major(values, labels):
+    """Per-token values given for labels [b, s] (a tensor of one per token, or fewer dimensions
+    aligned with the first: [b] one per sequence, 0-d one for all) as [s, b]; anything else as
+    given, for vpce.torch to refuse by name inside its collective's scaffolding (alike on every
+    rank, none left waiting)."""
+    if not isinstance(values, torch.Tensor) or _token_shape_problem(values.shape, labels.shape) is not None:
+        return values
+    expanded = values.reshape(tuple(values.shape) + (1,) * (labels.dim() - values.dim())).expand(labels.shape)
+    return expanded.transpose(0, 1).contiguous()
 
 
 def log_probs_and_entropy(model, *args, labels, temperature=1.0, **kwargs):

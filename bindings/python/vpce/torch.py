@@ -74,6 +74,7 @@ __all__ = ["VocabParallelCrossEntropy", "_VocabParallelCrossEntropy", "vocab_par
            "sum_pi_squared"]
 
 
+@_reverse_mode_only("vocab_parallel_logits")
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None, *,
                                  inplace_backward=False, megatron_legacy_label_smoothing=False, **options):
     """Per-token cross-entropy of logits split over the vocabulary across `tp_group`.
@@ -110,7 +111,6 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     Returns the float32 loss with target's shape, the same on every rank. An error on any
     rank is raised on every rank, with the same text.
     """
-    _reverse_mode_only("vocab_parallel_cross_entropy", vocab_parallel_logits)
     # (Fake and meta tensors, which have no values to write over, take the op as compiling does.)
     compiling = _CUSTOM_OPS and (_compiling() or _without_data(vocab_parallel_logits))
     if (_CUSTOM_OPS and (compiling or not inplace_backward)
