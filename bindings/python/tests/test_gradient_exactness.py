@@ -11,7 +11,9 @@ Bars, on every target: fp32 no bias beyond 1e-6; bf16 a mean signed error within
 which the weighted bias cannot tell from one large element one ulp off). Where the
 exponential's argument is exact (vpce's AVX2 and AVX-512 targets, with FMA: docs/design.md)
 fp32 within Megatron's mean and largest error and bf16 with at most 10 more elements off
-than Megatron's; elsewhere bf16 may have at most 1 in 10^3 elements off."""
+than Megatron's; elsewhere bf16 may have at most 1 in 10^3 elements off. Over 16 problems
+together, bf16's summed error within 1e-6 of the summed magnitude and at most 5 per million
+elements off more than Megatron's (issue 35's bars, which one problem's few elements decide)."""
 import pytest
 import torch
 
@@ -108,3 +110,37 @@ def test_gradient_at_least_as_exact_as_megatron(dtype, std, offset):
             assert abs(ours["signed"]) <= 1e-4, ours
             allowed = megatron["off"] + 10 if EXACT_ARGUMENT else 1e-3 * TOKENS * VOCAB
             assert ours["off"] <= allowed, (ours, megatron)
+
+
+PROBLEMS = 16
+
+
+def test_bf16_gradients_unbiased_over_many_problems():
+    """One problem's weighted bias in bf16 is decided by its few largest elements that are off:
+    one of 7e-4 one unit off moves it by 1.9e-6 (docs/design.md), for vpce as for Megatron.
+    Over PROBLEMS fresh problems (33 M elements) a lean of the rounding shows and that noise
+    averages out: the summed error within 1e-6 of the summed magnitude, and no more elements
+    off in all than Megatron's own plus 5 per million."""
+    total = {"megatron": [0.0, 0.0, 0], "vpce": [0.0, 0.0, 0]}
+    for problem in range(PROBLEMS):
+        generator = torch.Generator().manual_seed(1000 + problem)
+        std = 3.0 if problem % 2 == 0 else 0.1
+        logits = (torch.randn(TOKENS, VOCAB, dtype=torch.float64, generator=generator) * std).to(torch.bfloat16)
+        target = torch.randint(0, VOCAB, (TOKENS,), generator=generator)
+        upstream = (torch.rand(TOKENS, generator=generator) + 0.5) / TOKENS
+        exact = exact_gradient(logits, target, upstream)
+        rounded = correctly_rounded(exact, torch.bfloat16)
+        keep = torch.ones_like(exact, dtype=torch.bool)
+        keep[torch.arange(TOKENS), target] = False
+        for name, got in (("megatron", megatron_gradient(logits, target, upstream)),
+                          ("vpce", vpce_gradient(logits, target, upstream, inplace=problem % 4 < 2))):
+            error = (got.double() - rounded)[keep]
+            total[name][0] += error.sum().item()
+            total[name][1] += rounded[keep].abs().sum().item()
+            total[name][2] += int((error != 0).sum())
+    bias = {name: summed / magnitude for name, (summed, magnitude, _) in total.items()}
+    off = {name: t[2] for name, t in total.items()}
+    print(f"\n{vpce._vpce.cpu_kernel_target()} bf16 over {PROBLEMS} problems: bias {bias}, elements off {off}")
+    assert abs(bias["vpce"]) <= 1e-6, bias
+    allowed = off["megatron"] + 5e-6 * PROBLEMS * TOKENS * VOCAB if EXACT_ARGUMENT else 1e-3 * PROBLEMS * TOKENS * VOCAB
+    assert off["vpce"] <= allowed, off
