@@ -11,7 +11,12 @@ Workspace::~Workspace() = default;
 Workspace::Workspace(Workspace&&) noexcept = default;
 Workspace& Workspace::operator=(Workspace&&) noexcept = default;
 
-Status Workspace::device_status() { return buffers_ ? detail::device_status(buffers_->device.get()) : Status{}; }
+Status Workspace::device_status() {
+  if (!buffers_) return {};
+  detail::WorkspaceLease lease(this);
+  if (!lease.status().ok()) return lease.status();
+  return detail::device_status(buffers_->device.get());
+}
 
 std::size_t Workspace::capacity() const {
   if (!buffers_) return 0;

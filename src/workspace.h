@@ -2,8 +2,10 @@
 // the forward (loss/forward.cc), the fused head (head/) and their device paths.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "vpce/workspace.h"
@@ -46,6 +48,7 @@ struct Workspace::Buffers {
   detail::HostFloats head_logits;
   std::shared_ptr<void> device;       // the device buffers, for device tensors (cuda/dispatch.cu)
   std::shared_ptr<void> device_head;  // the fused head's device buffers (head/cuda/)
+  std::atomic<bool> in_use{false};    // held by a call (WorkspaceLease)
 };
 
 struct WorkspaceAccess {
@@ -56,4 +59,42 @@ struct WorkspaceAccess {
   }
 };
 
+namespace detail {
+
+// One call's hold on a Workspace, for the call's duration: the workspace's buffers, or, where
+// the caller gave none or another call holds them (one call at a time on a Workspace: two
+// threads, or two ranks of one group, given the same one), buffers of the lease's own. In the
+// second case status() is the error; a call with a collective reports it through the
+// collective, so that every rank returns it and none waits (the other call runs on).
+class WorkspaceLease {
+ public:
+  explicit WorkspaceLease(Workspace* workspace) {
+    if (workspace != nullptr) {
+      Workspace::Buffers* shared = WorkspaceAccess::buffers(*workspace);
+      if (!shared->in_use.exchange(true, std::memory_order_acquire)) {
+        held_ = shared;
+        return;
+      }
+      status_ = {Code::kInvalidArgument,
+                 "workspace: expected a Workspace no other call is using (one call at a time on a Workspace: one "
+                 "per rank and thread), got one another call holds"};
+    }
+    own_.emplace();
+  }
+  ~WorkspaceLease() {
+    if (held_ != nullptr) held_->in_use.store(false, std::memory_order_release);
+  }
+  WorkspaceLease(const WorkspaceLease&) = delete;
+  WorkspaceLease& operator=(const WorkspaceLease&) = delete;
+
+  Workspace::Buffers* buffers() { return held_ != nullptr ? held_ : WorkspaceAccess::buffers(*own_); }
+  const Status& status() const { return status_; }
+
+ private:
+  Workspace::Buffers* held_ = nullptr;
+  std::optional<Workspace> own_;
+  Status status_;
+};
+
+}  // namespace detail
 }  // namespace vpce

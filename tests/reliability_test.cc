@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "cpu/parallel.h"
+#include "workspace.h"
 
 #include "support.h"
 
@@ -140,6 +141,92 @@ TEST(Workspace, MovedFromAndMovedIntoBothWork) {
   assigned = std::move(moved_into);
   EXPECT_EQ(loss_with(&moved_into), want);
   EXPECT_EQ(loss_with(&assigned), want);
+}
+
+// One Workspace given to both ranks of a group: the second rank to take it finds the first's
+// call holding it (that call waits in the gather for the second), so it is refused there by
+// name and every rank returns the error, none waits; the workspace then serves again.
+TEST(Workspace, GivenToTwoRanksAtOnceIsRefusedOnEveryRankAndNoneWaits) {
+  constexpr int64_t kTokens = 5, kVocab = 60;
+  Problem problem = random_problem(kTokens, kVocab, kFloat32, 6);
+  const auto shards = shards_from_sizes(even_splits(kVocab, 2));
+  std::unique_ptr<ThreadGroup> group;
+  ASSERT_TRUE(ThreadGroup::create(2, &group).ok());
+  Workspace shared;
+  std::vector<std::vector<float>> losses(2);
+  auto run = [&](bool one_workspace) {
+    std::vector<Workspace> own(2);
+    return group->run([&](Communicator& comm) -> Status {
+      const auto r = static_cast<std::size_t>(comm.rank());
+      std::vector<float>& loss = losses[r];
+      loss.assign(kTokens, -1.0f);
+      std::vector<float> lse(kTokens);
+      return forward(comm, problem.shard_view(shards[r]),
+                     TensorView::contiguous(problem.targets.data(), kInt64, {kTokens}), shards[r], {},
+                     TensorView::contiguous(loss.data(), kFloat32, {kTokens}),
+                     TensorView::contiguous(lse.data(), kFloat32, {kTokens}), {}, one_workspace ? &shared : &own[r]);
+    });
+  };
+  for (int round = 0; round < 3; ++round) {
+    // (the rank refused: kInvalidArgument; the other: kRemoteError, with the same words)
+    const std::vector<Status> refused = run(true);
+    int invalid = 0;
+    for (const Status& s : refused) {
+      ASSERT_FALSE(s.ok());
+      invalid += s.code() == Code::kInvalidArgument;
+      EXPECT_TRUE(s.code() == Code::kInvalidArgument || s.code() == Code::kRemoteError) << s.to_string();
+      EXPECT_NE(s.message().find("workspace: expected a Workspace no other call is using"), std::string::npos)
+          << s.to_string();
+    }
+    EXPECT_EQ(invalid, 1);
+    EXPECT_EQ(losses[0], std::vector<float>(kTokens, -1.0f));  // (nothing written)
+  }
+  for (const Status& s : run(false)) ASSERT_TRUE(s.ok()) << s.to_string();
+  const std::vector<float> want = losses[0];
+  EXPECT_EQ(losses[1], want);
+  EXPECT_NE(want, std::vector<float>(kTokens, -1.0f));
+}
+
+// While a call holds a Workspace, another entry refuses it by name (the loss's and the RL
+// outputs' forwards, device_status), writes nothing, and takes it again once the call ends.
+TEST(Workspace, HeldByACallIsRefusedByEveryEntryUntilItEnds) {
+  constexpr int64_t kTokens = 4, kVocab = 32;
+  Problem problem = random_problem(kTokens, kVocab, kFloat32, 7);
+  const VocabShard shard{0, kVocab, kVocab};
+  const TensorView x = problem.shard_view(shard);
+  const TensorView y = TensorView::contiguous(problem.targets.data(), kInt64, {kTokens});
+  std::unique_ptr<ThreadGroup> group;
+  ASSERT_TRUE(ThreadGroup::create(1, &group).ok());
+  Communicator& comm = group->communicator(0);
+  std::vector<float> loss(kTokens, -1.0f), lse(kTokens), log_prob(kTokens, -1.0f);
+  std::vector<double> lse64(kTokens);
+  const TensorView loss_view = TensorView::contiguous(loss.data(), kFloat32, {kTokens});
+  const TensorView lse_view = TensorView::contiguous(lse.data(), kFloat32, {kTokens});
+  const TensorView log_prob_view = TensorView::contiguous(log_prob.data(), kFloat32, {kTokens});
+  const TensorView lse64_view = TensorView::contiguous(lse64.data(), kFloat64, {kTokens});
+  rl::Outputs outputs;
+  outputs.log_prob = &log_prob_view;
+  outputs.lse = &lse64_view;
+  const std::string name = "workspace: expected a Workspace no other call is using";
+  Workspace workspace;
+  {
+    detail::WorkspaceLease held(&workspace);  // (what a call on another thread holds)
+    const Status loss_status = forward(comm, x, y, shard, {}, loss_view, lse_view, {}, &workspace);
+    EXPECT_EQ(loss_status.code(), Code::kInvalidArgument);
+    EXPECT_NE(loss_status.message().find(name), std::string::npos) << loss_status.to_string();
+    const Status rl_status = rl::forward(comm, x, y, shard, {}, outputs, nullptr, &workspace);
+    EXPECT_NE(rl_status.message().find(name), std::string::npos) << rl_status.to_string();
+    const Status device = workspace.device_status();
+    EXPECT_NE(device.message().find(name), std::string::npos) << device.to_string();
+    EXPECT_EQ(loss, std::vector<float>(kTokens, -1.0f));
+    EXPECT_EQ(log_prob, std::vector<float>(kTokens, -1.0f));
+  }
+  const Status loss_status = forward(comm, x, y, shard, {}, loss_view, lse_view, {}, &workspace);
+  ASSERT_TRUE(loss_status.ok()) << loss_status.to_string();
+  const Status rl_status = rl::forward(comm, x, y, shard, {}, outputs, nullptr, &workspace);
+  ASSERT_TRUE(rl_status.ok()) << rl_status.to_string();
+  EXPECT_TRUE(workspace.device_status().ok());
+  for (int64_t t = 0; t < kTokens; ++t) EXPECT_FLOAT_EQ(log_prob[t], -loss[t]) << t;
 }
 
 // An allocation that fails on one of OpenMP's threads (the fused head's per-thread staging)

@@ -11,9 +11,11 @@ namespace vpce {
 
 // Scratch memory for the forwards (forward(), the fused head's), kept between calls so that the hot path does not
 // allocate once it has grown to the largest size seen. One per rank, used by one call at a time:
-// two calls at once on one Workspace (two threads, or two ranks of one group) race on its
-// buffers (not detected: undefined behaviour, as for any object written by two threads). Any
-// operation and any shape may follow another on it.
+// a call that finds another holding it (two threads, or two ranks of one group, given the same
+// Workspace) leaves its buffers alone and returns kInvalidArgument naming the workspace, on
+// every rank of its group, while the other call runs on (moving or destroying a Workspace a
+// call holds is undefined behaviour, as for any object). Any operation and any shape may
+// follow another on it.
 class Workspace {
  public:
   Workspace();
@@ -26,7 +28,8 @@ class Workspace {
   // Device tensors: errors only the device can see (a target out of range on some rank,
   // ranks that disagree) are asynchronous, as CUDA's own are: forward() returns success,
   // the outputs are NaN, and this call, which waits for the stream of the last forward that
-  // used this workspace, returns the error (the same on every rank). Success on the CPU.
+  // used this workspace, returns the error (the same on every rank). Success on the CPU;
+  // kInvalidArgument while a call holds the workspace.
   Status device_status();
 
   struct Buffers;  // opaque

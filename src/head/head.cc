@@ -79,6 +79,9 @@ Status linear_cross_entropy_forward(Communicator& comm, const HeadInputs& inputs
   const int64_t n = local.ok() ? a.tokens() : detail::announced_tokens(targets);
   const int64_t width = stats_width(extras);
   const detail::SweepContext ctx = sweep_context(shard, options);
+  detail::WorkspaceLease lease(workspace);
+  if (local.ok()) local = lease.status();
+  Workspace::Buffers* buffers = lease.buffers();
   std::optional<detail::Fp32Operands> ops;
   if (local.ok()) {
     try {
@@ -87,8 +90,6 @@ Status linear_cross_entropy_forward(Communicator& comm, const HeadInputs& inputs
       local = detail::head_out_of_memory("linear_cross_entropy_forward");
     }
   }
-  Workspace own;
-  Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
   RowMatrix merged;
   Status group = detail::exchange_head_stats(
       comm, *buffers, exchange_call(a, n, width, shard, inputs, options, extras.weights != nullptr, false), local, a,
@@ -122,8 +123,9 @@ Status linear_cross_entropy_backward(const HeadInputs& inputs, const TensorView&
   HeadGradientArgs g;
   if (Status s = detail::check_head_gradients(gradients, a, regions, &g); !s.ok()) return s;
   const detail::SweepContext ctx = sweep_context(shard, options);
-  Workspace own;
-  Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
+  detail::WorkspaceLease lease(workspace);
+  if (Status s = lease.status(); !s.ok()) return s;
+  Workspace::Buffers* buffers = lease.buffers();
   try {
     const detail::Fp32Operands ops(a, false, options.num_threads);
     detail::sweep_gradients(
@@ -176,8 +178,9 @@ Status linear_cross_entropy_forward_backward(Communicator& comm, const HeadInput
   const detail::SweepContext ctx = sweep_context(shard, options);
   // Everything is allocated before the first gather, so that no later step can fail alone.
   std::optional<detail::Fp32Operands> ops;
-  Workspace own;
-  Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
+  detail::WorkspaceLease lease(workspace);
+  if (local.ok()) local = lease.status();
+  Workspace::Buffers* buffers = lease.buffers();
   float* logits = nullptr;
   std::vector<float> all_stats;
   detail::ChunkedSums sums;

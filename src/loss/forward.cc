@@ -52,8 +52,9 @@ Status device_forward(Communicator& comm, const LossInputs& in, const detail::Lo
     if (!local.ok()) break;
     if (view != nullptr) local = detail::check_device_pointer(*view, name);
   }
-  Workspace own;  // only when the caller gave none: that is this rank's error, but it still joins
-  Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
+  detail::WorkspaceLease lease(workspace);  // (none given: this rank's error, but it still joins)
+  if (local.ok()) local = lease.status();
+  Workspace::Buffers* buffers = lease.buffers();
   detail::RankHeader header = detail::make_header(comm.rank(), comm.size(), n, width, shard, dtype, options,
                                                   extras.weights != nullptr, 0, loss_operation(), local);
   detail::set_device_found_message(header, shard, options);
@@ -97,8 +98,9 @@ Status forward(Communicator& comm, const TensorView& logits, const TensorView& t
                           {&logits, &targets, extras.weights, &loss, &lse, extras.target_is_argmax, extras.entropy});
   }
 
-  Workspace own;
-  Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
+  detail::WorkspaceLease lease(workspace);
+  if (local.ok()) local = lease.status();
+  Workspace::Buffers* buffers = lease.buffers();
   detail::ExchangeCall call;
   call.tokens = n;
   call.width = width;

@@ -180,6 +180,9 @@ Status linear_forward(Communicator& comm, const HeadInputs& inputs, const Tensor
   if (local.ok()) local = detail::check_outputs(outputs, a.tokens(), Device{}, input_regions(a, t), &out);
   const int64_t n = local.ok() ? a.tokens() : engine::announced_tokens(targets);
   const engine::SweepContext ctx{shard.vocab_begin, detail::policy_params(options, shard, t), options.num_threads};
+  engine::WorkspaceLease lease(workspace);
+  if (local.ok()) local = lease.status();
+  Workspace::Buffers* buffers = lease.buffers();
   std::optional<engine::Fp32Operands> ops;
   if (local.ok()) {
     try {
@@ -188,8 +191,6 @@ Status linear_forward(Communicator& comm, const HeadInputs& inputs, const Tensor
       local = engine::head_out_of_memory("rl::linear_forward");
     }
   }
-  Workspace own;
-  Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
   const engine::ExchangeCall call = detail::policy_exchange_call(
       n, shard, inputs.hidden.dtype, options, outputs, a.inputs_hash,
       detail::policy_operation(options, temperatures != nullptr, "fused head, recompute (linear_forward)",
@@ -222,8 +223,9 @@ Status linear_backward(const HeadInputs& inputs, const TensorView& targets, cons
   engine::SweepContext ctx{shard.vocab_begin, detail::policy_params(options, shard, t), options.num_threads};
   ctx.params.entropy_gradient = engine::present(up.grad_entropy);
   const engine::TileGradient gradient = policy_tile_gradient(a, ctx, up);
-  Workspace own;
-  Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
+  engine::WorkspaceLease lease(workspace);
+  if (Status s = lease.status(); !s.ok()) return s;
+  Workspace::Buffers* buffers = lease.buffers();
   try {
     const engine::Fp32Operands ops(a, false, options.num_threads);
     engine::sweep_gradients(a, ops, ctx, gradient, g, buffers->head_tiles);
@@ -271,8 +273,9 @@ Status linear_forward_backward(Communicator& comm, const HeadInputs& inputs, con
   // Everything is allocated before the first gather, so that no later step can fail alone;
   // the gradients take each token's lse and E_p[z] in float64 whatever the outputs' dtype.
   std::optional<engine::Fp32Operands> ops;
-  Workspace own;
-  Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
+  engine::WorkspaceLease lease(workspace);
+  if (local.ok()) local = lease.status();
+  Workspace::Buffers* buffers = lease.buffers();
   float* logits = nullptr;
   engine::ChunkedSums sums;
   std::vector<double> kept;

@@ -61,8 +61,9 @@ Status device_forward(Communicator& comm, const LossInputs& in, const detail::Po
                                            {outputs.mean_logit, "mean_logit"},
                                            {outputs.sum_p_squared, "sum_p_squared"}});
   }
-  Workspace own;  // only when the caller gave none: that is this rank's error, but it still joins
-  Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
+  engine::WorkspaceLease lease(workspace);  // (none given: this rank's error, but it still joins)
+  if (local.ok()) local = lease.status();
+  Workspace::Buffers* buffers = lease.buffers();
   const LossOptions loss = detail::loss_options(options);
   const int64_t width = detail::stats_width(outputs);
   engine::RankHeader header =
@@ -101,8 +102,9 @@ Status forward(Communicator& comm, const TensorView& logits, const TensorView& t
                           local);
   }
 
-  Workspace own;
-  Workspace::Buffers* buffers = WorkspaceAccess::buffers(workspace != nullptr ? *workspace : own);
+  engine::WorkspaceLease lease(workspace);
+  if (local.ok()) local = lease.status();
+  Workspace::Buffers* buffers = lease.buffers();
   const engine::ExchangeCall call =
       detail::policy_exchange_call(n, shard, logits.dtype, options, outputs, in.inputs_hash,
                                    detail::policy_operation(options, temperatures != nullptr, "forward"));

@@ -154,8 +154,9 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
              "workspace: expected a Workspace for device tensors (it holds the device buffers and the asynchronous "
              "error), got null"};
   }
-  Workspace own;  // only when the caller gave none: that is this rank's error, but it still joins
-  Workspace::Buffers* buffers = WorkspaceAccess::buffers(f.workspace != nullptr ? *f.workspace : own);
+  WorkspaceLease lease(f.workspace);  // (none given: this rank's error, but it still joins)
+  if (local.ok()) local = lease.status();
+  Workspace::Buffers* buffers = lease.buffers();
   CurrentDevice current(f.device);
   if (Status s = current.status(); !s.ok()) return local.ok() ? s : local;
   Call c = make_call(a, tiles, *f.shard, options, width);
@@ -163,7 +164,7 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
   PanelGradients pg;
   // Everything is allocated before the first gather, so that no later step fails alone.
   if (local.ok()) local = begin(&buffers->device_head, f.device, stream, &c.b);
-  std::optional<CallScope> head_call;  // (declared after `own`: it marks the end before own's buffers go)
+  std::optional<CallScope> head_call;  // (declared after the lease: it marks the end before the lease's buffers go)
   if (local.ok()) head_call.emplace(c.b->order, stream);
   if (local.ok()) local = prepare_forward(c, g, chunk, &pg);
   // The RL outputs' chunked mode keeps every token's lse and E_p[z] in fp64 for the gradients.
@@ -310,15 +311,16 @@ Status recompute_backward(const HeadArgs& a, const HeadOptions& head, const Voca
                           const TokenVector& lse, const TokenVector& grad_loss, const PolicyBackwardInputs* policy,
                           Device d, Workspace* workspace) {
   if (!g.hidden.present() && !g.weight.present() && !g.bias.present()) return {};
-  std::shared_ptr<void> own;
-  std::shared_ptr<void>* state = workspace != nullptr ? &WorkspaceAccess::buffers(*workspace)->device_head : &own;
+  WorkspaceLease lease(workspace);
+  if (Status s = lease.status(); !s.ok()) return s;
+  std::shared_ptr<void>* state = &lease.buffers()->device_head;
   CurrentDevice current(d.id);
   if (Status s = current.status(); !s.ok()) return s;
   const Tiles tiles = gpu_tiles(head, a.tokens(), a.vocab_rows(), a.vocab_rows(), false);
   Call c = make_call(a, tiles, shard, options, kStatsWidth);
   c.params = params;
   if (Status s = begin(state, d.id, c.stream, &c.b); !s.ok()) return s;
-  const CallScope call(c.b->order, c.stream);  // (after `own`: marks the end before own's buffers go)
+  const CallScope call(c.b->order, c.stream);  // (after the lease: marks the end before its buffers go)
   return run_backward(c, g, lse, grad_loss, policy);
 }
 
