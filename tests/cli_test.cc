@@ -252,8 +252,17 @@ TEST_F(Cli, OutOfRangeIntegersNameTheFlagTheRangeAndTheValue) {
                      out);
   expect_usage_error(run_cli("run " + inputs() + " --valid-vocab-size 1.5" + tail, dir_),
                      "--valid-vocab-size: expected an integer in [0, 9223372036854775807], got 1.5", out);
-  expect_usage_error(run_cli("run " + inputs() + " --vocab-splits 10,-1,28" + tail, dir_), "--vocab-splits: expected",
+  expect_usage_error(run_cli("run " + inputs() + " --vocab-splits 10,-1,28" + tail, dir_),
+                     "--vocab-splits: expected integers in [0, 9223372036854775807] separated by commas, got "
+                     "10,-1,28 (field 2: -1)",
                      out);
+  // An empty field is refused, not dropped (",10,27" summed to V = 37 and ran on 2 ranks).
+  expect_usage_error(run_cli("run " + inputs() + " --vocab-splits ,10,27" + tail, dir_),
+                     "got ,10,27 (field 1 is empty)", out);
+  expect_usage_error(run_cli("run " + inputs() + " --vocab-splits 10,,27" + tail, dir_),
+                     "got 10,,27 (field 2 is empty)", out);
+  expect_usage_error(run_cli("run " + inputs() + " --vocab-splits 10,27," + tail, dir_),
+                     "got 10,27, (field 3 is empty)", out);
   expect_usage_error(run_cli("gen --seed -1" + tail, dir_), "--seed: expected an integer in [0, 2^64 - 1], got -1",
                      out);
   expect_usage_error(run_cli("gen --tokens 99999999999999999999" + tail, dir_),

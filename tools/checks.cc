@@ -34,6 +34,48 @@ CLI::Validator integer_in(int64_t min, int64_t max) {
       "INT in [" + std::to_string(min) + ", " + std::to_string(max) + "]");
 }
 
+namespace {
+
+std::vector<std::string> comma_fields(const std::string& text) {
+  std::vector<std::string> fields(1);
+  for (char c : text) {
+    if (c == ',') {
+      fields.emplace_back();
+    } else {
+      fields.back() += c;
+    }
+  }
+  return fields;
+}
+
+}  // namespace
+
+CLI::Validator integer_list_in(int64_t min, int64_t max) {
+  const std::string range = "integers in [" + std::to_string(min) + ", " + std::to_string(max) + "]";
+  return CLI::Validator(
+      [min, max, range](std::string& text) -> std::string {
+        const std::vector<std::string> fields = comma_fields(text);
+        for (std::size_t i = 0; i < fields.size(); ++i) {
+          int64_t value = 0;
+          if (parse_integer(fields[i], &value) && value >= min && value <= max) continue;
+          return "expected " + range + " separated by commas, got " + text + " (field " + std::to_string(i + 1) +
+                 (fields[i].empty() ? " is empty)" : ": " + fields[i] + ")");
+        }
+        return {};
+      },
+      "INT,INT,...");
+}
+
+std::vector<int64_t> integer_list(const std::string& text) {
+  std::vector<int64_t> values;
+  for (const std::string& field : comma_fields(text)) {
+    int64_t value = 0;
+    parse_integer(field, &value);
+    values.push_back(value);
+  }
+  return values;
+}
+
 CLI::Validator unsigned_integer() {
   return CLI::Validator(
       [](std::string& text) -> std::string {

@@ -9,6 +9,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "vpce/status.h"
 
@@ -20,6 +21,10 @@ constexpr int kMaxRanks = 1024;
 // An integer in [min, max], written in decimal; anything else (text, a fraction, a value
 // out of range, which CLI11 would clamp) is refused with the range and the value.
 CLI::Validator integer_in(int64_t min, int64_t max);
+// Integers in [min, max] separated by commas, every field one (CLI11's own splitting drops an
+// empty field: ",5,5" would be read as "5,5"); integer_list() reads them once checked.
+CLI::Validator integer_list_in(int64_t min, int64_t max);
+std::vector<int64_t> integer_list(const std::string& text);
 // A 64-bit unsigned integer (a seed).
 CLI::Validator unsigned_integer();
 // A finite number > 0.

@@ -38,9 +38,11 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--targets", run.targets_path, "int32 or int64 .npy with the leading shape")->required();
   CLI::Option* tp = run_cmd->add_option("--tp", run.ranks, "number of ranks R, even split (default 1)")
                         ->check(integer_in(1, vpce::tools::kMaxRanks));
-  run_cmd->add_option("--vocab-splits", run.vocab_splits, "shard sizes a,b,... summing to V (uneven split)")
-      ->delimiter(',')
-      ->check(integer_in(0, kInt64Max))
+  run_cmd
+      ->add_option_function<std::string>(
+          "--vocab-splits", [&run](const std::string& text) { run.vocab_splits = vpce::tools::integer_list(text); },
+          "shard sizes a,b,... summing to V (uneven split)")
+      ->check(vpce::tools::integer_list_in(0, kInt64Max))
       ->excludes(tp);
   run_cmd->add_option("--label-smoothing", run.loss.label_smoothing, "label smoothing in [0, 1) (default 0)")
       ->check(float32_number());
