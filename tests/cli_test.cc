@@ -346,7 +346,13 @@ TEST_F(Cli, PerfHeadPrintsItsTableWithNothingWrong) {
   }
   EXPECT_EQ(rows, 24) << c.out;
   expect_usage_error(run_cli("perf --head --mode both2", dir_), "--mode", dir_);
-  expect_usage_error(run_cli("perf --head -H 0", dir_), "--hidden: expected an integer in [1, 65536], got 0", dir_);
+  expect_usage_error(run_cli("perf --head -H 0", dir_),
+                     "--hidden: expected integers in [1, 65536] separated by commas, got 0 (field 1: 0)", dir_);
+  expect_usage_error(run_cli("perf --head -H 24,", dir_), "got 24, (field 2 is empty)", dir_);
+  expect_usage_error(run_cli("perf -V 1000,,2000", dir_),
+                     "--vocab: expected integers in [1, 16777216] separated by "
+                     "commas, got 1000,,2000 (field 2 is empty)",
+                     dir_);
 }
 #else
 TEST_F(Cli, PerfHeadSaysThisBuildHasNoHead) {

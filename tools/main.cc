@@ -100,9 +100,11 @@ int main(int argc, char** argv) {
   perf_cmd->add_option("-e,--max-tokens", perf.max_tokens, "largest number of tokens (default 4096)")
       ->check(integer_in(1, int64_t{1} << 24));
   perf_cmd->add_option("-f,--factor", perf.factor, "multiply the tokens by this between rows (default 2)");
-  perf_cmd->add_option("-V,--vocab", perf.vocab, "global vocabulary sizes, comma-separated (default 32000)")
-      ->delimiter(',')
-      ->check(integer_in(1, int64_t{1} << 24));
+  perf_cmd
+      ->add_option_function<std::string>(
+          "-V,--vocab", [&perf](const std::string& text) { perf.vocab = vpce::tools::integer_list(text); },
+          "global vocabulary sizes, comma-separated (default 32000)")
+      ->check(vpce::tools::integer_list_in(1, int64_t{1} << 24));
   perf_cmd->add_option("-t,--ranks", perf.ranks, "in-process ranks R (default 1)")->check(integer_in(1, 256));
   perf_cmd->add_option("-d,--dtype", perf.dtype, "fp32, bf16, fp16 or all (default fp32)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16", "all"}));
@@ -118,9 +120,11 @@ int main(int argc, char** argv) {
       ->check(float32_number());
   perf_cmd->add_flag("--head", perf.head,
                      "the fused head (linear + cross-entropy): time vs the unfused step's three GEMMs, peak memory");
-  perf_cmd->add_option("-H,--hidden", perf.hidden, "--head: hidden sizes H, comma-separated (default 1024)")
-      ->delimiter(',')
-      ->check(integer_in(1, int64_t{1} << 16));
+  perf_cmd
+      ->add_option_function<std::string>(
+          "-H,--hidden", [&perf](const std::string& text) { perf.hidden = vpce::tools::integer_list(text); },
+          "--head: hidden sizes H, comma-separated (default 1024)")
+      ->check(vpce::tools::integer_list_in(1, int64_t{1} << 16));
   perf_cmd->add_option("--mode", perf.head_mode, "--head: recompute, chunked or both (default both)")
       ->check(CLI::IsMember({"recompute", "chunked", "both"}));
   perf_cmd->add_option("--token-block", perf.token_block, "--head: tokens per tile (default 0: the library's)")
