@@ -12,10 +12,9 @@ Workspace::Workspace(Workspace&&) noexcept = default;
 Workspace& Workspace::operator=(Workspace&&) noexcept = default;
 
 Status Workspace::device_status() {
-  if (!buffers_) return {};
   detail::WorkspaceLease lease(this);
   if (!lease.status().ok()) return lease.status();
-  return detail::device_status(buffers_->device.get());
+  return detail::device_status(lease.buffers()->device.get());
 }
 
 std::size_t Workspace::capacity() const {

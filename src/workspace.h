@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstddef>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -52,8 +53,11 @@ struct Workspace::Buffers {
 };
 
 struct WorkspaceAccess {
-  // (A moved-from workspace has none: it gets new ones, as a new workspace would.)
+  // (A moved-from workspace has none: it gets new ones, as a new workspace would, under one
+  // lock, so that two calls that both find none make one set, and the lease then refuses one.)
   static Workspace::Buffers* buffers(Workspace& w) {
+    static std::mutex creating;
+    const std::lock_guard<std::mutex> lock(creating);
     if (!w.buffers_) w.buffers_ = std::make_unique<Workspace::Buffers>();
     return w.buffers_.get();
   }
@@ -61,11 +65,13 @@ struct WorkspaceAccess {
 
 namespace detail {
 
-// One call's hold on a Workspace, for the call's duration: the workspace's buffers, or, where
-// the caller gave none or another call holds them (one call at a time on a Workspace: two
-// threads, or two ranks of one group, given the same one), buffers of the lease's own. In the
-// second case status() is the error; a call with a collective reports it through the
-// collective, so that every rank returns it and none waits (the other call runs on).
+// One call's hold on a Workspace, for the host call's duration: the workspace's buffers, or,
+// where the caller gave none or another call holds them (one call at a time on a Workspace:
+// two threads, or two ranks of one group, given the same one), buffers of the lease's own. In
+// the second case status() is the error; a call with a collective reports it through the
+// collective, so that every rank of its group returns it and none waits (a call of another
+// group holding the workspace runs on). Device calls are not covered: their work outlives the
+// host call (vpce/workspace.h).
 class WorkspaceLease {
  public:
   explicit WorkspaceLease(Workspace* workspace) {

@@ -63,7 +63,7 @@ CLI::Validator integer_list_in(int64_t min, int64_t max) {
         }
         return {};
       },
-      "INT,INT,...");
+      "INT,INT,... in [" + std::to_string(min) + ", " + std::to_string(max) + "]");
 }
 
 std::vector<int64_t> integer_list(const std::string& text) {

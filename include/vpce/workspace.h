@@ -11,11 +11,14 @@ namespace vpce {
 
 // Scratch memory for the forwards (forward(), the fused head's), kept between calls so that the hot path does not
 // allocate once it has grown to the largest size seen. One per rank, used by one call at a time:
-// a call that finds another holding it (two threads, or two ranks of one group, given the same
-// Workspace) leaves its buffers alone and returns kInvalidArgument naming the workspace, on
-// every rank of its group, while the other call runs on (moving or destroying a Workspace a
-// call holds is undefined behaviour, as for any object). Any operation and any shape may
-// follow another on it.
+// a call on host tensors that finds another holding it (two threads, or two ranks of one
+// group, given the same Workspace) leaves its buffers alone and is refused with
+// kInvalidArgument naming the workspace (the group's other ranks return it as kRemoteError, and
+// none waits); a call of another group holding it runs on. Device calls are not covered: their
+// work outlives the host call, so ranks of one group given one Workspace may not overlap on the
+// host, and the second's buffers are the first's (give each rank its own; they may hang).
+// Moving or destroying a Workspace a call holds is undefined behaviour, as for any object. Any
+// operation and any shape may follow another on it.
 class Workspace {
  public:
   Workspace();

@@ -52,7 +52,7 @@ Status device_forward(Communicator& comm, const LossInputs& in, const detail::Lo
     if (!local.ok()) break;
     if (view != nullptr) local = detail::check_device_pointer(*view, name);
   }
-  detail::WorkspaceLease lease(workspace);  // (none given: this rank's error, but it still joins)
+  detail::WorkspaceLease lease(workspace);  // (none given, or held: this rank's error, but it still joins)
   if (local.ok()) local = lease.status();
   Workspace::Buffers* buffers = lease.buffers();
   detail::RankHeader header = detail::make_header(comm.rank(), comm.size(), n, width, shard, dtype, options,

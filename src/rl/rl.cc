@@ -61,7 +61,7 @@ Status device_forward(Communicator& comm, const LossInputs& in, const detail::Po
                                            {outputs.mean_logit, "mean_logit"},
                                            {outputs.sum_p_squared, "sum_p_squared"}});
   }
-  engine::WorkspaceLease lease(workspace);  // (none given: this rank's error, but it still joins)
+  engine::WorkspaceLease lease(workspace);  // (none given, or held: this rank's error, but it still joins)
   if (local.ok()) local = lease.status();
   Workspace::Buffers* buffers = lease.buffers();
   const LossOptions loss = detail::loss_options(options);

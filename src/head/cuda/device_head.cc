@@ -154,7 +154,7 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
              "workspace: expected a Workspace for device tensors (it holds the device buffers and the asynchronous "
              "error), got null"};
   }
-  WorkspaceLease lease(f.workspace);  // (none given: this rank's error, but it still joins)
+  WorkspaceLease lease(f.workspace);  // (none given, or held: this rank's error; it still joins)
   if (local.ok()) local = lease.status();
   Workspace::Buffers* buffers = lease.buffers();
   CurrentDevice current(f.device);
@@ -305,7 +305,8 @@ Status run_forward(const ForwardCall& f, Status local, const HeadArgs& a, const 
 }
 
 // The recompute backward of validated arguments on device d: the buffers (the workspace's,
-// or this call's, which then waits for its stream before it returns them), then run_backward.
+// refused while another call holds it, or, where none is given, this call's, which then waits
+// for its stream before it returns them), then run_backward.
 Status recompute_backward(const HeadArgs& a, const HeadOptions& head, const VocabShard& shard,
                           const LossOptions& options, const LossParams& params, const HeadGradientArgs& g,
                           const TokenVector& lse, const TokenVector& grad_loss, const PolicyBackwardInputs* policy,
