@@ -133,8 +133,9 @@ def mapping_of(address):
 def test_new_gradients_are_mappings_of_their_own_reused_once_freed_and_bounded():
     # A training loop's out-of-place gradient, once per step: a mapping of its own on 2 MiB
     # boundaries, never in glibc's heap (where a new 6 MiB buffer per step left resident holes
-    # and huge-page advice once glibc's mmap threshold had risen after the first free); a
-    # freed one is the next one of its size (resident pages, no faults); one alive is never
+    # and huge-page advice once glibc's mmap threshold had risen after the first free); the
+    # one freed last is the next one of its size (resident pages, no faults; earlier tests may
+    # have left others of that size, 512 x 4096 bf16 gradients among them); one alive is never
     # handed out twice; at most 64 MiB kept; one of 32 MiB or more unmapped when freed.
     logits = torch.zeros(256, 4096)  # 4 MiB
     first = None
