@@ -192,7 +192,7 @@ TEST(Workspace, GivenToTwoRanksAtOnceIsRefusedOnEveryRankAndNoneWaits) {
 
 // While a call holds a Workspace, another entry refuses it by name (the loss's and the RL
 // outputs' forwards, device_status), writes nothing, and takes it again once the call ends.
-TEST(Workspace, HeldByACallIsRefusedByEveryEntryUntilItEnds) {
+TEST(Workspace, HeldByACallIsRefusedToAnotherCallUntilItEnds) {
   constexpr int64_t kTokens = 4, kVocab = 32;
   Problem problem = random_problem(kTokens, kVocab, kFloat32, 7);
   const VocabShard shard{0, kVocab, kVocab};
