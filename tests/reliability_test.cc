@@ -113,16 +113,28 @@ TEST(Endurance, OneGroupThousandsOfCalls) {
   EXPECT_EQ(first_loss[0], first_loss[1]);
 }
 
+// One rank over the whole vocabulary: fp32 logits x, int64 targets y, and its group.
+struct OneRank {
+  OneRank(int64_t tokens, int64_t vocab, uint64_t seed)
+      : problem(random_problem(tokens, vocab, kFloat32, seed)),
+        shard{0, vocab, vocab},
+        x(problem.shard_view(shard)),
+        y(TensorView::contiguous(problem.targets.data(), kInt64, {tokens})) {
+    EXPECT_TRUE(ThreadGroup::create(1, &group).ok());
+  }
+  Problem problem;
+  VocabShard shard;
+  TensorView x, y;
+  std::unique_ptr<ThreadGroup> group;
+};
+
 // A moved-from workspace is empty and serves as a new one (it crashed the forward), and the
 // one it moved into keeps working: both give the loss a fresh workspace gives.
 TEST(Workspace, MovedFromAndMovedIntoBothWork) {
-  constexpr int64_t kTokens = 6, kVocab = 40;
-  Problem problem = random_problem(kTokens, kVocab, kFloat32, 5);
-  const VocabShard shard{0, kVocab, kVocab};
-  const TensorView x = problem.shard_view(shard);
-  const TensorView y = TensorView::contiguous(problem.targets.data(), kInt64, {kTokens});
-  std::unique_ptr<ThreadGroup> group;
-  ASSERT_TRUE(ThreadGroup::create(1, &group).ok());
+  constexpr int64_t kTokens = 6;
+  OneRank one(kTokens, 40, 5);
+  ASSERT_NE(one.group, nullptr);
+  const auto& [problem, shard, x, y, group] = one;
   auto loss_with = [&](Workspace* workspace) {
     std::vector<float> loss(kTokens, -1.0f), lse(kTokens);
     const Status s =
@@ -193,13 +205,10 @@ TEST(Workspace, GivenToTwoRanksAtOnceIsRefusedOnEveryRankAndNoneWaits) {
 // While a call holds a Workspace, another entry refuses it by name (the loss's and the RL
 // outputs' forwards, device_status), writes nothing, and takes it again once the call ends.
 TEST(Workspace, HeldByACallIsRefusedToAnotherCallUntilItEnds) {
-  constexpr int64_t kTokens = 4, kVocab = 32;
-  Problem problem = random_problem(kTokens, kVocab, kFloat32, 7);
-  const VocabShard shard{0, kVocab, kVocab};
-  const TensorView x = problem.shard_view(shard);
-  const TensorView y = TensorView::contiguous(problem.targets.data(), kInt64, {kTokens});
-  std::unique_ptr<ThreadGroup> group;
-  ASSERT_TRUE(ThreadGroup::create(1, &group).ok());
+  constexpr int64_t kTokens = 4;
+  OneRank one(kTokens, 32, 7);
+  ASSERT_NE(one.group, nullptr);
+  const auto& [problem, shard, x, y, group] = one;
   Communicator& comm = group->communicator(0);
   std::vector<float> loss(kTokens, -1.0f), lse(kTokens), log_prob(kTokens, -1.0f);
   std::vector<double> lse64(kTokens);
